@@ -1,0 +1,33 @@
+"""lightning-antichain: automatic pipeline parallelism for PyTorch Lightning.
+
+Profile a model (:func:`profile`), cut it into balanced stages over its antichain DAG
+(:func:`partition`), and inspect the resulting :class:`Plan`.
+"""
+
+from .antichain import StateSpace, build_state_space, enumerate_down_sets
+from .graph import CostGraphError, load_cost_graph, save_cost_graph
+from .partition import CostModel, DeviceSpec, InfeasiblePlanError, partition
+from .plan import Plan, Stage
+from .profiler import profile
+from .trace import OpGraph, UntraceableModelError, trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CostGraphError",
+    "CostModel",
+    "DeviceSpec",
+    "InfeasiblePlanError",
+    "OpGraph",
+    "Plan",
+    "Stage",
+    "StateSpace",
+    "UntraceableModelError",
+    "build_state_space",
+    "enumerate_down_sets",
+    "load_cost_graph",
+    "partition",
+    "profile",
+    "save_cost_graph",
+    "trace",
+]

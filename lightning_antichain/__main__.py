@@ -1,0 +1,5 @@
+"""``python -m lightning_antichain`` is the ``lightning-antichain`` command."""
+
+from .cli import main
+
+raise SystemExit(main())

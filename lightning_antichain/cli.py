@@ -1,0 +1,145 @@
+"""``lightning-antichain``: plan a model's pipeline from the command line.
+
+    lightning-antichain plan torchvision.models.resnet50 --model-kwargs '{"num_classes": 10}' \\
+        --stages 4 --input-shape 3,32,32 --batch-size 32 --chunks 4 --json
+
+Progress and the table go to stderr and stdout respectively; with ``--json`` stdout holds exactly
+one JSON object, so the output can be piped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .graph import load_cost_graph, save_cost_graph
+from .partition import METHODS, InfeasiblePlanError, partition
+from .trace import UntraceableModelError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (InfeasiblePlanError, UntraceableModelError, ValueError, ImportError) as exc:
+        print(f"lightning-antichain: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-antichain", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(required=True, dest="command")
+    plan = commands.add_parser("plan", help="profile a model and cut it into pipeline stages")
+    plan.add_argument(
+        "model", help="import path of a callable returning an nn.Module, e.g. torchvision.models.resnet50"
+    )
+    plan.add_argument("--stages", type=int, required=True, help="number of pipeline stages (devices)")
+    plan.add_argument("--input-shape", type=_shape, help="shape of one sample, e.g. 3,32,32")
+    plan.add_argument("--batch-size", type=int, default=32, help="samples per training step")
+    plan.add_argument("--chunks", type=int, default=1, help="micro-batches per step (default 1)")
+    plan.add_argument("--device", default="cpu", help="device to profile on: cpu or cuda:N")
+    plan.add_argument("--bandwidth", type=float, help="link between stages in GB/s (default: free transfers)")
+    plan.add_argument("--memory", type=float, help="memory per device in GB (default: unlimited)")
+    plan.add_argument(
+        "--optimizer-multiplier", type=float, default=2.0, help="optimizer state per parameter byte"
+    )
+    plan.add_argument("--model-kwargs", type=json.loads, default={}, help="JSON keyword arguments for MODEL")
+    plan.add_argument(
+        "--method", choices=METHODS, default="antichain", help="planner (baselines for comparison)"
+    )
+    plan.add_argument(
+        "--fallback",
+        choices=["children", "none"],
+        default="children",
+        help="what to do when torch.fx cannot trace the model",
+    )
+    plan.add_argument("--load-profile", help="plan from a saved cost graph instead of profiling")
+    plan.add_argument("--save-profile", help="save the cost graph as JSON for later --load-profile")
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    plan.add_argument("--output", help="save the plan as JSON to this file")
+    plan.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    plan.set_defaults(run=_plan)
+    return parser
+
+
+def _stage_devices(device: str, stages: int) -> list[str]:
+    """One device per stage of the kind profiled: cuda:0..K-1 for GPUs, the same CPU otherwise."""
+    kind = device.split(":")[0]
+    return [f"{kind}:{k}" for k in range(stages)] if kind == "cuda" else [device] * stages
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 3,32,32, got {text!r}"
+        ) from None
+    if not shape or any(d <= 0 for d in shape):
+        raise argparse.ArgumentTypeError(f"dimensions must be positive, got {text!r}")
+    return shape
+
+
+def load_model_factory(path: str) -> Callable[..., Any]:
+    """The callable named by ``package.module.attr`` or ``package.module:attr``."""
+    module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr:
+        raise ImportError(f"MODEL must be an import path like torchvision.models.resnet50, got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"cannot import {module_name!r} for MODEL {path!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ImportError(f"{module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.batch_size < args.chunks:
+        raise ValueError(f"--batch-size {args.batch_size} is smaller than --chunks {args.chunks}")
+    micro_batch = -(-args.batch_size // args.chunks)
+    if args.load_profile:
+        graph = load_cost_graph(args.load_profile)
+    else:
+        from .profiler import profile
+
+        if args.input_shape is None:
+            raise ValueError("--input-shape is required unless --load-profile is given")
+        model = load_model_factory(args.model)(**args.model_kwargs)
+        example = torch.randn(micro_batch, *args.input_shape)
+        graph = profile(
+            model,
+            example,
+            device=args.device,
+            fallback=None if args.fallback == "none" else "children",
+            progress=not args.quiet,
+            name=args.model,
+        )
+    if args.save_profile:
+        save_cost_graph(graph, args.save_profile)
+    plan = partition(
+        graph,
+        args.stages,
+        chunks=args.chunks,
+        method=args.method,
+        devices=_stage_devices(args.device, args.stages),
+        bandwidth_gbps=args.bandwidth,
+        memory_gb=args.memory,
+        optimizer_multiplier=args.optimizer_multiplier,
+    )
+    if args.output:
+        plan.save(args.output)
+    print(plan.to_json() if args.json else plan.table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""The cost graph: a ``networkx.DiGraph`` of operations with what each one costs.
+
+Node attributes (all optional except the graph being acyclic; missing ones default to zero):
+
+==================  ====================================================================
+``forward_s``       forward time of one micro-batch, seconds
+``backward_s``      backward time of one micro-batch, seconds
+``output_bytes``    bytes of the node's output for one micro-batch (what a cut ships)
+``param_bytes``     bytes of the parameters the node owns
+``buffer_bytes``    bytes of the buffers the node owns (BatchNorm statistics, ...)
+``pinned``          ``True`` for model inputs: present before any stage runs
+``order``           position in execution order; ties in every algorithm break on it
+``top_level``       the top-level child the node belongs to (for the block baseline)
+==================  ====================================================================
+
+Graph attributes: ``outputs`` (the nodes the model returns), ``micro_batch_size``, ``device``,
+``granularity``, ``profile_s`` and so on, as the profiler writes them.
+
+A hand-made graph is a valid cost graph too::
+
+    >>> import networkx as nx
+    >>> g = nx.DiGraph([("a", "b"), ("b", "c")])
+    >>> nx.set_node_attributes(g, 1.0, "forward_s")
+    >>> total_compute(normalize_cost_graph(g))
+    3.0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import networkx as nx
+
+GRAPH_FORMAT = "lightning-antichain/cost-graph/1"
+
+NODE_DEFAULTS: dict[str, Any] = {
+    "forward_s": 0.0,
+    "backward_s": 0.0,
+    "output_bytes": 0,
+    "param_bytes": 0,
+    "buffer_bytes": 0,
+    "pinned": False,
+}
+
+
+class CostGraphError(ValueError):
+    """The cost graph cannot be planned (a cycle, negative costs, an unknown format)."""
+
+
+def normalize_cost_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    """A copy of ``graph`` with every default attribute filled in, checked for plannability.
+
+    Nodes without ``order`` get one from a deterministic topological sort; ``top_level`` defaults to
+    the node's name; ``outputs`` defaults to the sinks.
+    """
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = nx.find_cycle(graph)
+        raise CostGraphError(f"the cost graph has a cycle through {cycle}; only DAGs can be pipelined")
+    if graph.number_of_nodes() == 0:
+        raise CostGraphError("the cost graph is empty")
+    out = graph.copy()
+    for name, attrs in out.nodes(data=True):
+        for key, default in NODE_DEFAULTS.items():
+            attrs.setdefault(key, default)
+        attrs.setdefault("top_level", str(name))
+        for key in ("forward_s", "backward_s", "output_bytes", "param_bytes", "buffer_bytes"):
+            if attrs[key] < 0:
+                raise CostGraphError(f"node {name!r} has negative {key} = {attrs[key]}")
+    if any("order" not in attrs for _, attrs in out.nodes(data=True)):
+        for i, name in enumerate(nx.lexicographical_topological_sort(out, key=str)):
+            out.nodes[name]["order"] = i
+    for u, _v, attrs in out.edges(data=True):
+        attrs.setdefault("bytes", out.nodes[u]["output_bytes"])
+    if "outputs" not in out.graph:
+        out.graph["outputs"] = [n for n in ordered_nodes(out) if out.out_degree(n) == 0]
+    return out
+
+
+def ordered_nodes(graph: nx.DiGraph) -> list[Any]:
+    """The nodes in execution order (by their ``order`` attribute)."""
+    return sorted(graph.nodes, key=lambda n: graph.nodes[n]["order"])
+
+
+def node_compute(graph: nx.DiGraph, name: Any) -> float:
+    """Forward plus backward seconds of one node for one micro-batch."""
+    attrs = graph.nodes[name]
+    return float(attrs["forward_s"] + attrs["backward_s"])
+
+
+def total_compute(graph: nx.DiGraph) -> float:
+    """Forward plus backward seconds of the whole model for one micro-batch."""
+    return sum(node_compute(graph, n) for n in graph.nodes)
+
+
+def cost_graph_to_dict(graph: nx.DiGraph) -> dict[str, Any]:
+    """A JSON-ready dict; node names become strings."""
+    graph = normalize_cost_graph(graph)
+    return {
+        "format": GRAPH_FORMAT,
+        "graph": {k: v for k, v in graph.graph.items() if k != "format"},
+        "nodes": [{"name": str(n), **graph.nodes[n]} for n in ordered_nodes(graph)],
+        "edges": [[str(u), str(v), graph.edges[u, v]["bytes"]] for u, v in graph.edges],
+    }
+
+
+def cost_graph_from_dict(data: dict[str, Any]) -> nx.DiGraph:
+    """The inverse of :func:`cost_graph_to_dict`."""
+    if data.get("format") != GRAPH_FORMAT:
+        raise CostGraphError(f"not a cost graph of format {GRAPH_FORMAT!r}: format={data.get('format')!r}")
+    graph = nx.DiGraph()
+    graph.graph.update(data["graph"])
+    graph.graph["format"] = GRAPH_FORMAT
+    for node in data["nodes"]:
+        attrs = dict(node)
+        graph.add_node(attrs.pop("name"), **attrs)
+    for u, v, nbytes in data["edges"]:
+        graph.add_edge(u, v, bytes=nbytes)
+    return normalize_cost_graph(graph)
+
+
+def save_cost_graph(graph: nx.DiGraph, path: str | os.PathLike[str]) -> None:
+    """Write the cost graph as JSON, so planning can be repeated without profiling."""
+    with open(path, "w") as f:
+        json.dump(cost_graph_to_dict(graph), f, indent=1)
+
+
+def load_cost_graph(path: str | os.PathLike[str]) -> nx.DiGraph:
+    """Read a cost graph written by :func:`save_cost_graph`."""
+    with open(path) as f:
+        return cost_graph_from_dict(json.load(f))

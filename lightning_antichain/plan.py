@@ -1,0 +1,210 @@
+"""The Plan: which operations run on which device, and what that is predicted to cost.
+
+A plan is data. It is printed as a table for people, saved as JSON for the runtime and for reuse,
+and loaded back unchanged. Times are per micro-batch unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PLAN_FORMAT = "lightning-antichain/plan/1"
+
+
+@dataclass
+class Stage:
+    """One pipeline stage: a convex set of operations on one device.
+
+    ``compute_s`` is forward plus backward of one micro-batch on this device; ``transfer_s`` ships
+    the stage's input cut in and its output cut out, forward and the gradients back.
+    ``memory_bytes`` counts parameters, their gradients and optimizer state, buffers, and the
+    activations of ``chunks`` micro-batches held for backward.
+    """
+
+    index: int
+    device: str
+    nodes: list[str]
+    forward_s: float
+    backward_s: float
+    transfer_s: float
+    memory_bytes: int
+    param_bytes: int
+    buffer_bytes: int
+    activation_bytes: int
+    input_bytes: int
+    output_bytes: int
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    speed: float = 1.0
+    memory_limit_bytes: int | None = None
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def time_s(self) -> float:
+        """What the stage adds to every pipeline clock tick: compute plus transfer."""
+        return self.compute_s + self.transfer_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "compute_s": self.compute_s, "time_s": self.time_s}
+
+
+@dataclass
+class Plan:
+    """Stages in pipeline order with the predicted cost of a training step.
+
+    ``bottleneck_s`` is the slowest stage's time per micro-batch; ``lower_bound_s`` is
+    ``max(total compute / total device speed, slowest single operation)``, which no split can beat;
+    ``predicted_step_s`` is one step of ``chunks`` micro-batches under the GPipe schedule, fill
+    and drain included. ``compression`` says what the planner simplified to stay fast.
+    """
+
+    stages: list[Stage]
+    method: str
+    chunks: int
+    bottleneck_s: float
+    lower_bound_s: float
+    predicted_step_s: float
+    total_compute_s: float
+    micro_batch_size: int | None = None
+    bandwidth_gbps: float | None = None
+    optimizer_multiplier: float = 2.0
+    num_nodes: int = 0
+    num_states: int = 0
+    solve_s: float = 0.0
+    profile_s: float | None = None
+    compression: list[str] = field(default_factory=list)
+    model: str | None = None
+    granularity: str | None = None
+    profiled_on: str | None = None
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def balance(self) -> float:
+        """``bottleneck_s / lower_bound_s``: 1.0 is a perfect split."""
+        return self.bottleneck_s / self.lower_bound_s if self.lower_bound_s > 0 else 1.0
+
+    @property
+    def balance_counts(self) -> list[int]:
+        """Operations per stage, torchgpipe's ``balance`` list."""
+        return [len(s.nodes) for s in self.stages]
+
+    def stage_of(self) -> dict[str, int]:
+        """Map from node name to stage index."""
+        return {node: stage.index for stage in self.stages for node in stage.nodes}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if k != "stages"}
+        data["stages"] = [s.to_dict() for s in self.stages]
+        data["balance"] = self.balance
+        return {"format": PLAN_FORMAT, **data}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if data.get("format") != PLAN_FORMAT:
+            raise ValueError(f"not a plan of format {PLAN_FORMAT!r}: format={data.get('format')!r}")
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        stage_fields = Stage.__dataclass_fields__
+        fields["stages"] = [
+            Stage(**{k: v for k, v in s.items() if k in stage_fields}) for s in data["stages"]
+        ]
+        return cls(**fields)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, default=_json_number)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def table(self) -> str:
+        """A fixed-width table of the stages, with the plan's totals underneath."""
+        header = ("stage", "device", "ops", "first .. last op", "compute ms", "transfer ms", "memory MB")
+        rows = [
+            (
+                str(s.index),
+                s.device,
+                str(len(s.nodes)),
+                _span(s.nodes),
+                f"{1e3 * s.compute_s:.2f}",
+                f"{1e3 * s.transfer_s:.2f}",
+                f"{s.memory_bytes / 1e6:.1f}",
+            )
+            for s in self.stages
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+        def line(row: tuple[str, ...]) -> str:
+            cells = (c.ljust(w) if i == 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            return "  ".join(cells)
+
+        bandwidth = "unlimited" if self.bandwidth_gbps is None else f"{self.bandwidth_gbps:g} GB/s"
+        lines = [
+            f"plan for {self.model or 'model'}: {self.num_stages} stages, {self.chunks} micro-batches"
+            f" of {self.micro_batch_size}, method {self.method}, bandwidth {bandwidth}",
+            line(header),
+            line(tuple("-" * w for w in widths)),
+            *map(line, rows),
+            f"bottleneck {1e3 * self.bottleneck_s:.2f} ms/micro-batch, "
+            f"lower bound {1e3 * self.lower_bound_s:.2f} ms (x{self.balance:.3f}); "
+            f"predicted step {1e3 * self.predicted_step_s:.1f} ms",
+            f"{self.num_nodes} ops, {self.num_states} states, solved in {self.solve_s:.3f} s"
+            + ("" if self.profile_s is None else f", profiled in {self.profile_s:.1f} s"),
+        ]
+        lines += [f"note: {c}" for c in self.compression]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _span(nodes: list[str]) -> str:
+    if not nodes:
+        return "-"
+    return nodes[0] if len(nodes) == 1 else f"{nodes[0]} .. {nodes[-1]}"
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    return float(value)
+
+
+def gpipe_step_time(forward: list[float], backward: list[float], chunks: int) -> float:
+    """Makespan of one GPipe step: every micro-batch forward through all stages, then backward.
+
+    Stage k handles micro-batch m once it has finished m-1 and stage k-1 has handed m over (a
+    flow shop); backward runs the stages in reverse once the last forward is done.
+
+    >>> gpipe_step_time([1.0, 1.0], [2.0, 2.0], chunks=4)  # (M + K - 1) * (f + b)
+    15.0
+    """
+    k = len(forward)
+    done = [0.0] * k
+    for _ in range(chunks):
+        ready = 0.0
+        for s in range(k):
+            done[s] = max(done[s], ready) + forward[s]
+            ready = done[s]
+    start = done[-1]
+    back = [start] * k
+    for _ in range(chunks):
+        ready = start
+        for s in reversed(range(k)):
+            back[s] = max(back[s], ready) + backward[s]
+            ready = back[s]
+    return back[0]

@@ -1,0 +1,252 @@
+"""Measure what each operation costs on the device it will run on.
+
+For every node of an :class:`~lightning_antichain.trace.OpGraph` the profiler replays the node alone
+on the concrete inputs it received in a real forward pass, and records the median forward time,
+the median backward time, the bytes of its output and of the parameters it owns. Timing is
+synchronised on CUDA. The result is a cost graph (see :mod:`lightning_antichain.graph`) that can be
+saved and planned again without profiling.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import nn
+
+from .graph import GRAPH_FORMAT
+from .trace import OpGraph, RecordedCall, iter_tensors, split_inputs, trace
+
+
+def profile(
+    module: nn.Module,
+    example_inputs: Any,
+    device: str | torch.device = "cpu",
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    op_graph: OpGraph | None = None,
+    fallback: str | None = "children",
+    leaf_modules: Sequence[type | str] = (),
+    progress: bool = True,
+    name: str | None = None,
+) -> nx.DiGraph:
+    """Profile ``module`` on ``device`` and return its cost graph.
+
+    ``example_inputs`` is one micro-batch, following Lightning's ``example_input_array`` convention
+    (a tensor, a tuple of positional arguments, or a dict of keyword arguments); its first dimension
+    is recorded as the micro-batch size the costs refer to. The module is copied to ``device`` for
+    measurement, so the caller's module, its device and its gradients are left untouched.
+    Forward and backward times are medians of ``repeats`` runs after ``warmup`` runs.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    device = torch.device(device)
+    started = time.perf_counter()
+    graph = op_graph or trace(module, example_inputs, fallback=fallback, leaf_modules=leaf_modules)
+    work_module = copy.deepcopy(graph.graph_module if graph.graph_module is not None else module)
+    work_module.to(device).train()
+    replay = _replay_graph(graph, work_module)
+    args, kwargs = split_inputs(_to_device(example_inputs, device))
+    timer = _Timer(device)
+    cost = nx.DiGraph()
+    owned: set[int] = set()
+    reporter = _Progress(len(graph), enabled=progress, label=f"profiling {name or type(module).__name__}")
+    for order, call in enumerate(replay.record_calls(*args, **kwargs)):
+        fwd, bwd = _time_call(call, timer, warmup, repeats)
+        params, buffers = _owned_state(call, owned)
+        node = call.node
+        cost.add_node(
+            node.name,
+            order=order,
+            kind=node.kind,
+            target=node.target,
+            owner=node.owner,
+            top_level=node.top_level,
+            forward_s=fwd,
+            backward_s=bwd,
+            output_bytes=_nbytes(call.output),
+            param_bytes=sum(p.numel() * p.element_size() for _, p in params),
+            buffer_bytes=sum(b.numel() * b.element_size() for _, b in buffers),
+            params=[name for name, _ in params],
+            pinned=node.kind == "placeholder",
+        )
+        for src in node.inputs:
+            cost.add_edge(src, node.name)
+        reporter.step()
+    reporter.close()
+    for u, v in cost.edges:
+        cost.edges[u, v]["bytes"] = cost.nodes[u]["output_bytes"]
+    cost.graph.update(
+        format=GRAPH_FORMAT,
+        model=name or type(module).__name__,
+        device=str(device),
+        device_name=_device_name(device),
+        micro_batch_size=_batch_size(example_inputs),
+        granularity=graph.granularity,
+        note=graph.note,
+        outputs=list(graph.outputs),
+        warmup=warmup,
+        repeats=repeats,
+        profile_s=time.perf_counter() - started,
+    )
+    return cost
+
+
+def _replay_graph(graph: OpGraph, work_module: nn.Module) -> OpGraph:
+    """The same OpGraph, bound to the profiling copy of the module."""
+    if graph.graph_module is not None:
+        return OpGraph(work_module, graph.nodes, graph.outputs, graph.granularity, work_module, graph.note)
+    return OpGraph(work_module, graph.nodes, graph.outputs, graph.granularity, None, graph.note)
+
+
+class _Timer:
+    """Wall-clock seconds of a callable, synchronising the device around it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sync: Callable[[], None] = (
+            (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        )
+
+    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        self.sync()
+        start = time.perf_counter()
+        result = fn()
+        self.sync()
+        return time.perf_counter() - start, result
+
+
+def _time_call(call: RecordedCall, timer: _Timer, warmup: int, repeats: int) -> tuple[float, float]:
+    if call.node.kind in ("placeholder", "get_attr"):
+        return 0.0, 0.0
+    forward_times: list[float] = []
+    backward_times: list[float] = []
+    for i in range(warmup + repeats):
+        args, kwargs, leaves = _fresh_inputs(call)
+        with torch.enable_grad():
+            fwd, output = timer(lambda: call.fn(*args, **kwargs))  # noqa: B023 - called at once
+        outs = [t for t in iter_tensors(output) if t.requires_grad]
+        bwd = 0.0
+        wrt = leaves + _parameters(call)
+        if outs and wrt:
+            grads = [torch.randn_like(t) for t in outs]
+            bwd, _ = timer(
+                lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True)  # noqa: B023
+            )
+        if i >= warmup:
+            forward_times.append(fwd)
+            backward_times.append(bwd)
+    return statistics.median(forward_times), statistics.median(backward_times)
+
+
+def _fresh_inputs(call: RecordedCall) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """Copies of the recorded inputs: leaves for gradients, cloned so in-place ops are safe."""
+    leaves: list[torch.Tensor] = []
+
+    def fresh(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad and value.is_floating_point():
+                leaf = value.detach().requires_grad_(True)
+                leaves.append(leaf)
+                return leaf.clone()
+            return value.detach().clone()
+        if isinstance(value, tuple):
+            return tuple(fresh(v) for v in value)
+        if isinstance(value, list):
+            return [fresh(v) for v in value]
+        if isinstance(value, dict):
+            return {k: fresh(v) for k, v in value.items()}
+        return value
+
+    return fresh(call.args), fresh(call.kwargs), leaves
+
+
+def _parameters(call: RecordedCall) -> list[torch.Tensor]:
+    if call.module is None:
+        return []
+    return [p for p in call.module.parameters() if p.requires_grad]
+
+
+def _owned_state(
+    call: RecordedCall, owned: set[int]
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """Parameters and buffers first used by this node; a tensor shared by nodes counts once."""
+    if call.module is not None:
+        prefix = call.node.target + "."
+        named_params = [(prefix + n, p) for n, p in call.module.named_parameters()]
+        named_buffers = [(prefix + n, b) for n, b in call.module.named_buffers()]
+    elif call.node.kind == "get_attr" and isinstance(call.output, torch.Tensor):
+        target = [(call.node.target, call.output)]
+        is_param = isinstance(call.output, nn.Parameter)
+        named_params, named_buffers = (target, []) if is_param else ([], target)
+    else:
+        return [], []
+    params = [(n, p) for n, p in named_params if id(p) not in owned]
+    buffers = [(n, b) for n, b in named_buffers if id(b) not in owned]
+    owned.update(id(t) for _, t in params + buffers)
+    return params, buffers
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in iter_tensors(value))
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+def _batch_size(example_inputs: Any) -> int | None:
+    first = next(iter_tensors(example_inputs), None)
+    return int(first.shape[0]) if first is not None and first.dim() > 0 else None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+class _Progress:
+    """A progress line on stderr: redrawn in place on a terminal, every 10% otherwise."""
+
+    def __init__(self, total: int, *, enabled: bool, label: str) -> None:
+        self.total, self.enabled, self.label = total, enabled, label
+        self.done = 0
+        self.tty = sys.stderr.isatty()
+        self.started = time.perf_counter()
+        self.last_tenth = -1
+
+    def step(self) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        tenth = 10 * self.done // max(self.total, 1)
+        if self.tty:
+            sys.stderr.write(f"\r{self._line()}")
+        elif tenth != self.last_tenth:
+            sys.stderr.write(self._line() + "\n")
+        self.last_tenth = tenth
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    def _line(self) -> str:
+        elapsed = time.perf_counter() - self.started
+        return f"{self.label}: {self.done}/{self.total} ops, {elapsed:.1f}s"

@@ -1,0 +1,46 @@
+import random
+
+import networkx as nx
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_seed():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_cost_graph(
+    seed: int, max_nodes: int = 12, density: float | None = None, with_input: bool = False
+) -> nx.DiGraph:
+    """A random DAG with random costs; several sources and sinks are common.
+
+    ``with_input`` adds a pinned model input ``x`` feeding a few nodes.
+    """
+    rng = random.Random(seed)
+    n = rng.randint(3, max_nodes)
+    p = density if density is not None else rng.uniform(0.15, 0.5)
+    graph = nx.DiGraph()
+    for v in range(n):
+        graph.add_node(
+            f"n{v}",
+            forward_s=rng.uniform(0.1, 3.0),
+            backward_s=rng.uniform(0.1, 3.0),
+            output_bytes=rng.randint(1, 50) * 1000,
+            param_bytes=rng.randint(0, 20) * 1000,
+            buffer_bytes=rng.randint(0, 3) * 100,
+            order=v,
+        )
+    for u in range(n):
+        for v in range(u + 1, n):
+            if rng.random() < p:
+                graph.add_edge(f"n{u}", f"n{v}")
+    if with_input:
+        graph.add_node("x", pinned=True, output_bytes=rng.randint(1, 50) * 1000, order=-1)
+        for v in rng.sample(range(n), k=min(n, rng.randint(1, 3))):
+            graph.add_edge("x", f"n{v}")
+    return graph

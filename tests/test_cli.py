@@ -1,0 +1,112 @@
+"""The ``lightning-antichain plan`` command, run as a user runs it: a real subprocess."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, check=True):
+    exe = shutil.which("lightning-antichain")
+    command = [exe] if exe else [sys.executable, "-m", "lightning_antichain"]
+    result = subprocess.run(command + list(args), capture_output=True, text=True, timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_issue_command_prints_the_plan_as_json(tmp_path):
+    output = tmp_path / "plan.json"
+    result = run_cli(
+        "plan",
+        "torchvision.models.resnet50",
+        "--model-kwargs",
+        '{"num_classes": 10}',
+        "--stages",
+        "4",
+        "--input-shape",
+        "3,32,32",
+        "--batch-size",
+        "32",
+        "--json",
+        "--output",
+        str(output),
+    )
+    plan = json.loads(result.stdout)
+    assert len(plan["stages"]) == 4
+    for stage in plan["stages"]:
+        assert {"nodes", "compute_s", "transfer_s", "memory_bytes"} <= set(stage)
+    for key in ("bottleneck_s", "lower_bound_s", "solve_s", "profile_s", "num_states"):
+        assert plan[key] > 0
+    assert plan["bottleneck_s"] >= plan["lower_bound_s"]
+    assert json.loads(output.read_text())["stages"] == plan["stages"]
+    assert "profiling" in result.stderr  # progress is shown, on stderr
+
+
+def test_table_and_saved_profile(tmp_path):
+    profile = tmp_path / "cost.json"
+    first = run_cli(
+        "plan",
+        "torchvision.models.squeezenet1_0",
+        "--model-kwargs",
+        '{"num_classes": 10}',
+        "--stages",
+        "2",
+        "--input-shape",
+        "3,32,32",
+        "--batch-size",
+        "8",
+        "--chunks",
+        "2",
+        "--save-profile",
+        str(profile),
+        "--quiet",
+    )
+    assert "stage" in first.stdout and "bottleneck" in first.stdout
+    again = run_cli(
+        "plan", "torchvision.models.squeezenet1_0", "--stages", "3", "--load-profile", str(profile), "--json"
+    )
+    assert len(json.loads(again.stdout)["stages"]) == 3
+    assert again.stderr == ""  # no profiling the second time
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["no.such.module", "--stages", "2", "--input-shape", "3,8,8"], "cannot import"),
+        (["torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,x,8"], "comma-separated"),
+        (
+            [
+                "torchvision.models.resnet18",
+                "--stages",
+                "2",
+                "--input-shape",
+                "3,32,32",
+                "--batch-size",
+                "2",
+                "--chunks",
+                "4",
+            ],
+            "smaller than --chunks",
+        ),
+        (
+            [
+                "torchvision.models.squeezenet1_0",
+                "--stages",
+                "2",
+                "--input-shape",
+                "3,32,32",
+                "--memory",
+                "0.0001",
+                "--quiet",
+            ],
+            "GB",
+        ),
+    ],
+)
+def test_bad_input_gets_a_clear_error(args, message):
+    result = run_cli("plan", *args, check=False)
+    assert result.returncode == 2
+    assert message in result.stderr

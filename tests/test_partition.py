@@ -1,0 +1,167 @@
+"""The dynamic program against exhaustive search, and the properties every plan must have."""
+
+import math
+from functools import cache
+
+import networkx as nx
+import pytest
+from conftest import random_cost_graph
+from test_antichain import brute_force_down_sets
+
+import lightning_antichain as la
+from lightning_antichain.partition import METHODS
+
+
+def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunks=1, opt=2.0):
+    """Best bottleneck over every chain of down-sets and every order of the devices, by search."""
+    pinned = frozenset(v for v in graph.nodes if graph.nodes[v].get("pinned"))
+    free = graph.subgraph(set(graph.nodes) - pinned)
+    down_sets = [d | pinned for d in brute_force_down_sets(free)]
+    full = frozenset(graph.nodes)
+    outputs = {v for v in graph.nodes if graph.out_degree(v) == 0}
+    attr = lambda v, k: graph.nodes[v].get(k, 0)  # noqa: E731
+
+    def cut_bytes(inside):
+        return sum(
+            attr(v, "output_bytes")
+            for v in inside
+            if v in outputs or any(c not in inside for c in graph.successors(v))
+        )
+
+    def stage_time(before, after, device):
+        nodes = after - before - pinned
+        compute = sum(attr(v, "forward_s") + attr(v, "backward_s") for v in nodes) / speeds[device]
+        transfer = 2 * (cut_bytes(before) + cut_bytes(after)) / bandwidth
+        if memory is not None:
+            activations = sum(attr(v, "output_bytes") for v in nodes) + cut_bytes(before)
+            params = sum(attr(v, "param_bytes") for v in nodes)
+            need = params * (2 + opt) + sum(attr(v, "buffer_bytes") for v in nodes) + activations * chunks
+            if need > memory[device]:
+                return math.inf
+        return compute + transfer
+
+    @cache
+    def best(before, devices_left):
+        if not devices_left:
+            return 0.0 if before == full else math.inf
+        result = math.inf
+        for after in down_sets:
+            if before < after:
+                for device in set(devices_left):
+                    rest = list(devices_left)
+                    rest.remove(device)
+                    t = stage_time(before, after, device)
+                    if t < result:
+                        result = min(result, max(t, best(after, tuple(rest))))
+        return result
+
+    return best(pinned, tuple(range(len(speeds))))
+
+
+def assert_valid(plan, graph):
+    stage_of = plan.stage_of()
+    assert sorted(stage_of) == sorted(map(str, graph.nodes)), "every node in exactly one stage"
+    assert sum(len(s.nodes) for s in plan.stages) == graph.number_of_nodes()
+    for u, v in graph.edges:
+        assert stage_of[str(u)] <= stage_of[str(v)], f"edge {u}->{v} runs backwards"
+    assert all(any(not graph.nodes[v].get("pinned") for v in s.nodes) for s in plan.stages)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_dp_matches_exhaustive_search(seed):
+    graph = random_cost_graph(seed, max_nodes=12 if seed % 3 else 9, with_input=seed % 2 == 0)
+    stages = 2 + seed % 3
+    free = [v for v in graph.nodes if not graph.nodes[v].get("pinned")]
+    if len(free) < stages:
+        stages = len(free)
+    bandwidth = [math.inf, 1e4, 1e5][seed % 3]
+    plan = la.partition(graph, stages, bandwidth_gbps=None if math.isinf(bandwidth) else bandwidth / 1e9)
+    expected = brute_force_bottleneck(graph, [1.0] * stages, bandwidth)
+    assert plan.bottleneck_s == pytest.approx(expected, rel=1e-9)
+    assert_valid(plan, graph)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dp_matches_search_with_unequal_devices_and_memory(seed):
+    graph = random_cost_graph(100 + seed, max_nodes=9, with_input=True)
+    free = [v for v in graph.nodes if not graph.nodes[v].get("pinned")]
+    stages = min(3, len(free))
+    speeds = [1.0, 2.5, 1.0][:stages]
+    total = sum(graph.nodes[v]["param_bytes"] * 4 + graph.nodes[v]["output_bytes"] * 2 for v in free)
+    memory = [total * 0.6, total * 0.35, total * 0.6][:stages]
+    expected = brute_force_bottleneck(graph, speeds, 1e5, memory, chunks=2)
+    kwargs = dict(chunks=2, speeds=speeds, memory_gb=[m / 1e9 for m in memory], bandwidth_gbps=1e-4)
+    if math.isinf(expected):
+        with pytest.raises(la.InfeasiblePlanError, match="stage|operation"):
+            la.partition(graph, stages, **kwargs)
+        return
+    plan = la.partition(graph, stages, **kwargs)
+    assert plan.bottleneck_s == pytest.approx(expected, rel=1e-9)
+    assert_valid(plan, graph)
+    for stage in plan.stages:
+        assert stage.memory_bytes <= stage.memory_limit_bytes
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_baselines_are_valid_and_never_better(seed):
+    graph = random_cost_graph(200 + seed, with_input=True)
+    free = [v for v in graph.nodes if not graph.nodes[v].get("pinned")]
+    stages = min(len(free), 2 + seed % 4)
+    ours = la.partition(graph, stages, bandwidth_gbps=1e-4)
+    for method in METHODS[1:]:
+        baseline = la.partition(graph, stages, method=method, bandwidth_gbps=1e-4)
+        assert_valid(baseline, graph)
+        assert ours.bottleneck_s <= baseline.bottleneck_s * (1 + 1e-12)
+
+
+def test_uniform_baseline_splits_counts_evenly():
+    graph = nx.DiGraph([(i, i + 1) for i in range(9)])
+    plan = la.partition(graph, 3, method="uniform")
+    assert plan.balance_counts == [4, 3, 3]
+
+
+def test_optimal_split_prefers_small_cuts_among_equal_bottlenecks():
+    # a -> b -> c with a huge tensor a->b: cutting after b ships only b's small output
+    graph = nx.DiGraph([("a", "b"), ("b", "c")])
+    for v, t, nbytes in [("a", 1.0, 10**9), ("b", 0.1, 10), ("c", 2.0, 10)]:
+        graph.nodes[v].update(forward_s=t, output_bytes=nbytes)
+    plan = la.partition(graph, 2, bandwidth_gbps=1.0)
+    assert [s.nodes for s in plan.stages] == [["a", "b"], ["c"]]
+
+
+def test_lower_bound_and_prediction():
+    graph = nx.DiGraph([(i, i + 1) for i in range(7)])
+    nx.set_node_attributes(graph, 1.0, "forward_s")
+    nx.set_node_attributes(graph, 2.0, "backward_s")
+    plan = la.partition(graph, 4, chunks=8)
+    assert plan.lower_bound_s == pytest.approx(6.0)
+    assert plan.bottleneck_s == pytest.approx(6.0)
+    # GPipe: (M + K - 1) ticks of forward and of backward
+    assert plan.predicted_step_s == pytest.approx((8 + 4 - 1) * 6.0)
+
+
+def test_too_little_memory_names_the_stage():
+    graph = nx.DiGraph([(i, i + 1) for i in range(5)])
+    for v in graph.nodes:
+        graph.nodes[v].update(forward_s=1.0, param_bytes=100e6, output_bytes=1e6)
+    with pytest.raises(la.InfeasiblePlanError, match=r"stage \d .*GB"):
+        la.partition(graph, 2, memory_gb=0.5)  # each op needs 0.4 GB with Adam: 3 ops fit nowhere
+    with pytest.raises(la.InfeasiblePlanError, match=r"operation 0 alone needs 0\.4\d* GB"):
+        la.partition(graph, 2, memory_gb=0.3)
+    fits = la.partition(graph, 3, memory_gb=0.85)
+    assert all(s.memory_bytes <= 0.85e9 for s in fits.stages)
+
+
+def test_more_stages_than_operations_is_a_clear_error():
+    graph = nx.DiGraph([("a", "b")])
+    with pytest.raises(la.InfeasiblePlanError, match="cannot cut 2 operations into 3 stages"):
+        la.partition(graph, 3)
+
+
+def test_unequal_devices_get_matching_loads():
+    graph = nx.DiGraph([(i, i + 1) for i in range(11)])
+    nx.set_node_attributes(graph, 1.0, "forward_s")
+    plan = la.partition(graph, 2, devices=["slow", "fast"], speeds=[1.0, 3.0])
+    loads = {s.device: len(s.nodes) for s in plan.stages}
+    assert loads == {"slow": 3, "fast": 9}
+    assert plan.bottleneck_s == pytest.approx(3.0)
