@@ -68,8 +68,9 @@ class StateSpace:
 
     def antichain(self, state: int) -> list[Any]:
         """The maximal nodes of a state's down-set: the antichain that names it."""
-        inside = set(self.down_set(state))
-        return [v for v in inside if not any(s in inside for s in self.graph.successors(v))]
+        members = self.down_set(state)
+        inside = set(members)
+        return [v for v in members if not any(s in inside for s in self.graph.successors(v))]
 
     def cut(self, state: int) -> list[Any]:
         """Nodes inside the state whose outputs are needed outside it."""

@@ -43,7 +43,9 @@ def profile(
     (a tensor, a tuple of positional arguments, or a dict of keyword arguments); its first dimension
     is recorded as the micro-batch size the costs refer to. The module is copied to ``device`` for
     measurement, so the caller's module, its device and its gradients are left untouched.
-    Forward and backward times are medians of ``repeats`` runs after ``warmup`` runs.
+    Forward and backward times are medians of ``repeats`` runs after ``warmup`` runs; the runs go
+    round-robin over all operations so that a passing slowdown of the machine spreads over many
+    operations instead of biasing one. Progress is shown on stderr unless ``progress=False``.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -55,11 +57,23 @@ def profile(
     replay = _replay_graph(graph, work_module)
     args, kwargs = split_inputs(_to_device(example_inputs, device))
     timer = _Timer(device)
+    calls = list(replay.record_calls(*args, **kwargs))
+    rounds = warmup + repeats
+    label = f"profiling {name or type(module).__name__}"
+    reporter = _Progress(len(calls) * rounds, enabled=progress, label=label)
+    samples = [[] for _ in calls]
+    # Round-robin over all ops, rather than op after op: a slow spell of the machine then
+    # touches one sample of many ops instead of every sample of one op.
+    for round_index in range(rounds):
+        for call, measured in zip(calls, samples):
+            timing = _time_once(call, timer)
+            if round_index >= warmup:
+                measured.append(timing)
+            reporter.step()
+    reporter.close()
     cost = nx.DiGraph()
     owned: set[int] = set()
-    reporter = _Progress(len(graph), enabled=progress, label=f"profiling {name or type(module).__name__}")
-    for order, call in enumerate(replay.record_calls(*args, **kwargs)):
-        fwd, bwd = _time_call(call, timer, warmup, repeats)
+    for order, (call, measured) in enumerate(zip(calls, samples)):
         params, buffers = _owned_state(call, owned)
         node = call.node
         cost.add_node(
@@ -69,8 +83,8 @@ def profile(
             target=node.target,
             owner=node.owner,
             top_level=node.top_level,
-            forward_s=fwd,
-            backward_s=bwd,
+            forward_s=statistics.median(t[0] for t in measured),
+            backward_s=statistics.median(t[1] for t in measured),
             output_bytes=_nbytes(call.output),
             param_bytes=sum(p.numel() * p.element_size() for _, p in params),
             buffer_bytes=sum(b.numel() * b.element_size() for _, b in buffers),
@@ -79,8 +93,6 @@ def profile(
         )
         for src in node.inputs:
             cost.add_edge(src, node.name)
-        reporter.step()
-    reporter.close()
     for u, v in cost.edges:
         cost.edges[u, v]["bytes"] = cost.nodes[u]["output_bytes"]
     cost.graph.update(
@@ -122,27 +134,20 @@ class _Timer:
         return time.perf_counter() - start, result
 
 
-def _time_call(call: RecordedCall, timer: _Timer, warmup: int, repeats: int) -> tuple[float, float]:
+def _time_once(call: RecordedCall, timer: _Timer) -> tuple[float, float]:
+    """Forward and backward seconds of one replay of ``call`` on fresh copies of its inputs."""
     if call.node.kind in ("placeholder", "get_attr"):
         return 0.0, 0.0
-    forward_times: list[float] = []
-    backward_times: list[float] = []
-    for i in range(warmup + repeats):
-        args, kwargs, leaves = _fresh_inputs(call)
-        with torch.enable_grad():
-            fwd, output = timer(lambda: call.fn(*args, **kwargs))  # noqa: B023 - called at once
+    args, kwargs, leaves = _fresh_inputs(call)
+    with torch.enable_grad():
+        forward, output = timer(lambda: call.fn(*args, **kwargs))
         outs = [t for t in iter_tensors(output) if t.requires_grad]
-        bwd = 0.0
         wrt = leaves + _parameters(call)
-        if outs and wrt:
-            grads = [torch.randn_like(t) for t in outs]
-            bwd, _ = timer(
-                lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True)  # noqa: B023
-            )
-        if i >= warmup:
-            forward_times.append(fwd)
-            backward_times.append(bwd)
-    return statistics.median(forward_times), statistics.median(backward_times)
+        if not outs or not wrt:
+            return forward, 0.0
+        grads = [torch.randn_like(t) for t in outs]
+        backward, _ = timer(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+    return forward, backward
 
 
 def _fresh_inputs(call: RecordedCall) -> tuple[tuple, dict, list[torch.Tensor]]:
@@ -249,4 +254,4 @@ class _Progress:
 
     def _line(self) -> str:
         elapsed = time.perf_counter() - self.started
-        return f"{self.label}: {self.done}/{self.total} ops, {elapsed:.1f}s"
+        return f"{self.label}: {self.done}/{self.total} op runs, {elapsed:.1f}s"
