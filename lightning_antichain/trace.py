@@ -296,7 +296,7 @@ def _trace_children(module: nn.Module, example_inputs: Any) -> OpGraph:
         raise UntraceableModelError(
             f"{type(module).__name__} has no child modules to fall back on; it cannot be pipelined."
         )
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     records, outputs = _observe_children(module, args, kwargs)
     return OpGraph(module, [r.node for r in records], outputs, "children")
 
@@ -315,7 +315,7 @@ def _observe_children(module: nn.Module, args: tuple, kwargs: dict) -> tuple[lis
     """Run the model once with hooks on its children, recording calls and the tensors between them."""
     producer: dict[int, str] = {}
     records: list[RecordedCall] = []
-    for i, tensor in enumerate(_tensors((args, kwargs))):
+    for i, tensor in enumerate(iter_tensors((args, kwargs))):
         node = OpNode(f"input_{i}", "placeholder", f"input_{i}", ())
         producer[id(tensor)] = node.name
         records.append(RecordedCall(node, _identity, (tensor,), {}, tensor, None))
@@ -332,7 +332,7 @@ def _observe_children(module: nn.Module, args: tuple, kwargs: dict) -> tuple[lis
             counts[child_name] = counts.get(child_name, 0) + 1
             name = child_name + ("" if counts[child_name] == 1 else f"_{counts[child_name]}")
             inputs: list[str] = []
-            for tensor in _tensors((call_args, call_kwargs)):
+            for tensor in iter_tensors((call_args, call_kwargs)):
                 # A tensor made by code between children depends on the previous call.
                 src = producer.get(id(tensor), records[-1].node.name)
                 if src not in inputs:
@@ -340,7 +340,7 @@ def _observe_children(module: nn.Module, args: tuple, kwargs: dict) -> tuple[lis
             if not inputs and len(records) > 0:
                 inputs.append(records[-1].node.name)
             node = OpNode(name, "call_module", child_name, tuple(inputs))
-            for tensor in _tensors(output):
+            for tensor in iter_tensors(output):
                 producer[id(tensor)] = name
             records.append(RecordedCall(node, mod, tuple(call_args), call_kwargs, output, mod))
 
@@ -359,11 +359,11 @@ def _observe_children(module: nn.Module, args: tuple, kwargs: dict) -> tuple[lis
         raise UntraceableModelError(
             f"{type(module).__name__}.forward calls none of its child modules; it cannot be pipelined."
         )
-    outputs = tuple(dict.fromkeys(producer.get(id(t), records[-1].node.name) for t in _tensors(result)))
+    outputs = tuple(dict.fromkeys(producer.get(id(t), records[-1].node.name) for t in iter_tensors(result)))
     return records, outputs or (records[-1].node.name,)
 
 
-def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     """Lightning's ``example_input_array`` convention: tuple = positional, dict = keyword, else one arg."""
     if isinstance(example_inputs, tuple):
         return example_inputs, {}
@@ -372,17 +372,13 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside a nested structure of tuples, lists and dicts."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from iter_tensors(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
-
-
-split_inputs = _split_inputs
-iter_tensors = _tensors
+            yield from iter_tensors(item)

@@ -90,3 +90,22 @@ def test_leaf_modules_keep_a_block_whole():
     whole = la.trace(model, leaf_modules=[torchvision.models.resnet.BasicBlock])
     assert "layer1_0" in [n.name for n in whole.nodes]
     assert len(whole) < len(la.trace(model))
+
+
+def test_traces_a_lightning_module_through_its_forward():
+    import lightning as L
+
+    class Classifier(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+            self.example_input_array = torch.randn(2, 8)
+
+        def forward(self, x):
+            return self.net(x).softmax(-1)
+
+    model = Classifier()
+    graph = la.trace(model)
+    assert [n.name for n in graph.nodes] == ["x", "net_0", "net_1", "net_2", "softmax"]
+    cost = la.profile(model, model.example_input_array, progress=False)
+    assert la.partition(cost, 2).num_stages == 2
