@@ -7,6 +7,7 @@ Profile a model (:func:`profile`), cut it into balanced stages over its antichai
 from .antichain import StateSpace, build_state_space, enumerate_down_sets
 from .graph import CostGraphError, load_cost_graph, save_cost_graph
 from .partition import CostModel, DeviceSpec, InfeasiblePlanError, partition
+from .pipeline import Pipeline
 from .plan import Plan, Stage
 from .profiler import profile
 from .trace import OpGraph, UntraceableModelError, trace
@@ -19,6 +20,7 @@ __all__ = [
     "DeviceSpec",
     "InfeasiblePlanError",
     "OpGraph",
+    "Pipeline",
     "Plan",
     "Stage",
     "StateSpace",

@@ -1,0 +1,356 @@
+"""Run micro-batches through the stages of a plan, forward and backward, one worker thread per stage.
+
+Forward: the batch is split into micro-batches; stage k's worker takes micro-batch m from stage
+k-1 as soon as it is ready, so all stages work at once (the GPipe fill-drain schedule). Each stage
+keeps the autograd graph of its own micro-batches, rooted at detached copies of its inputs.
+
+Backward: the gathered output is produced by one autograd Function. When the caller's loss is
+backpropagated, that Function's backward hands the output gradients to the last stage, and each
+worker runs its stage's backward for micro-batches M-1 .. 0 and passes the input gradients
+upstream. PyTorch runs a CPU backward on the thread that calls it, so driving it from the stage's
+own worker is what lets the backward of different stages overlap.
+
+Nothing is left behind: threads are started per pass and always joined, a stage that raises stops
+the pass and its exception reaches the caller with the stage and micro-batch named.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .split import StageModule
+
+CHECKPOINT_MODES = ("never", "except_last", "always")
+
+
+class PipelineStageError(RuntimeError):
+    """A stage raised; used on Python < 3.11 where exceptions cannot carry notes."""
+
+
+@dataclass
+class _Failure:
+    stage: int
+    micro_batch: int
+    phase: str
+    error: BaseException
+
+
+class _Abort:
+    """Sentinel sent downstream when an upstream stage failed or the caller gave up."""
+
+
+ABORT = _Abort()
+
+
+@dataclass
+class _Saved:
+    """What a stage keeps of one micro-batch for its backward."""
+
+    inputs: tuple[Any, ...]
+    outputs: tuple[Any, ...] | None
+    rng: Any = None
+
+
+@dataclass
+class PassState:
+    """Everything one forward pass leaves for its backward pass."""
+
+    saved: list[list[_Saved]] = field(default_factory=list)
+
+
+class _Transport:
+    """Moves a stage's values onto a device: a plain ``.to`` on CPU, a copy stream on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def receive(self, values: Sequence[Any], grad_flags: Sequence[bool]) -> tuple[Any, ...]:
+        """Detached copies on this device; tensors flagged for gradients become leaves."""
+        if self.stream is None:
+            moved = [v.detach().to(self.device) if isinstance(v, torch.Tensor) else v for v in values]
+        else:
+            with torch.cuda.stream(self.stream):
+                moved = [
+                    v.detach().to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                    for v in values
+                ]
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.stream)
+            for v in moved:
+                if isinstance(v, torch.Tensor):
+                    v.record_stream(compute)
+        return tuple(
+            v.requires_grad_(True) if flag and isinstance(v, torch.Tensor) else v
+            for v, flag in zip(moved, grad_flags)
+        )
+
+
+def _wants_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad
+
+
+class _ThreadContext:
+    """Thread-local settings of the caller that worker threads must re-enter."""
+
+    def __init__(self, grad: bool) -> None:
+        self.grad = grad
+        self.autocast = [
+            (kind, torch.get_autocast_dtype(kind))
+            for kind in ("cpu", "cuda")
+            if torch.is_autocast_enabled(kind)
+        ]
+
+    def enter(self, device: torch.device) -> list[Any]:
+        managers: list[Any] = [torch.set_grad_enabled(self.grad)]
+        if device.type == "cuda":
+            managers.append(torch.cuda.device(device))
+        managers += [torch.autocast(kind, dtype=dtype) for kind, dtype in self.autocast]
+        for manager in managers:
+            manager.__enter__()
+        return managers
+
+
+def _run_workers(
+    stages: Sequence[StageModule],
+    body: Callable[[int, queue.Queue, queue.Queue, threading.Event], None],
+    first: queue.Queue,
+    last: queue.Queue,
+    order: Sequence[int],
+    grad: bool,
+) -> None:
+    """Start one worker per stage chained by queues, join them all, re-raise the first failure.
+
+    Workers run with grad mode ``grad`` (the caller may be inside an autograd Function, where grad
+    mode is off) and with the caller's autocast settings.
+    """
+    links = [first] + [queue.Queue() for _ in range(len(stages) - 1)] + [last]
+    abort = threading.Event()
+    failures: list[_Failure] = []
+    context = _ThreadContext(grad)
+
+    def worker(position: int) -> None:
+        k = order[position]
+        managers = context.enter(stages[k].device)
+        try:
+            body(k, links[position], links[position + 1], abort)
+        except _StageFailed as failed:
+            failures.append(failed.failure)
+            abort.set()
+            links[position + 1].put(ABORT)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            failures.append(_Failure(k, -1, "pipeline", exc))
+            abort.set()
+            links[position + 1].put(ABORT)
+        finally:
+            for manager in reversed(managers):
+                manager.__exit__(None, None, None)
+
+    threads = [
+        threading.Thread(target=worker, args=(p,), name=f"antichain-stage-{order[p]}", daemon=True)
+        for p in range(len(stages))
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join()
+    except BaseException:
+        abort.set()
+        for link in links:
+            link.put(ABORT)
+        for thread in threads:
+            thread.join()
+        raise
+    if failures:
+        raise _reraise(min(failures, key=lambda f: (f.micro_batch < 0, f.micro_batch, f.stage)))
+
+
+class _StageFailed(Exception):
+    def __init__(self, failure: _Failure) -> None:
+        super().__init__(str(failure.error))
+        self.failure = failure
+
+
+def _reraise(failure: _Failure) -> BaseException:
+    where = f"pipeline stage {failure.stage}, micro-batch {failure.micro_batch}, {failure.phase}"
+    error = failure.error
+    if sys.version_info >= (3, 11):
+        error.add_note(f"raised in {where}")
+        return error
+    return PipelineStageError(f"{type(error).__name__} in {where}: {error}")
+
+
+def run_forward(
+    stages: Sequence[StageModule],
+    micro_batches: list[tuple[Any, ...]],
+    state: PassState | None,
+    checkpoint_stop: int,
+) -> list[tuple[Any, ...]]:
+    """Forward every micro-batch through every stage; returns the last stage's outputs.
+
+    With ``state`` given, autograd graphs (or, for micro-batches below ``checkpoint_stop``, just
+    the inputs and RNG state for recomputation) are kept in it for :func:`run_backward`.
+    """
+    first: queue.Queue = queue.Queue()
+    last: queue.Queue = queue.Queue()
+    for m, values in enumerate(micro_batches):
+        first.put((m, values, tuple(_wants_grad(v) for v in values)))
+    if state is not None:
+        state.saved = [[] for _ in stages]
+    transports = [_Transport(stage.device) for stage in stages]
+
+    def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
+        stage = stages[k]
+        for _ in micro_batches:
+            item = inbox.get()
+            if item is ABORT or abort.is_set():
+                outbox.put(ABORT)
+                return
+            m, values, flags = item
+            try:
+                leaves = transports[k].receive(values, flags if state is not None else [False] * len(values))
+                recompute = state is not None and m < checkpoint_stop
+                if recompute:
+                    rng = _rng_state(stage.device)
+                    with torch.no_grad():
+                        outputs = stage.module(*stage.arguments(leaves))
+                    out_flags = _recompute_flags(stage, leaves, outputs)
+                    state.saved[k].append(_Saved(leaves, None, rng))
+                else:
+                    outputs = stage.module(*stage.arguments(leaves))
+                    out_flags = tuple(_wants_grad(v) for v in outputs)
+                    if state is not None:
+                        state.saved[k].append(_Saved(leaves, outputs))
+            except Exception as exc:
+                raise _StageFailed(_Failure(k, m, "forward", exc)) from exc
+            outbox.put(
+                (m, tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in outputs), out_flags)
+            )
+
+    _run_workers(stages, body, first, last, range(len(stages)), grad=state is not None)
+    results: list[tuple[Any, ...]] = [()] * len(micro_batches)
+    while not last.empty():
+        item = last.get()
+        if item is not ABORT:
+            results[item[0]] = item[1]
+    return results
+
+
+def _recompute_flags(stage: StageModule, inputs: tuple, outputs: tuple) -> tuple[bool, ...]:
+    """Which outputs would need gradients, for a stage run under ``no_grad``.
+
+    Floating outputs do when any input does or the stage has trainable parameters, except outputs
+    that are inputs passed straight through, which keep their input's flag.
+    """
+    trainable = any(p.requires_grad for m in stage.submodules() for p in m.parameters())
+    any_input = any(_wants_grad(v) for v in inputs)
+    by_id = {id(v): _wants_grad(v) for v in inputs if isinstance(v, torch.Tensor)}
+    return tuple(
+        by_id[id(v)]
+        if id(v) in by_id
+        else isinstance(v, torch.Tensor) and v.is_floating_point() and (trainable or any_input)
+        for v in outputs
+    )
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def run_backward(
+    stages: Sequence[StageModule],
+    state: PassState,
+    output_grads: list[tuple[Any, ...]],
+) -> list[tuple[Any, ...]]:
+    """Backward every micro-batch, last to first, through every stage, last to first.
+
+    ``output_grads[m]`` holds the gradients of the last stage's outputs for micro-batch m (``None``
+    where an output got none). Returns the gradients of stage 0's inputs per micro-batch.
+    """
+    count = len(output_grads)
+    first: queue.Queue = queue.Queue()
+    last: queue.Queue = queue.Queue()
+    for m in reversed(range(count)):
+        first.put((m, output_grads[m]))
+    transports = [_Transport(stage.device) for stage in stages]
+
+    def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
+        stage = stages[k]
+        for _ in range(count):
+            item = inbox.get()
+            if item is ABORT or abort.is_set():
+                outbox.put(ABORT)
+                return
+            m, grads = item
+            try:
+                saved = state.saved[k][m]
+                inputs, outputs = saved.inputs, saved.outputs
+                restore = None
+                if outputs is None:
+                    outputs, restore = _recompute(stage, saved)
+                grads = transports[k].receive(grads, [False] * len(grads))
+                pairs = [
+                    (o, g)
+                    for o, g in zip(outputs, grads)
+                    if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
+                ]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                if restore is not None:
+                    restore()
+                input_grads = tuple(_grad_of(v) for v in inputs)
+                state.saved[k][m] = _Saved((), None)  # free the activations as soon as possible
+            except Exception as exc:
+                raise _StageFailed(_Failure(k, m, "backward", exc)) from exc
+            outbox.put((m, input_grads))
+
+    _run_workers(stages, body, first, last, list(reversed(range(len(stages)))), grad=False)
+    results: list[tuple[Any, ...]] = [()] * count
+    while not last.empty():
+        item = last.get()
+        if item is not ABORT:
+            results[item[0]] = item[1]
+    return results
+
+
+def _grad_of(value: Any) -> torch.Tensor | None:
+    return value.grad if isinstance(value, torch.Tensor) and value.requires_grad else None
+
+
+def _recompute(stage: StageModule, saved: _Saved) -> tuple[tuple[Any, ...], Callable[[], None]]:
+    """Run a checkpointed micro-batch's forward again with the RNG state it saw.
+
+    Returns the outputs and a function that undoes the second update of BatchNorm running
+    statistics; call it after the backward, which checks that saved tensors were not changed.
+    """
+    cpu_rng, cuda_rng = saved.rng
+    devices = [stage.device] if stage.device.type == "cuda" else []
+    norms = [
+        m
+        for m in stage.submodules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+    kept = [{k: v.clone() for k, v in m.named_buffers(recurse=False)} for m in norms]
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, stage.device)
+        with torch.enable_grad():
+            outputs = stage.module(*stage.arguments(saved.inputs))
+
+    def restore() -> None:
+        with torch.no_grad():
+            for module, buffers in zip(norms, kept):
+                for name, value in buffers.items():
+                    getattr(module, name).copy_(value)
+
+    return outputs, restore

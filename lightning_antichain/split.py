@@ -1,0 +1,145 @@
+"""Stage modules cut out of the traced graph according to a Plan.
+
+Each stage is a ``torch.fx.GraphModule`` whose placeholders are the tensors entering the stage (its
+input cut) and whose output is the tuple of tensors leaving it (its output cut). The submodules
+the stages call are the original module's own objects, so parameters and buffers are shared: the
+original ``state_dict()`` keys and values never change, and an optimizer built on the original
+parameters trains the pipeline.
+
+Parameter fetches (fx ``get_attr`` nodes) are re-created in every stage that uses them instead of
+being shipped between stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .plan import Plan
+from .trace import OpGraph
+
+
+class PlanMismatchError(ValueError):
+    """The plan was made for another model, or another granularity of the same model."""
+
+
+@dataclass
+class StageModule:
+    """One stage ready to run: its module, the names it consumes and produces, and its device."""
+
+    index: int
+    module: fx.GraphModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    device: torch.device
+    mutated: frozenset[int] = frozenset()
+
+    def arguments(self, leaves: tuple) -> tuple:
+        """The values to call the stage with: inputs that the stage changes in place are cloned,
+        since autograd forbids in-place changes of the leaves that collect input gradients."""
+        if not self.mutated:
+            return leaves
+        return tuple(
+            v.clone() if i in self.mutated and isinstance(v, torch.Tensor) and v.requires_grad else v
+            for i, v in enumerate(leaves)
+        )
+
+    def submodules(self) -> list[nn.Module]:
+        """The original modules this stage calls."""
+        return [self.module.get_submodule(n.target) for n in self.module.graph.nodes if n.op == "call_module"]
+
+
+def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> list[StageModule]:
+    """One :class:`StageModule` per plan stage, in pipeline order."""
+    if graph.graph_module is None:
+        raise PlanMismatchError(
+            "the pipeline runtime needs an fx-traceable model; this one fell back to top-level children "
+            f"({graph.note}). Make it traceable, or keep the untraceable block whole with leaf_modules=[...]."
+        )
+    gm = graph.graph_module
+    nodes = {n.name: n for n in gm.graph.nodes}
+    stage_of = plan.stage_of()
+    planned, traced = set(stage_of), {n for n, node in nodes.items() if node.op != "output"}
+    if planned != traced:
+        missing, unknown = sorted(traced - planned), sorted(planned - traced)
+        raise PlanMismatchError(
+            f"the plan does not match this model: ops not in the plan {missing[:5]}, plan ops not in the "
+            f"model {unknown[:5]}. Plan again for this model (same leaf_modules and granularity)."
+        )
+    if len(devices) != plan.num_stages:
+        raise ValueError(f"got {len(devices)} devices for a plan of {plan.num_stages} stages")
+    is_attr = {name for name, node in nodes.items() if node.op == "get_attr"}
+    stages = []
+    for spec, device in zip(plan.stages, devices):
+        members = set(spec.nodes)
+        inputs = tuple(n for n in spec.inputs if n not in is_attr)
+        outputs = tuple(n for n in spec.outputs if n not in is_attr)
+        sub = fx.Graph()
+        env: dict[str, fx.Node] = {name: sub.placeholder(name) for name in inputs}
+        for node in gm.graph.nodes:
+            if node.op in ("output", "placeholder") or node.name not in members or node.name in env:
+                continue
+            if node.op == "get_attr":
+                continue
+            for dep in node.all_input_nodes:
+                if dep.name not in env:
+                    if dep.op != "get_attr":
+                        raise PlanMismatchError(
+                            f"stage {spec.index} runs {node.name!r} but {dep.name!r} is neither computed "
+                            "before it in the stage nor among its inputs; the plan is not convex"
+                        )
+                    env[dep.name] = sub.get_attr(dep.target)
+            env[node.name] = sub.node_copy(node, lambda n, env=env: env[n.name])
+        sub.output(tuple(_value(env, name) for name in outputs))
+        module = fx.GraphModule(gm, sub, f"Stage{spec.index}")
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        mutated = frozenset(
+            i for i, p in enumerate(placeholders) if any(_in_place(module, u) for u in p.users)
+        )
+        stages.append(StageModule(spec.index, module, inputs, outputs, device, mutated))
+    return stages
+
+
+def _in_place(module: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` may change its first argument in place (ReLU(inplace=True), x.add_, ...)."""
+    if node.op == "call_module":
+        return bool(getattr(module.get_submodule(node.target), "inplace", False))
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).startswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return (
+            bool(node.kwargs.get("inplace"))
+            or name.startswith("i")
+            and name in _IN_PLACE_OPERATORS
+            or (name.endswith("_") and not name.startswith("_"))
+        )
+    return False
+
+
+_IN_PLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor"}
+
+
+def _value(env: dict[str, fx.Node], name: str) -> fx.Node:
+    if name not in env:
+        raise PlanMismatchError(f"a stage must pass on {name!r} but neither receives nor computes it")
+    return env[name]
+
+
+def place_stages(stages: list[StageModule]) -> None:
+    """Move each stage's submodules to its device; a module used by stages on two devices is an error."""
+    owner: dict[int, StageModule] = {}
+    for stage in stages:
+        for module in stage.submodules():
+            has_state = any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+            first = owner.setdefault(id(module), stage)
+            if first.device != stage.device and has_state:
+                raise ValueError(
+                    f"a module with parameters is used by stage {first.index} ({first.device}) and stage "
+                    f"{stage.index} ({stage.device}); tied parameters across devices are not supported yet. "
+                    "Put both uses in one stage (plan with fewer stages or a fixed balance)."
+                )
+            module.to(stage.device)

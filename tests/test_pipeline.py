@@ -1,0 +1,243 @@
+"""The pipeline runtime against the plain module: float64 parity of outputs and every gradient."""
+
+import threading
+
+import pytest
+import torch
+import torchvision
+from models import FAIL, DictInTupleOut, Explosive, InceptionBlock, LongSkip, SequentialCNN
+from torch import nn
+
+import lightning_antichain as la
+
+
+def frozen_norms(model):
+    """BatchNorm in eval mode: per-sample maths, so micro-batching cannot change the result."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.eval()
+    return model
+
+
+CASES = {
+    "sequential_cnn": (lambda: SequentialCNN(), lambda n: (torch.randn(n, 3, 8, 8),), {}),
+    "resnet18": (
+        lambda: frozen_norms(torchvision.models.resnet18(num_classes=7)),
+        lambda n: (torch.randn(n, 3, 32, 32),),
+        {},
+    ),
+    "long_skip": (lambda: LongSkip(), lambda n: (torch.randn(n, 12),), {}),
+    "inception_block": (lambda: InceptionBlock(), lambda n: (torch.randn(n, 6, 8, 8),), {}),
+    "dict_in_tuple_out": (lambda: DictInTupleOut(), lambda n: (), {"image": None, "meta": None}),
+}
+
+
+def make_inputs(name, n, dtype=torch.float64):
+    _, args_fn, kw = CASES[name]
+    if name == "dict_in_tuple_out":
+        return (), {
+            "image": torch.randn(n, 10, dtype=dtype),
+            "meta": torch.randn(n, 3, dtype=dtype),
+            "scale": 0.5,
+        }
+    return tuple(a.to(dtype) for a in args_fn(n)), {}
+
+
+def loss_of(output, weights=None):
+    """A loss that weighs every output element differently, so every gradient is distinct."""
+    leaves = [t for t in _flat(output) if t.is_floating_point()]
+    gen = torch.Generator().manual_seed(1)
+    return sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in leaves)
+
+
+def _flat(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _flat(v)]
+    return []
+
+
+def max_relative_error(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+_plans = {}
+
+
+def plan_for(name, model, stages):
+    key = (name, stages)
+    if key not in _plans:
+        args, kwargs = make_inputs(name, 2, torch.float32)
+        example = kwargs if kwargs else args
+        if kwargs:
+            example = {k: v for k, v in kwargs.items()}
+        cost = la.profile(model.float(), example if kwargs else args, repeats=1, warmup=0, progress=False)
+        model.double()
+        _plans[key] = la.partition(cost, stages)
+    return _plans[key]
+
+
+def check_parity(name, stages, chunks, checkpoint="never", batch=10, input_grad=False):
+    torch.manual_seed(0)
+    model = CASES[name][0]()
+    plan = plan_for(name, model, stages)
+    model.double()
+    args, kwargs = make_inputs(name, batch)
+    if input_grad:
+        args = tuple(a.requires_grad_() for a in args)
+    model.zero_grad(set_to_none=True)
+    expected = model(*args, **kwargs)
+    loss_of(expected).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    input_reference = [a.grad.clone() for a in args] if input_grad else []
+    model.zero_grad(set_to_none=True)
+    for a in args:
+        a.grad = None
+
+    pipe = la.Pipeline(model, plan, chunks=chunks, checkpoint=checkpoint)
+    output = pipe(*args, **kwargs)
+    for got, want in zip(_flat(output), _flat(expected)):
+        assert got.shape == want.shape
+        assert max_relative_error(got, want.detach()) <= 1e-12
+    loss_of(output).backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None, f"no gradient for {n}"
+        assert max_relative_error(p.grad, reference[n]) <= 1e-9, n
+    for a, g in zip(args, input_reference):
+        assert max_relative_error(a.grad, g) <= 1e-9
+    return plan
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_float64_parity(name, stages, chunks):
+    plan = check_parity(name, stages, chunks)
+    assert plan.num_stages == stages
+
+
+def test_densenet121_parity_on_a_small_input():
+    model = frozen_norms(torchvision.models.densenet121(num_classes=5))
+    CASES["densenet121"] = (lambda: model, lambda n: (torch.randn(n, 3, 32, 32),), {})
+    try:
+        for stages, chunks in [(2, 3), (4, 8)]:
+            check_parity("densenet121", stages, chunks, batch=9)
+    finally:
+        del CASES["densenet121"]
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+@pytest.mark.parametrize("name", ["sequential_cnn", "resnet18", "long_skip"])
+def test_recompute_modes_give_the_same_gradients(name, checkpoint):
+    check_parity(name, 3, 4, checkpoint=checkpoint, input_grad=True)
+
+
+def test_input_gradients_flow_back():
+    check_parity("long_skip", 3, 3, input_grad=True)
+
+
+def test_no_grad_runs_forward_only():
+    torch.manual_seed(0)
+    model = SequentialCNN().double()
+    pipe = la.Pipeline(model, plan_for("sequential_cnn", model, 3), chunks=4)
+    x = torch.randn(7, 3, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        out = pipe(x)
+    assert not out.requires_grad
+    assert max_relative_error(out, model(x).detach()) <= 1e-12
+
+
+def test_state_dict_is_the_original_modules():
+    model = SequentialCNN()
+    keys = list(model.state_dict())
+    pipe = la.Pipeline(model, plan_for("sequential_cnn", model, 3), chunks=2)
+    assert list(model.state_dict()) == keys
+    assert [k.removeprefix("module.") for k in pipe.state_dict()] == keys
+    assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+
+
+def test_fewer_samples_than_chunks_runs_fewer_micro_batches():
+    check_parity("sequential_cnn", 2, 8, batch=3)
+
+
+def stage_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("antichain-stage")]
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_failing_stage_names_itself_and_the_next_step_works(phase):
+    torch.manual_seed(0)
+    model = Explosive()
+    cost = la.profile(model, torch.randn(2, 4), repeats=1, warmup=0, progress=False)
+    plan = la.partition(cost, 3)
+    pipe = la.Pipeline(model, plan, chunks=4)
+    failing_stage = plan.stage_of()["fuse"]
+    x = torch.randn(8, 4)
+    FAIL[phase] = True
+    try:
+        with pytest.raises(RuntimeError if phase == "forward" else ValueError, match="fuse blew") as info:
+            pipe(x).sum().backward()
+    finally:
+        FAIL[phase] = False
+    notes = "".join(getattr(info.value, "__notes__", [])) or str(info.value)
+    assert f"stage {failing_stage}" in notes and "micro-batch" in notes and phase in notes
+    assert stage_threads() == []
+    model.zero_grad()
+    pipe(x).sum().backward()
+    plain = Explosive()
+    plain.load_state_dict(model.state_dict())
+    plain(x).sum().backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert stage_threads() == []
+
+
+def test_untraceable_model_cannot_be_pipelined_with_a_clear_error():
+    from test_trace import DataDependent
+
+    model = DataDependent()
+    cost = la.profile(model, torch.randn(2, 3, 8, 8), progress=False)
+    with pytest.raises(la.UntraceableModelError, match="control flow"):
+        la.Pipeline(model, la.partition(cost, 2))
+
+
+def test_plan_for_another_model_is_rejected():
+    cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
+    with pytest.raises(ValueError, match="does not match this model"):
+        la.Pipeline(SequentialCNN(), la.partition(cost, 2))
+
+
+def test_keyboard_interrupt_leaves_no_thread_running():
+    model = Explosive()
+    cost = la.profile(model, torch.randn(2, 4), repeats=1, warmup=0, progress=False)
+    pipe = la.Pipeline(model, la.partition(cost, 3), chunks=4)
+    FAIL["interrupt"] = True
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pipe(torch.randn(8, 4))
+    finally:
+        FAIL["interrupt"] = False
+    assert stage_threads() == []
+    pipe(torch.randn(8, 4)).sum().backward()
+
+
+def test_recompute_does_not_update_batchnorm_statistics_twice():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4)
+    )
+    cost = la.profile(model, torch.randn(2, 3, 8, 8), repeats=1, warmup=0, progress=False)
+    plan = la.partition(cost, 2)
+    x = torch.randn(8, 3, 8, 8)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = {}
+    for mode in ("never", "always"):
+        model.load_state_dict(state)
+        la.Pipeline(model, plan, chunks=4, checkpoint=mode)(x).sum().backward()
+        stats[mode] = {
+            k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k
+        }
+    for key, value in stats["never"].items():
+        assert torch.equal(value, stats["always"][key]), key
+    assert stats["never"]["1.num_batches_tracked"].item() == 4  # one update per micro-batch
