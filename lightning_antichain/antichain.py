@@ -197,8 +197,7 @@ def build_state_space(graph: nx.DiGraph, max_states: int = DEFAULT_MAX_STATES) -
     if masks is None:
         masks = []
         compression.append(
-            f"more than {max_states} down-sets even after merging: cut only at prefixes of the "
-            "execution order"
+            f"more than {max_states} down-sets even after merging: cut only at prefixes of the execution order"
         )
     prefixes, mask = [], 0
     for v in free:

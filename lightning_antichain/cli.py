@@ -45,13 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--device", default="cpu", help="device to profile on: cpu or cuda:N")
     plan.add_argument("--bandwidth", type=float, help="link between stages in GB/s (default: free transfers)")
     plan.add_argument("--memory", type=float, help="memory per device in GB (default: unlimited)")
-    plan.add_argument(
-        "--optimizer-multiplier", type=float, default=2.0, help="optimizer state per parameter byte"
-    )
+    plan.add_argument("--optimizer-multiplier", type=float, default=2.0, help="optimizer state per parameter byte")
     plan.add_argument("--model-kwargs", type=json.loads, default={}, help="JSON keyword arguments for MODEL")
-    plan.add_argument(
-        "--method", choices=METHODS, default="antichain", help="planner (baselines for comparison)"
-    )
+    plan.add_argument("--method", choices=METHODS, default="antichain", help="planner (baselines for comparison)")
     plan.add_argument(
         "--fallback",
         choices=["children", "none"],
@@ -77,9 +73,7 @@ def _shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers like 3,32,32, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 3,32,32, got {text!r}") from None
     if not shape or any(d <= 0 for d in shape):
         raise argparse.ArgumentTypeError(f"dimensions must be positive, got {text!r}")
     return shape

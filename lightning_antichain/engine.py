@@ -10,8 +10,9 @@ worker runs its stage's backward for micro-batches M-1 .. 0 and passes the input
 upstream. PyTorch runs a CPU backward on the thread that calls it, so driving it from the stage's
 own worker is what lets the backward of different stages overlap.
 
-Nothing is left behind: threads are started per pass and always joined, a stage that raises stops
-the pass and its exception reaches the caller with the stage and micro-batch named.
+Nothing is left behind: the workers (:mod:`lightning_antichain.worker`) are stopped after a failed or
+interrupted pass, and a stage that raises stops the pass; its exception reaches the caller with the
+stage and micro-batch named.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from .split import StageModule
+from .worker import WorkerPool
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
 
@@ -79,8 +81,7 @@ class _Transport:
         else:
             with torch.cuda.stream(self.stream):
                 moved = [
-                    v.detach().to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                    for v in values
+                    v.detach().to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for v in values
                 ]
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.stream)
@@ -88,8 +89,7 @@ class _Transport:
                 if isinstance(v, torch.Tensor):
                     v.record_stream(compute)
         return tuple(
-            v.requires_grad_(True) if flag and isinstance(v, torch.Tensor) else v
-            for v, flag in zip(moved, grad_flags)
+            v.requires_grad_(True) if flag and isinstance(v, torch.Tensor) else v for v, flag in zip(moved, grad_flags)
         )
 
 
@@ -103,9 +103,7 @@ class _ThreadContext:
     def __init__(self, grad: bool) -> None:
         self.grad = grad
         self.autocast = [
-            (kind, torch.get_autocast_dtype(kind))
-            for kind in ("cpu", "cuda")
-            if torch.is_autocast_enabled(kind)
+            (kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)
         ]
 
     def enter(self, device: torch.device) -> list[Any]:
@@ -119,6 +117,7 @@ class _ThreadContext:
 
 
 def _run_workers(
+    pool: WorkerPool,
     stages: Sequence[StageModule],
     body: Callable[[int, queue.Queue, queue.Queue, threading.Event], None],
     first: queue.Queue,
@@ -126,50 +125,49 @@ def _run_workers(
     order: Sequence[int],
     grad: bool,
 ) -> None:
-    """Start one worker per stage chained by queues, join them all, re-raise the first failure.
+    """Run ``body`` for every stage on the pool's workers, chained by queues; re-raise the first failure.
 
     Workers run with grad mode ``grad`` (the caller may be inside an autograd Function, where grad
-    mode is off) and with the caller's autocast settings.
+    mode is off) and with the caller's autocast settings. After a failure the workers are stopped,
+    so no thread outlives a failed pass.
     """
     links = [first] + [queue.Queue() for _ in range(len(stages) - 1)] + [last]
     abort = threading.Event()
     failures: list[_Failure] = []
     context = _ThreadContext(grad)
 
-    def worker(position: int) -> None:
-        k = order[position]
-        managers = context.enter(stages[k].device)
-        try:
-            body(k, links[position], links[position + 1], abort)
-        except _StageFailed as failed:
-            failures.append(failed.failure)
-            abort.set()
-            links[position + 1].put(ABORT)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            failures.append(_Failure(k, -1, "pipeline", exc))
-            abort.set()
-            links[position + 1].put(ABORT)
-        finally:
-            for manager in reversed(managers):
-                manager.__exit__(None, None, None)
+    def task(position: int) -> Callable[[], None]:
+        def run() -> None:
+            k = order[position]
+            managers = context.enter(stages[k].device)
+            try:
+                body(k, links[position], links[position + 1], abort)
+            except _StageFailed as failed:
+                failures.append(failed.failure)
+                abort.set()
+                links[position + 1].put(ABORT)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                failures.append(_Failure(k, -1, "pipeline", exc))
+                abort.set()
+                links[position + 1].put(ABORT)
+            finally:
+                for manager in reversed(managers):
+                    manager.__exit__(None, None, None)
 
-    threads = [
-        threading.Thread(target=worker, args=(p,), name=f"antichain-stage-{order[p]}", daemon=True)
-        for p in range(len(stages))
-    ]
-    for thread in threads:
-        thread.start()
-    try:
-        for thread in threads:
-            thread.join()
-    except BaseException:
+        return run
+
+    def interrupt() -> None:
         abort.set()
         for link in links:
             link.put(ABORT)
-        for thread in threads:
-            thread.join()
-        raise
+
+    # worker i always serves stage i, so a stage's state stays on one thread
+    tasks: list[Callable[[], None]] = [lambda: None] * len(stages)
+    for position, k in enumerate(order):
+        tasks[k] = task(position)
+    pool.run(tasks, interrupt)
     if failures:
+        pool.shutdown()
         raise _reraise(min(failures, key=lambda f: (f.micro_batch < 0, f.micro_batch, f.stage)))
 
 
@@ -189,6 +187,7 @@ def _reraise(failure: _Failure) -> BaseException:
 
 
 def run_forward(
+    pool: WorkerPool,
     stages: Sequence[StageModule],
     micro_batches: list[tuple[Any, ...]],
     state: PassState | None,
@@ -231,11 +230,9 @@ def run_forward(
                         state.saved[k].append(_Saved(leaves, outputs))
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "forward", exc)) from exc
-            outbox.put(
-                (m, tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in outputs), out_flags)
-            )
+            outbox.put((m, tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in outputs), out_flags))
 
-    _run_workers(stages, body, first, last, range(len(stages)), grad=state is not None)
+    _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
     results: list[tuple[Any, ...]] = [()] * len(micro_batches)
     while not last.empty():
         item = last.get()
@@ -267,6 +264,7 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]
 
 
 def run_backward(
+    pool: WorkerPool,
     stages: Sequence[StageModule],
     state: PassState,
     output_grads: list[tuple[Any, ...]],
@@ -313,7 +311,7 @@ def run_backward(
                 raise _StageFailed(_Failure(k, m, "backward", exc)) from exc
             outbox.put((m, input_grads))
 
-    _run_workers(stages, body, first, last, list(reversed(range(len(stages)))), grad=False)
+    _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), grad=False)
     results: list[tuple[Any, ...]] = [()] * count
     while not last.empty():
         item = last.get()

@@ -119,9 +119,7 @@ def partition(
         pinned = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]]
         stage_sets[0] = pinned + stage_sets[0]
     built = evaluate_stages(graph, stage_sets, specs, model)
-    return _make_plan(
-        graph, built, specs, model, method, time.perf_counter() - started, num_states, compression
-    )
+    return _make_plan(graph, built, specs, model, method, time.perf_counter() - started, num_states, compression)
 
 
 def _device_specs(
@@ -280,9 +278,7 @@ def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
 
 def _memory_of(graph: nx.DiGraph, nodes: list[Any], model: CostModel) -> float:
     attr = lambda key: sum(graph.nodes[v][key] for v in nodes)  # noqa: E731
-    inputs = sum(
-        graph.nodes[p]["output_bytes"] for v in nodes for p in graph.predecessors(v) if p not in nodes
-    )
+    inputs = sum(graph.nodes[p]["output_bytes"] for v in nodes for p in graph.predecessors(v) if p not in nodes)
     return model.memory_bytes(attr("param_bytes"), attr("buffer_bytes"), attr("output_bytes") + inputs)
 
 
@@ -328,9 +324,7 @@ def evaluate_stages(
                 forward_s=sum_attr("forward_s") / spec.speed,
                 backward_s=sum_attr("backward_s") / spec.speed,
                 transfer_s=float(model.transfer_s(in_bytes + out_bytes)),
-                memory_bytes=int(
-                    model.memory_bytes(sum_attr("param_bytes"), sum_attr("buffer_bytes"), activations)
-                ),
+                memory_bytes=int(model.memory_bytes(sum_attr("param_bytes"), sum_attr("buffer_bytes"), activations)),
                 param_bytes=int(sum_attr("param_bytes")),
                 buffer_bytes=int(sum_attr("buffer_bytes")),
                 activation_bytes=int(activations),

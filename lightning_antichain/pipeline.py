@@ -11,6 +11,7 @@ where and in what order its operations run.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from .engine import CHECKPOINT_MODES, PassState, run_backward, run_forward
 from .plan import Plan
 from .split import place_stages, split_stages
 from .trace import trace
+from .worker import WorkerPool, share_malloc_arena
 
 
 class Pipeline(nn.Module):
@@ -33,6 +35,8 @@ class Pipeline(nn.Module):
     ``"always"``. ``devices`` overrides the plan's device per stage. Outputs are gathered on
     ``output_device`` (default: the device of the first input tensor, else the first stage's).
     A batch with fewer samples than ``chunks`` runs as that many micro-batches of one sample.
+    ``share_cpu_allocator`` lets worker threads share glibc's main malloc arena when a stage runs
+    on CPU (see :func:`lightning_antichain.worker.share_malloc_arena` for why).
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class Pipeline(nn.Module):
         devices: Sequence[str | torch.device] | None = None,
         output_device: str | torch.device | None = None,
         leaf_modules: Sequence[type | str] = (),
+        share_cpu_allocator: bool = True,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT_MODES:
@@ -61,8 +66,22 @@ class Pipeline(nn.Module):
         place_stages(stages)
         # A plain list: the stages share the module's parameters and must not be registered twice.
         self._stages = stages
+        if share_cpu_allocator and any(s.device.type == "cpu" for s in stages):
+            share_malloc_arena()
+        self._pool = WorkerPool(len(stages))
+        weakref.finalize(self, self._pool.shutdown)
         self._placeholders = [n for n in graph.graph_module.graph.nodes if n.op == "placeholder"]
         self._output_arg = next(n for n in graph.graph_module.graph.nodes if n.op == "output").args[0]
+
+    def close(self) -> None:
+        """Stop the worker threads now (they also stop when the Pipeline is garbage collected)."""
+        self._pool.shutdown()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def stages(self) -> list[Any]:
@@ -79,18 +98,16 @@ class Pipeline(nn.Module):
         output_device = self.output_device or _first_device(args, kwargs) or self._stages[0].device
         needs_grad = torch.is_grad_enabled()
         if not needs_grad:
-            outputs = run_forward(self._stages, micro_inputs, None, 0)
+            outputs = run_forward(self._pool, self._stages, micro_inputs, None, 0)
             return self._assemble(microbatch.gather(outputs, output_device))
-        stop = {"never": 0, "except_last": len(micro_inputs) - 1, "always": len(micro_inputs)}[
-            self.checkpoint
-        ]
+        stop = {"never": 0, "except_last": len(micro_inputs) - 1, "always": len(micro_inputs)}[self.checkpoint]
         if not self.training:
             stop = 0
         grad_inputs = [v for v in (bound[name] for name in self._stages[0].inputs) if _is_grad_tensor(v)]
         phony = torch.empty(0, device=output_device, requires_grad=True)
         layout: list[tuple[bool, Any]] = []
         tensors = _PipelineFunction.apply(
-            self._stages, micro_inputs, (output_device, stop, layout), phony, *grad_inputs
+            (self._pool, self._stages), micro_inputs, (output_device, stop, layout), phony, *grad_inputs
         )
         it = iter(tensors)
         return self._assemble(tuple(next(it) if is_tensor else constant for is_tensor, constant in layout))
@@ -111,9 +128,7 @@ class Pipeline(nn.Module):
             else:
                 raise TypeError(f"{type(self.module).__name__}.forward() missing argument {name!r}")
         if positional:
-            raise TypeError(
-                f"{type(self.module).__name__}.forward() got {len(args)} positional arguments, too many"
-            )
+            raise TypeError(f"{type(self.module).__name__}.forward() got {len(args)} positional arguments, too many")
         return bound
 
     def _assemble(self, gathered: tuple[Any, ...]) -> Any:
@@ -125,16 +140,15 @@ class _PipelineFunction(torch.autograd.Function):
     """Connects the pipeline to the caller's autograd graph: backward runs the stages' backward."""
 
     @staticmethod
-    def forward(ctx, stages, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
+    def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
         output_device, stop, layout = options
+        pool, stages = runtime
         state = PassState()
-        outputs = run_forward(stages, micro_inputs, state, stop)
+        outputs = run_forward(pool, stages, micro_inputs, state, stop)
         gathered = microbatch.gather(outputs, output_device)
-        layout.extend(
-            (isinstance(v, torch.Tensor), None if isinstance(v, torch.Tensor) else v) for v in gathered
-        )
+        layout.extend((isinstance(v, torch.Tensor), None if isinstance(v, torch.Tensor) else v) for v in gathered)
         tensors = tuple(v for v in gathered if isinstance(v, torch.Tensor))
-        ctx.stages, ctx.state = stages, state
+        ctx.pool, ctx.stages, ctx.state = pool, stages, state
         ctx.sizes = [microbatch.batch_size(m) or 1 for m in micro_inputs]
         ctx.layout = list(layout)
         ctx.grad_input_slots = [i for i, v in enumerate(micro_inputs[0]) if _is_grad_tensor(v)]
@@ -151,7 +165,7 @@ class _PipelineFunction(torch.autograd.Function):
             grad = next(it) if is_tensor else None
             per_output.append(list(torch.split(grad, ctx.sizes)) if grad is not None else [None] * count)
         output_grads = [tuple(g[m] for g in per_output) for m in range(count)]
-        input_grads = run_backward(ctx.stages, ctx.state, output_grads)
+        input_grads = run_backward(ctx.pool, ctx.stages, ctx.state, output_grads)
         ctx.state = None
         result: list[Any] = [None, None, None, None]
         for slot, device in zip(ctx.grad_input_slots, ctx.input_devices):

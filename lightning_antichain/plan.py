@@ -114,9 +114,7 @@ class Plan:
             raise ValueError(f"not a plan of format {PLAN_FORMAT!r}: format={data.get('format')!r}")
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         stage_fields = Stage.__dataclass_fields__
-        fields["stages"] = [
-            Stage(**{k: v for k, v in s.items() if k in stage_fields}) for s in data["stages"]
-        ]
+        fields["stages"] = [Stage(**{k: v for k, v in s.items() if k in stage_fields}) for s in data["stages"]]
         return cls(**fields)
 
     def to_json(self) -> str:

@@ -96,9 +96,7 @@ def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> lis
         sub.output(tuple(_value(env, name) for name in outputs))
         module = fx.GraphModule(gm, sub, f"Stage{spec.index}")
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-        mutated = frozenset(
-            i for i, p in enumerate(placeholders) if any(_in_place(module, u) for u in p.users)
-        )
+        mutated = frozenset(i for i, p in enumerate(placeholders) if any(_in_place(module, u) for u in p.users))
         stages.append(StageModule(spec.index, module, inputs, outputs, device, mutated))
     return stages
 

@@ -53,9 +53,7 @@ def test_diamond_hand_count():
 def test_resnet_blocks_hand_counts():
     identity = graph_of([("in", "c1"), ("c1", "c2"), ("c2", "add"), ("in", "add"), ("add", "out")])
     assert len(build_state_space(identity)) == 6  # a chain once 'in' is taken
-    projection = graph_of(
-        [("in", "c1"), ("c1", "c2"), ("c2", "add"), ("in", "s1"), ("s1", "add"), ("add", "out")]
-    )
+    projection = graph_of([("in", "c1"), ("c1", "c2"), ("c2", "add"), ("in", "s1"), ("s1", "add"), ("add", "out")])
     # empty, in, then (c1 chain: 0..2 done) x (s1: 0..1 done) = 6, then add, out
     assert len(build_state_space(projection)) == 9
 

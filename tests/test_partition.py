@@ -23,9 +23,7 @@ def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunk
 
     def cut_bytes(inside):
         return sum(
-            attr(v, "output_bytes")
-            for v in inside
-            if v in outputs or any(c not in inside for c in graph.successors(v))
+            attr(v, "output_bytes") for v in inside if v in outputs or any(c not in inside for c in graph.successors(v))
         )
 
     def stage_time(before, after, device):

@@ -190,7 +190,9 @@ def test_a_failing_stage_names_itself_and_the_next_step_works(phase):
     plain(x).sum().backward()
     for p, q in zip(model.parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
-    assert stage_threads() == []
+    assert len(stage_threads()) == 3  # workers stay warm between steps ...
+    pipe.close()
+    assert stage_threads() == []  # ... until the pipeline is closed
 
 
 def test_untraceable_model_cannot_be_pipelined_with_a_clear_error():
@@ -220,13 +222,25 @@ def test_keyboard_interrupt_leaves_no_thread_running():
         FAIL["interrupt"] = False
     assert stage_threads() == []
     pipe(torch.randn(8, 4)).sum().backward()
+    pipe.close()
+
+
+def test_workers_stop_when_the_pipeline_is_collected():
+    import gc
+
+    model = LongSkip()
+    cost = la.profile(model, torch.randn(2, 12), repeats=1, warmup=0, progress=False)
+    pipe = la.Pipeline(model, la.partition(cost, 2), chunks=2)
+    pipe(torch.randn(4, 12)).sum().backward()
+    assert len(stage_threads()) == 2
+    del pipe
+    gc.collect()
+    assert stage_threads() == []
 
 
 def test_recompute_does_not_update_batchnorm_statistics_twice():
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4)
-    )
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
     cost = la.profile(model, torch.randn(2, 3, 8, 8), repeats=1, warmup=0, progress=False)
     plan = la.partition(cost, 2)
     x = torch.randn(8, 3, 8, 8)
@@ -235,9 +249,7 @@ def test_recompute_does_not_update_batchnorm_statistics_twice():
     for mode in ("never", "always"):
         model.load_state_dict(state)
         la.Pipeline(model, plan, chunks=4, checkpoint=mode)(x).sum().backward()
-        stats[mode] = {
-            k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k
-        }
+        stats[mode] = {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
     for key, value in stats["never"].items():
         assert torch.equal(value, stats["always"][key]), key
     assert stats["never"]["1.num_batches_tracked"].item() == 4  # one update per micro-batch
