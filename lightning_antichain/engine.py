@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .split import StageModule
+from .transfer import arrive, ship
 from .worker import WorkerPool
 
 CHECKPOINT_MODES = ("never", "except_last", "always")
@@ -65,32 +66,6 @@ class PassState:
     """Everything one forward pass leaves for its backward pass."""
 
     saved: list[list[_Saved]] = field(default_factory=list)
-
-
-class _Transport:
-    """Moves a stage's values onto a device: a plain ``.to`` on CPU, a copy stream on CUDA."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def receive(self, values: Sequence[Any], grad_flags: Sequence[bool]) -> tuple[Any, ...]:
-        """Detached copies on this device; tensors flagged for gradients become leaves."""
-        if self.stream is None:
-            moved = [v.detach().to(self.device) if isinstance(v, torch.Tensor) else v for v in values]
-        else:
-            with torch.cuda.stream(self.stream):
-                moved = [
-                    v.detach().to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for v in values
-                ]
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(self.stream)
-            for v in moved:
-                if isinstance(v, torch.Tensor):
-                    v.record_stream(compute)
-        return tuple(
-            v.requires_grad_(True) if flag and isinstance(v, torch.Tensor) else v for v, flag in zip(moved, grad_flags)
-        )
 
 
 def _wants_grad(value: Any) -> bool:
@@ -201,21 +176,21 @@ def run_forward(
     first: queue.Queue = queue.Queue()
     last: queue.Queue = queue.Queue()
     for m, values in enumerate(micro_batches):
-        first.put((m, values, tuple(_wants_grad(v) for v in values)))
+        first.put((m, values, None, tuple(_wants_grad(v) for v in values)))
     if state is not None:
         state.saved = [[] for _ in stages]
-    transports = [_Transport(stage.device) for stage in stages]
 
     def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
         stage = stages[k]
+        target = stages[k + 1].device if k + 1 < len(stages) else None
         for _ in micro_batches:
             item = inbox.get()
             if item is ABORT or abort.is_set():
                 outbox.put(ABORT)
                 return
-            m, values, flags = item
+            m, values, event, flags = item
             try:
-                leaves = transports[k].receive(values, flags if state is not None else [False] * len(values))
+                leaves = arrive(values, event, stage.device, flags if state is not None else [False] * len(values))
                 recompute = state is not None and m < checkpoint_stop
                 if recompute:
                     rng = _rng_state(stage.device)
@@ -228,9 +203,10 @@ def run_forward(
                     out_flags = tuple(_wants_grad(v) for v in outputs)
                     if state is not None:
                         state.saved[k].append(_Saved(leaves, outputs))
+                shipped, event = ship(outputs, stage.device, target or stage.device, target and stage.copy_stream)
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "forward", exc)) from exc
-            outbox.put((m, tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in outputs), out_flags))
+            outbox.put((m, shipped, event, out_flags))
 
     _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
     results: list[tuple[Any, ...]] = [()] * len(micro_batches)
@@ -278,24 +254,24 @@ def run_backward(
     first: queue.Queue = queue.Queue()
     last: queue.Queue = queue.Queue()
     for m in reversed(range(count)):
-        first.put((m, output_grads[m]))
-    transports = [_Transport(stage.device) for stage in stages]
+        first.put((m, output_grads[m], None))
 
     def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
         stage = stages[k]
+        target = stages[k - 1].device if k > 0 else None
         for _ in range(count):
             item = inbox.get()
             if item is ABORT or abort.is_set():
                 outbox.put(ABORT)
                 return
-            m, grads = item
+            m, grads, event = item
             try:
                 saved = state.saved[k][m]
                 inputs, outputs = saved.inputs, saved.outputs
                 restore = None
                 if outputs is None:
                     outputs, restore = _recompute(stage, saved)
-                grads = transports[k].receive(grads, [False] * len(grads))
+                grads = arrive(grads, event, stage.device, [False] * len(grads))
                 pairs = [
                     (o, g)
                     for o, g in zip(outputs, grads)
@@ -307,9 +283,10 @@ def run_backward(
                     restore()
                 input_grads = tuple(_grad_of(v) for v in inputs)
                 state.saved[k][m] = _Saved((), None)  # free the activations as soon as possible
+                shipped, event = ship(input_grads, stage.device, target or stage.device, target and stage.copy_stream)
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "backward", exc)) from exc
-            outbox.put((m, input_grads))
+            outbox.put((m, shipped, event))
 
     _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), grad=False)
     results: list[tuple[Any, ...]] = [()] * count

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from . import microbatch
+from .batchnorm import deferred_batch_norm
 from .engine import CHECKPOINT_MODES, PassState, run_backward, run_forward
 from .plan import Plan
 from .split import place_stages, split_stages
@@ -35,6 +37,8 @@ class Pipeline(nn.Module):
     ``"always"``. ``devices`` overrides the plan's device per stage. Outputs are gathered on
     ``output_device`` (default: the device of the first input tensor, else the first stage's).
     A batch with fewer samples than ``chunks`` runs as that many micro-batches of one sample.
+    ``deferred_batch_norm`` updates BatchNorm running statistics once per step from the whole batch
+    instead of once per micro-batch (normalisation itself always uses micro-batch statistics).
     ``share_cpu_allocator`` lets worker threads share glibc's main malloc arena when a stage runs
     on CPU (see :func:`lightning_antichain.worker.share_malloc_arena` for why).
     """
@@ -48,6 +52,7 @@ class Pipeline(nn.Module):
         devices: Sequence[str | torch.device] | None = None,
         output_device: str | torch.device | None = None,
         leaf_modules: Sequence[type | str] = (),
+        deferred_batch_norm: bool = False,
         share_cpu_allocator: bool = True,
     ) -> None:
         super().__init__()
@@ -59,6 +64,7 @@ class Pipeline(nn.Module):
         self.plan = plan
         self.chunks = chunks
         self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
         self.output_device = None if output_device is None else torch.device(output_device)
         graph = trace(module, fallback=None, leaf_modules=leaf_modules)
         stage_devices = [torch.device(d) for d in (devices or [s.device for s in plan.stages])]
@@ -106,9 +112,11 @@ class Pipeline(nn.Module):
         grad_inputs = [v for v in (bound[name] for name in self._stages[0].inputs) if _is_grad_tensor(v)]
         phony = torch.empty(0, device=output_device, requires_grad=True)
         layout: list[tuple[bool, Any]] = []
-        tensors = _PipelineFunction.apply(
-            (self._pool, self._stages), micro_inputs, (output_device, stop, layout), phony, *grad_inputs
-        )
+        deferral = deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext()
+        with deferral:
+            tensors = _PipelineFunction.apply(
+                (self._pool, self._stages), micro_inputs, (output_device, stop, layout), phony, *grad_inputs
+            )
         it = iter(tensors)
         return self._assemble(tuple(next(it) if is_tensor else constant for is_tensor, constant in layout))
 

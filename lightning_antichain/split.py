@@ -13,6 +13,7 @@ being shipped between stages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -20,6 +21,7 @@ from torch import nn
 
 from .plan import Plan
 from .trace import OpGraph
+from .transfer import copy_stream_for
 
 
 class PlanMismatchError(ValueError):
@@ -36,6 +38,7 @@ class StageModule:
     outputs: tuple[str, ...]
     device: torch.device
     mutated: frozenset[int] = frozenset()
+    copy_stream: Any = None
 
     def arguments(self, leaves: tuple) -> tuple:
         """The values to call the stage with: inputs that the stage changes in place are cloned,
@@ -141,3 +144,4 @@ def place_stages(stages: list[StageModule]) -> None:
                     "Put both uses in one stage (plan with fewer stages or a fixed balance)."
                 )
             module.to(stage.device)
+        stage.copy_stream = copy_stream_for(stage.device)

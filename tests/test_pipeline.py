@@ -253,3 +253,32 @@ def test_recompute_does_not_update_batchnorm_statistics_twice():
     for key, value in stats["never"].items():
         assert torch.equal(value, stats["always"][key]), key
     assert stats["never"]["1.num_batches_tracked"].item() == 4  # one update per micro-batch
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_deferred_batch_norm_stores_whole_batch_statistics(momentum):
+    # One BatchNorm: the statistics of a later one would see micro-batch-normalised inputs.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Tanh()
+    )
+    cost = la.profile(model, torch.randn(2, 3, 8, 8), repeats=1, warmup=0, progress=False)
+    model.double()
+    plan = la.partition(cost, 2)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(10, 3, 8, 8, dtype=torch.float64)
+    for _ in range(2):
+        model(x)  # the plain module on the whole batch, twice
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    for checkpoint in ("never", "always"):
+        model.load_state_dict(state)
+        pipe = la.Pipeline(model, plan, chunks=3, deferred_batch_norm=True, checkpoint=checkpoint)
+        for _ in range(2):
+            pipe(x).sum().backward()
+        for key in ("1.running_mean", "1.running_var"):
+            assert max_relative_error(model.state_dict()[key], expected[key]) <= 1e-12, (checkpoint, key)
+        assert model.state_dict()["1.num_batches_tracked"].item() == 2
+        assert "forward" not in vars(model[1])  # nothing left patched
+    model.load_state_dict(state)
+    la.Pipeline(model, plan, chunks=3)(x).sum().backward()
+    assert model.state_dict()["1.num_batches_tracked"].item() == 3  # without deferral: once per micro-batch
