@@ -121,10 +121,20 @@ def test_densenet121_parity_on_a_small_input():
     model = frozen_norms(torchvision.models.densenet121(num_classes=5))
     CASES["densenet121"] = (lambda: model, lambda n: (torch.randn(n, 3, 32, 32),), {})
     try:
-        for stages, chunks in [(2, 3), (4, 8)]:
-            check_parity("densenet121", stages, chunks, batch=9)
+        for stages in (1, 2, 3, 4):
+            for chunks in (1, 3, 8):
+                check_parity("densenet121", stages, chunks, batch=10)
     finally:
         del CASES["densenet121"]
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_long_skip_really_spans_stages(stages):
+    plan = check_parity("long_skip", stages, 3)
+    stage_of = plan.stage_of()
+    assert stage_of["add"] - stage_of["tanh"] >= 2  # the skip tensor crosses at least one whole stage
+    middle = plan.stages[stage_of["tanh"] + 1]
+    assert "tanh" in middle.inputs and "tanh" in middle.outputs  # relayed through it
 
 
 @pytest.mark.parametrize("checkpoint", ["except_last", "always"])
