@@ -6,15 +6,19 @@ Profile a model (:func:`profile`), cut it into balanced stages over its antichai
 
 from .antichain import StateSpace, build_state_space, enumerate_down_sets
 from .graph import CostGraphError, load_cost_graph, save_cost_graph
-from .partition import CostModel, DeviceSpec, InfeasiblePlanError, partition
+from .partition import CostModel, DeviceSpec, InfeasiblePlanError, partition, plan_from_balance
 from .pipeline import Pipeline
 from .plan import Plan, Stage
 from .profiler import profile
+from .strategy import AntichainPipelineStrategy, register
 from .trace import OpGraph, UntraceableModelError, trace
 
 __version__ = "0.1.0"
 
+register()  # strategy="antichain_pipeline" works once the package is imported
+
 __all__ = [
+    "AntichainPipelineStrategy",
     "CostGraphError",
     "CostModel",
     "DeviceSpec",
@@ -29,6 +33,7 @@ __all__ = [
     "enumerate_down_sets",
     "load_cost_graph",
     "partition",
+    "plan_from_balance",
     "profile",
     "save_cost_graph",
     "trace",

@@ -77,12 +77,13 @@ class _ThreadContext:
 
     def __init__(self, grad: bool) -> None:
         self.grad = grad
+        self.inference = torch.is_inference_mode_enabled()
         self.autocast = [
             (kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)
         ]
 
     def enter(self, device: torch.device) -> list[Any]:
-        managers: list[Any] = [torch.set_grad_enabled(self.grad)]
+        managers: list[Any] = [torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad)]
         if device.type == "cuda":
             managers.append(torch.cuda.device(device))
         managers += [torch.autocast(kind, dtype=dtype) for kind, dtype in self.autocast]

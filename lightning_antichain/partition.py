@@ -122,6 +122,37 @@ def partition(
     return _make_plan(graph, built, specs, model, method, time.perf_counter() - started, num_states, compression)
 
 
+def plan_from_balance(
+    cost_graph: nx.DiGraph,
+    balance: Sequence[int],
+    *,
+    chunks: int = 1,
+    devices: Sequence[str | DeviceSpec] | None = None,
+    bandwidth_gbps: float | None = None,
+    optimizer_multiplier: float = 2.0,
+) -> Plan:
+    """A plan that puts ``balance[k]`` consecutive operations (in execution order) on stage k.
+
+    For users who know the split they want (torchgpipe's ``balance``); the plan still reports the
+    predicted costs. The counts must be positive and add up to the number of operations.
+    """
+    started = time.perf_counter()
+    graph = normalize_cost_graph(cost_graph)
+    free = [v for v in ordered_nodes(graph) if not graph.nodes[v]["pinned"]]
+    if any(b < 1 for b in balance) or sum(balance) != len(free):
+        raise InfeasiblePlanError(
+            f"balance {list(balance)} must be positive counts adding up to the model's {len(free)} operations"
+        )
+    specs = _device_specs(len(balance), devices, None, None)
+    bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
+    model = CostModel(chunks, bandwidth, optimizer_multiplier)
+    bounds = np.cumsum([0, *balance])
+    stage_sets = [free[bounds[k] : bounds[k + 1]] for k in range(len(balance))]
+    stage_sets[0] = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]] + stage_sets[0]
+    built = evaluate_stages(graph, stage_sets, specs, model)
+    return _make_plan(graph, built, specs, model, "balance", time.perf_counter() - started, len(free) + 1, [])
+
+
 def _device_specs(
     stages: int,
     devices: Sequence[str | DeviceSpec] | None,

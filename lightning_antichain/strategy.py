@@ -1,0 +1,411 @@
+"""``AntichainPipelineStrategy``: pipeline-parallel training for an unchanged LightningModule.
+
+    trainer = Trainer(strategy=AntichainPipelineStrategy(chunks=8), devices=4)
+
+One process drives one pipeline over all the devices Lightning assigns. The strategy profiles the
+module to pipeline (the LightningModule's own ``forward`` unless ``module=`` names a submodule),
+plans its stages, and while a ``*_step`` runs it makes that module's forward the pipelined one. The
+user's step, loss, logging, torchmetrics, optimizers, clipping, accumulation and checkpointing
+stay exactly as without the strategy: outputs come back on the root device, gradients land in the
+original parameters, and checkpoints hold the original keys as CPU tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import nn
+
+from . import microbatch
+from .engine import CHECKPOINT_MODES
+from .partition import partition, plan_from_balance
+from .pipeline import Pipeline
+from .plan import Plan
+from .profile_cache import default_cache_dir, load_cached, profile_key, store
+from .profiler import profile
+from .trace import trace
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "antichain_pipeline"
+
+
+class AntichainPipelineStrategy(ParallelStrategy):
+    """Train one LightningModule as a micro-batched pipeline over the Trainer's devices.
+
+    Args:
+        chunks: micro-batches per batch. A batch must have at least this many samples (a shorter
+            last batch of an epoch runs with fewer micro-batches).
+        checkpoint: activation recomputation, ``"never"``, ``"except_last"`` or ``"always"``.
+        module: dotted path of the submodule to pipeline (e.g. ``"backbone"``); default: the
+            LightningModule's own ``forward``. Its forward must be what the steps call.
+        plan: path of a saved plan JSON to use instead of profiling and planning.
+        balance: operations per stage, in execution order, to use instead of planning.
+        bandwidth_gbps: link between stages in GB/s for the planner; default free on CPU, 16 on GPU.
+        memory_gb: memory per device in GB for the planner; default unlimited.
+        optimizer_multiplier: optimizer state per parameter byte for the planner (2 for Adam).
+        deferred_batch_norm: update BatchNorm running statistics once per batch, not per micro-batch.
+        leaf_modules: dotted paths of submodules to keep whole when tracing.
+        profile_cache: directory of cached profiles; default ``~/.cache/lightning-antichain``.
+        use_profile_cache: read and write that cache.
+    """
+
+    strategy_name = "antichain_pipeline"
+
+    def __init__(
+        self,
+        chunks: int = 8,
+        checkpoint: Literal["never", "except_last", "always"] = "never",
+        module: str | None = None,
+        plan: str | None = None,
+        balance: list[int] | None = None,
+        bandwidth_gbps: float | None = None,
+        memory_gb: float | None = None,
+        optimizer_multiplier: float = 2.0,
+        deferred_batch_norm: bool = False,
+        leaf_modules: list[str] | None = None,
+        profile_cache: str | None = None,
+        use_profile_cache: bool = True,
+    ) -> None:
+        super().__init__()
+        if chunks < 1:
+            raise ValueError(f"chunks must be at least 1, got {chunks}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if plan is not None and balance is not None:
+            raise ValueError("give either plan= or balance=, not both")
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.module_path = module
+        self.plan_path = plan
+        self.balance = list(balance) if balance is not None else None
+        self.bandwidth_gbps = bandwidth_gbps
+        self.memory_gb = memory_gb
+        self.optimizer_multiplier = optimizer_multiplier
+        self.deferred_batch_norm = deferred_batch_norm
+        self.leaf_modules = list(leaf_modules or [])
+        self.profile_cache = Path(profile_cache) if profile_cache else default_cache_dir()
+        self.use_profile_cache = use_profile_cache
+        self.plan: Plan | None = None
+        self._pipeline: Pipeline | None = None
+        self._calls = 0
+        self._checked_first_step = False
+
+    # -- one process, several devices ----------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices, "the Trainer has not assigned devices yet"
+        return self.parallel_devices[0]
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return 1
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ValueError(
+                f"AntichainPipelineStrategy runs one pipeline in one process; num_nodes={num_nodes} is not "
+                "supported yet. Use num_nodes=1."
+            )
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": 1, "rank": 0}
+
+    def set_world_ranks(self) -> None:
+        pass
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        return tensor
+
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        return tensor
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def setup_environment(self) -> None:
+        if not self.parallel_devices:
+            raise ValueError("AntichainPipelineStrategy got no devices from the Trainer")
+        stages = self._requested_stages()
+        if stages is not None and stages != len(self.parallel_devices):
+            raise ValueError(
+                f"the {'plan' if self.plan_path else 'balance'} has {stages} stages but the Trainer gives "
+                f"{len(self.parallel_devices)} devices; set devices={stages} (one device per stage)"
+            )
+        super().setup_environment()
+
+    def _requested_stages(self) -> int | None:
+        if self.balance is not None:
+            return len(self.balance)
+        if self.plan_path is not None:
+            self.plan = Plan.load(self.plan_path)
+            return self.plan.num_stages
+        return None
+
+    def model_to_device(self) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.to(self.root_device)
+
+    def setup(self, trainer: Any) -> None:
+        # Strategy.setup, without moving all optimizer state onto the root device.
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.model = self._setup_model(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        example = getattr(self.lightning_module, "example_input_array", None)
+        if example is not None and self.module_path is None and self._pipeline is None:
+            self._build(*microbatch_args(move_data_to_device(example, self.root_device)))
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._optimizer_state_to_parameters()
+
+    def _target(self) -> nn.Module:
+        module = self.lightning_module
+        assert module is not None
+        if self.module_path is None:
+            return module
+        try:
+            return module.get_submodule(self.module_path)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(module).__name__} has no submodule {self.module_path!r} to pipeline (module=...)"
+            ) from None
+
+    def _build(self, args: tuple, kwargs: dict) -> None:
+        """Profile one micro-batch ``args, kwargs`` (or load its cached profile), plan, place the stages."""
+        target = self._target()
+        devices = list(self.parallel_devices or [])
+        if self.plan is None:
+            self.plan = self._make_plan(target, args, kwargs, devices)
+            rank_zero_info(self.plan.table())
+        self._pipeline = Pipeline(
+            target,
+            self.plan,
+            chunks=self.chunks,
+            checkpoint=self.checkpoint,
+            devices=devices,
+            output_device=self.root_device,
+            leaf_modules=self.leaf_modules,
+            deferred_batch_norm=self.deferred_batch_norm,
+        )
+        self._optimizer_state_to_parameters()
+
+    def _make_plan(self, target: nn.Module, args: tuple, kwargs: dict, devices: list[torch.device]) -> Plan:
+        with torch.inference_mode(False), torch.enable_grad():
+            example = _fresh((args, kwargs))
+            graph = trace(target, fallback=None, leaf_modules=self.leaf_modules)
+            example_inputs = example[1] if example[1] else example[0]
+            key = profile_key(graph, target, example, self.root_device)
+            cost = load_cached(self.profile_cache, key) if self.use_profile_cache else None
+            if cost is None:
+                cost = profile(target, example_inputs, self.root_device, op_graph=graph, name=type(target).__name__)
+                if self.use_profile_cache:
+                    store(self.profile_cache, key, cost)
+            else:
+                rank_zero_info(f"lightning-antichain: using the cached profile {key} from {self.profile_cache}")
+        names = [str(d) for d in devices]
+        if self.balance is not None:
+            return plan_from_balance(
+                cost, self.balance, chunks=self.chunks, devices=names, bandwidth_gbps=self._bandwidth(devices)
+            )
+        return partition(
+            cost,
+            len(devices),
+            chunks=self.chunks,
+            devices=names,
+            bandwidth_gbps=self._bandwidth(devices),
+            memory_gb=self.memory_gb,
+            optimizer_multiplier=self.optimizer_multiplier,
+        )
+
+    def _bandwidth(self, devices: list[torch.device]) -> float | None:
+        if self.bandwidth_gbps is not None:
+            return self.bandwidth_gbps
+        return 16.0 if any(d.type == "cuda" for d in devices) else None
+
+    def _optimizer_state_to_parameters(self) -> None:
+        """Optimizer state lives with its parameter: Lightning's default would move it all to the root."""
+        for optimizer in self.optimizers:
+            for param, state in optimizer.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(param.device)
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def _pipelined(self) -> Iterator[None]:
+        """Make the target module's forward the pipelined one for the duration of a step."""
+        target = self._target()
+        target.forward = self._pipelined_forward  # an instance attribute wins over the class method
+        try:
+            yield
+        finally:
+            del target.forward
+
+    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._calls == 0:
+            size = microbatch.batch_size((args, kwargs))
+            if size is not None and size < self.chunks:
+                raise ValueError(
+                    f"chunks={self.chunks} is larger than the batch of {size} samples; lower chunks or raise "
+                    "the batch size (a shorter last batch of an epoch is fine)"
+                )
+        if self._pipeline is None:
+            self._build(*microbatch.scatter((args, kwargs), self.chunks)[0])
+        assert self._pipeline is not None
+        self._calls += 1
+        return self._pipeline(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        calls = self._calls
+        with self._pipelined():
+            output = super().training_step(*args, **kwargs)
+        if not self._checked_first_step:
+            self._checked_first_step = True
+            if self._calls == calls:
+                raise RuntimeError(
+                    f"training_step never called the pipelined module ({self._describe_target()}), so nothing "
+                    "was pipelined. Call it in training_step (e.g. self(x)), or set "
+                    "AntichainPipelineStrategy(module='name') to the submodule your step calls."
+                )
+        return output
+
+    def _describe_target(self) -> str:
+        return f"{type(self.lightning_module).__name__}.forward" if self.module_path is None else self.module_path
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._pipelined():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._pipelined():
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._pipelined():
+            return super().predict_step(*args, **kwargs)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The original keys, as CPU tensors: loadable with any device count, or without the strategy."""
+        state = super().lightning_module_state_dict()
+        return type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return _to_cpu(super().optimizer_state(optimizer))
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        # torch puts each state tensor on its parameter's device; Lightning's default would then
+        # move all of it to the root device.
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+        self._optimizer_state_to_parameters()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.plan is not None:
+            checkpoint[CHECKPOINT_KEY] = {
+                "chunks": self.chunks,
+                "devices": [str(d) for d in self.parallel_devices or []],
+                "plan": self.plan.to_dict(),
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def teardown(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None  # modules go back to the CPU below; the plan is kept for the next run
+        for optimizer in self.optimizers:
+            _optimizer_to_device(optimizer, torch.device("cpu"))
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Antichain-DAG pipeline parallelism over the Trainer's devices in one process",
+        )
+
+
+def microbatch_args(example: Any) -> tuple[tuple, dict]:
+    """Lightning's ``example_input_array``: a tuple is positional, a dict keyword, else one argument."""
+    if isinstance(example, tuple):
+        return example, {}
+    if isinstance(example, dict):
+        return (), dict(example)
+    return (example,), {}
+
+
+def _fresh(value: Any) -> Any:
+    """Ordinary tensors from possibly inference-mode ones, so the profiler can run backward."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_fresh(v) for v in value)
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    return value
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)((k, _to_cpu(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    return value
+
+
+def register() -> None:
+    """Make ``strategy="antichain_pipeline"`` work; called when the package is imported."""
+    if AntichainPipelineStrategy.strategy_name not in StrategyRegistry:
+        AntichainPipelineStrategy.register_strategies(StrategyRegistry)
