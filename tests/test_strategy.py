@@ -1,0 +1,207 @@
+"""AntichainPipelineStrategy in the real Lightning Trainer, against plain single-device training."""
+
+import lightning as L
+import pytest
+import torch
+from lit_models import TinyClassifier, loader, trainer
+from torch import nn
+
+import lightning_antichain as la
+
+
+def strategy(**kwargs):
+    return la.AntichainPipelineStrategy(**{"chunks": 4, "use_profile_cache": False, **kwargs})
+
+
+def fit(model, strategy_arg="auto", devices=1, **kwargs):
+    torch.manual_seed(0)
+    t = trainer(strategy=strategy_arg, devices=devices, **kwargs)
+    t.fit(model, loader(), loader(64, seed=1))
+    return t
+
+
+@pytest.fixture(scope="module")
+def plain_run():
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    t = fit(model, max_steps=20, val_check_interval=10, limit_val_batches=4)
+    return model.losses, t.callback_metrics["val_acc"].item()
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_losses_and_accuracy_match_plain_training(plain_run, devices):
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    t = fit(model, strategy(), devices, max_steps=20, val_check_interval=10, limit_val_batches=4)
+    losses, accuracy = plain_run
+    assert len(model.losses) == 20
+    torch.testing.assert_close(torch.tensor(model.losses), torch.tensor(losses), rtol=1e-5, atol=0)
+    assert t.callback_metrics["val_acc"].item() == accuracy
+    assert t.strategy.plan.num_stages == devices
+
+
+def test_registered_name_and_trainer_flags():
+    torch.manual_seed(0)
+    t = trainer(strategy="antichain_pipeline", devices=2, max_steps=2)
+    assert isinstance(t.strategy, la.AntichainPipelineStrategy)
+    assert t.num_devices == 2 and t.world_size == 1 and t.global_rank == 0
+    t.fit(TinyClassifier(), loader())
+
+
+def test_validate_test_predict_return_what_they_return_without_it():
+    torch.manual_seed(0)
+    model = TinyClassifier()
+    plain = trainer(devices=1)
+    piped = trainer(devices=2, strategy=strategy())
+    assert piped.validate(model, loader(64)) == plain.validate(model, loader(64))
+    assert piped.test(model, loader(64)) == plain.test(model, loader(64))
+    a, b = piped.predict(model, loader(64)), plain.predict(model, loader(64))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+
+
+def test_checkpoint_from_four_devices_resumes_on_two_and_without_the_strategy(tmp_path):
+    steps = 5  # one epoch: 80 samples in batches of 16
+    torch.manual_seed(0)
+    uninterrupted = TinyClassifier()
+    trainer(devices=1, max_epochs=2).fit(uninterrupted, loader(80))
+
+    torch.manual_seed(0)
+    first = TinyClassifier()
+    t = trainer(devices=4, strategy=strategy(), max_epochs=1)
+    t.fit(first, loader(80))
+    path = tmp_path / "four.ckpt"
+    t.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)
+    assert list(saved["state_dict"]) == list(TinyClassifier().state_dict())
+    assert all(v.device.type == "cpu" for v in saved["state_dict"].values())
+    assert saved["antichain_pipeline"]["plan"]["stages"] and len(saved["antichain_pipeline"]["devices"]) == 4
+
+    for devices, strategy_arg in [(2, strategy()), (1, "auto")]:
+        resumed = TinyClassifier()
+        torch.manual_seed(0)
+        trainer(devices=devices, strategy=strategy_arg, max_epochs=2).fit(resumed, loader(80), ckpt_path=path)
+        torch.testing.assert_close(
+            torch.tensor(resumed.losses), torch.tensor(uninterrupted.losses[steps:]), rtol=1e-5, atol=0
+        )
+    plain = TinyClassifier.load_from_checkpoint(path)  # plain Lightning, no strategy
+    assert torch.equal(plain.net[0].weight, saved["state_dict"]["net.0.weight"])
+
+
+class ManualTwoOptimizers(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(first, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        first.step()
+        second.step()
+
+    def configure_optimizers(self):
+        head = list(self.net[4:].parameters())
+        body = list(self.net[:4].parameters())
+        return torch.optim.SGD(body, lr=0.1), torch.optim.Adam(head, lr=1e-2)
+
+
+@pytest.mark.parametrize(
+    "make, flags",
+    [
+        (TinyClassifier, {"gradient_clip_val": 0.3, "accumulate_grad_batches": 2}),
+        (ManualTwoOptimizers, {}),
+    ],
+    ids=["clip-and-accumulate", "manual-two-optimizers"],
+)
+def test_optimization_features_match_plain(make, flags):
+    runs = []
+    for strategy_arg, devices in [("auto", 1), (strategy(), 3)]:
+        torch.manual_seed(0)
+        model = make()
+        fit(model, strategy_arg, devices, max_steps=8, limit_val_batches=0, **flags)
+        runs.append(model.losses)
+    torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=1e-5, atol=0)
+
+
+def test_bf16_mixed_on_cpu_trains_like_plain_bf16():
+    runs = []
+    for strategy_arg, devices in [("auto", 1), (strategy(), 2)]:
+        torch.manual_seed(0)
+        model = TinyClassifier()
+        fit(model, strategy_arg, devices, max_steps=10, limit_val_batches=0, precision="bf16-mixed")
+        runs.append(torch.tensor(model.losses))
+    torch.testing.assert_close(runs[1], runs[0], rtol=2e-2, atol=1e-2)
+    assert runs[1][-1] < runs[1][0]
+
+
+def test_fixed_balance_and_saved_plan_skip_planning(tmp_path):
+    t = fit(TinyClassifier(), strategy(balance=[3, 4]), 2, max_steps=2, limit_val_batches=0)
+    assert t.strategy.plan.method == "balance" and t.strategy.plan.balance_counts == [4, 4]  # input pinned in 0
+    path = tmp_path / "plan.json"
+    t.strategy.plan.save(path)
+    t2 = fit(TinyClassifier(), strategy(plan=str(path)), 2, max_steps=2, limit_val_batches=0)
+    assert [s.nodes for s in t2.strategy.plan.stages] == [s.nodes for s in t.strategy.plan.stages]
+
+
+def test_profile_cache_skips_profiling_the_second_time(tmp_path, capsys):
+    for _ in range(2):
+        fit(
+            TinyClassifier(),
+            strategy(use_profile_cache=True, profile_cache=str(tmp_path)),
+            2,
+            max_steps=1,
+            limit_val_batches=0,
+        )
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert capsys.readouterr().err.count("profiling TinyClassifier: 1/") == 1  # profiled once, not twice
+
+
+def test_more_stages_than_devices_is_a_clear_error():
+    with pytest.raises(ValueError, match="3 stages but the Trainer gives 2 devices"):
+        fit(TinyClassifier(), strategy(balance=[2, 2, 3]), 2, max_steps=1)
+
+
+def test_chunks_larger_than_the_batch_is_a_clear_error():
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="chunks=32 is larger than the batch of 16 samples"):
+        fit(TinyClassifier(), strategy(chunks=32), 2, max_steps=1, limit_val_batches=0)
+
+
+class Untraceable(TinyClassifier):
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.net(x)
+        return -self.net(x)
+
+
+def test_untraceable_model_is_a_clear_error():
+    with pytest.raises(la.UntraceableModelError, match="control flow"):
+        fit(Untraceable(), strategy(), 2, max_steps=1, limit_val_batches=0)
+
+
+class CallsSubmodule(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)  # never calls self(x)
+        self.losses.append(loss.item())
+        return loss
+
+
+def test_a_step_that_never_calls_the_pipelined_module_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="never called the pipelined module"):
+        fit(CallsSubmodule(), strategy(), 2, max_steps=1, limit_val_batches=0)
+    model = CallsSubmodule()
+    t = fit(model, strategy(module="net"), 2, max_steps=3, limit_val_batches=0)
+    assert t.strategy.plan.num_stages == 2 and len(model.losses) == 3
+
+
+def test_num_nodes_above_one_is_refused():
+    with pytest.raises(ValueError, match="num_nodes=2"):
+        L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy())
