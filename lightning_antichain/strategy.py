@@ -4,7 +4,7 @@
 
 One process drives one pipeline over all the devices Lightning assigns. The strategy profiles the
 module to pipeline (the LightningModule's own ``forward`` unless ``module=`` names a submodule),
-plans its stages, and while a ``*_step`` runs it makes that module's forward the pipelined one. The
+plans its stages, and from setup to teardown makes that module's forward the pipelined one. The
 user's step, loss, logging, torchmetrics, optimizers, clipping, accumulation and checkpointing
 stay exactly as without the strategy: outputs come back on the root device, gradients land in the
 original parameters, and checkpoints hold the original keys as CPU tensors.
@@ -13,8 +13,6 @@ original parameters, and checkpoints hold the original keys as CPU tensors.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,6 +99,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._pipeline: Pipeline | None = None
         self._calls = 0
         self._checked_first_step = False
+        self._checked_batch = False
+        self._in_training_step = False
+        self._installed: nn.Module | None = None
 
     # -- one process, several devices ----------------------------------------------------------
 
@@ -200,6 +201,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             self._build(*microbatch_args(move_data_to_device(example, self.root_device)))
         if trainer.state.fn == TrainerFn.FITTING:
             self._optimizer_state_to_parameters()
+        self._install()
 
     def _target(self) -> nn.Module:
         module = self.lightning_module
@@ -275,18 +277,25 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     # -- steps ---------------------------------------------------------------------------------
 
-    @contextmanager
-    def _pipelined(self) -> Iterator[None]:
-        """Make the target module's forward the pipelined one for the duration of a step."""
+    def _install(self) -> None:
+        """Make the target module's forward the pipelined one until teardown.
+
+        For the strategy's whole lifetime, not just inside the steps: Lightning's model summary,
+        user hooks and ``predict`` also call the module, and with stages on several devices a plain
+        forward would mix devices.
+        """
         target = self._target()
         target.forward = self._pipelined_forward  # an instance attribute wins over the class method
-        try:
-            yield
-        finally:
-            del target.forward
+        self._installed = target
+
+    def _uninstall(self) -> None:
+        if self._installed is not None:
+            vars(self._installed).pop("forward", None)
+            self._installed = None
 
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._calls == 0:
+        if self._in_training_step and not self._checked_batch:
+            self._checked_batch = True
             size = microbatch.batch_size((args, kwargs))
             if size is not None and size < self.chunks:
                 raise ValueError(
@@ -301,8 +310,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         calls = self._calls
-        with self._pipelined():
+        self._in_training_step = True
+        try:
             output = super().training_step(*args, **kwargs)
+        finally:
+            self._in_training_step = False
         if not self._checked_first_step:
             self._checked_first_step = True
             if self._calls == calls:
@@ -315,18 +327,6 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     def _describe_target(self) -> str:
         return f"{type(self.lightning_module).__name__}.forward" if self.module_path is None else self.module_path
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self._pipelined():
-            return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self._pipelined():
-            return super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._pipelined():
-            return super().predict_step(*args, **kwargs)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -355,6 +355,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def teardown(self) -> None:
+        self._uninstall()
         if self._pipeline is not None:
             self._pipeline.close()
             self._pipeline = None  # modules go back to the CPU below; the plan is kept for the next run

@@ -205,3 +205,26 @@ def test_a_step_that_never_calls_the_pipelined_module_is_a_clear_error():
 def test_num_nodes_above_one_is_refused():
     with pytest.raises(ValueError, match="num_nodes=2"):
         L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy())
+
+
+class WithExample(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.example_input_array = torch.randn(2, 16)
+
+
+def test_example_input_array_is_profiled_in_setup_and_the_summary_runs_through_the_pipeline(plain_run):
+    torch.manual_seed(0)
+    model = WithExample()
+    t = trainer(
+        devices=2,
+        strategy=strategy(),
+        max_steps=20,
+        val_check_interval=10,
+        limit_val_batches=4,
+        enable_model_summary=True,
+    )
+    t.fit(model, loader(), loader(64, seed=1))
+    assert t.strategy.plan.micro_batch_size == 2  # profiled on the example, before any batch
+    torch.testing.assert_close(torch.tensor(model.losses), torch.tensor(plain_run[0]), rtol=1e-5, atol=0)
+    assert "forward" not in vars(model)  # the pipelined forward is gone after teardown
