@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -23,6 +21,9 @@ import torch
 import torchvision
 
 import lightning_antichain as la
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import machine, write_section  # noqa: E402
 
 # model name, constructor kwargs, input side (32 unless the model needs more), the seed's times in s
 MODELS = [
@@ -39,19 +40,6 @@ MODELS = [
 ]
 BASELINES = ("uniform", "parameters", "blocks")
 START, END = "<!-- partition-table:start -->", "<!-- partition-table:end -->"
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    threads = torch.get_num_threads()
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} profiling thread(s)"
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -143,7 +131,7 @@ def main() -> None:
     text = (
         f"{START}\n"
         f"Command: `{command}`  \n"
-        f"Machine: {machine()}  \n"
+        f"Machine: {machine(torch.get_num_threads())} for profiling  \n"
         f"Batch {args.batch_size} in {args.chunks} micro-batches (costs profiled per micro-batch of "
         f"{args.batch_size // args.chunks}), bandwidth "
         f"{'free (CPU stages share memory)' if args.bandwidth is None else f'{args.bandwidth} GB/s'}, "
@@ -155,14 +143,7 @@ def main() -> None:
     )
     print(text)
     if not args.no_write:
-        path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-        old = path.read_text() if path.exists() else "# Benchmarks\n\n## Partitioning: the seed's Table 1\n\n"
-        if START in old:
-            new = old[: old.index(START)] + text + old[old.index(END) + len(END) :]
-        else:
-            new = old.rstrip("\n") + "\n\n" + text + "\n"
-        path.write_text(new)
-        print(f"wrote {path}", file=sys.stderr)
+        write_section(text, START, END, "## Partitioning: the seed's Table 1")
 
 
 if __name__ == "__main__":

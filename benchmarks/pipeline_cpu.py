@@ -19,7 +19,6 @@ balance is the plan's bottleneck over the ideal split.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -31,6 +30,9 @@ from torch import nn
 
 import lightning_antichain as la
 from lightning_antichain.worker import WorkerPool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import machine, write_section  # noqa: E402
 
 START, END = "<!-- pipeline-cpu:start -->", "<!-- pipeline-cpu:end -->"
 
@@ -143,8 +145,8 @@ def main() -> None:
         [
             START,
             f"Command: `python {' '.join(sys.argv)}`  ",
-            f"Machine: {_cpu()}, {os.cpu_count()} cores, torch {torch.__version__}, 1 intra-op thread per "
-            f"worker; CNN of {args.depth + 1} 3x3 convolutions, width {args.width}, on "
+            f"Machine: {machine()}, 1 intra-op thread per worker; CNN of {args.depth + 1} 3x3 convolutions, "
+            f"width {args.width}, on "
             f"{args.image_size}x{args.image_size} images, batch {args.batch_size}, {args.stages} stages, "
             f"median of {args.repeats} steps after {args.warmup} warm-up, variants interleaved.",
             "",
@@ -162,25 +164,9 @@ def main() -> None:
     )
     print(text)
     if not args.no_write:
-        path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-        old = path.read_text()
-        if START in old:
-            new = old[: old.index(START)] + text + old[old.index(END) + len(END) :]
-        else:
-            new = old.rstrip("\n") + "\n\n## Pipeline throughput on CPU\n\n" + text + "\n"
-        path.write_text(new)
+        write_section(text, START, END, "## Pipeline throughput on CPU")
     worker.shutdown()
     del plain_s
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "CPU"
 
 
 if __name__ == "__main__":

@@ -19,6 +19,10 @@ import torch
 import torchvision
 
 import lightning_antichain as la
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import machine, write_section  # noqa: E402
+
 from lightning_antichain.graph import total_compute
 
 START, END = "<!-- profile-accuracy:start -->", "<!-- profile-accuracy:end -->"
@@ -61,18 +65,12 @@ def main() -> None:
             print(lines[-1], file=sys.stderr)
     text = (
         f"{START}\nCommand: `python {' '.join(sys.argv)}`  \n"
-        f"Machine: {torch.get_num_threads()} thread(s), torch {torch.__version__}, 3x32x32 inputs, "
+        f"Machine: {machine(torch.get_num_threads())}, 3x32x32 inputs, "
         f"median of {args.repeats} steps.\n\n" + "\n".join(lines) + f"\n{END}"
     )
     print(text)
     if not args.no_write:
-        path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-        old = path.read_text()
-        if START in old:
-            new = old[: old.index(START)] + text + old[old.index(END) + len(END) :]
-        else:
-            new = old.rstrip("\n") + "\n\n## Profile accuracy\n\n" + text + "\n"
-        path.write_text(new)
+        write_section(text, START, END, "## Profile accuracy")
 
 
 if __name__ == "__main__":

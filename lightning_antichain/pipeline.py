@@ -25,7 +25,7 @@ from .batchnorm import deferred_batch_norm
 from .engine import CHECKPOINT_MODES, PassState, run_backward, run_forward
 from .plan import Plan
 from .split import place_stages, split_stages
-from .trace import trace
+from .trace import bind_placeholders, trace
 from .worker import WorkerPool, share_malloc_arena
 
 
@@ -123,21 +123,7 @@ class Pipeline(nn.Module):
     # -- helpers -------------------------------------------------------------------------------
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        positional = list(args)
-        bound: dict[str, Any] = {}
-        for node in self._placeholders:
-            name = str(node.target).lstrip("*")
-            if positional:
-                bound[node.name] = positional.pop(0)
-            elif name in kwargs:
-                bound[node.name] = kwargs[name]
-            elif node.args:
-                bound[node.name] = node.args[0]
-            else:
-                raise TypeError(f"{type(self.module).__name__}.forward() missing argument {name!r}")
-        if positional:
-            raise TypeError(f"{type(self.module).__name__}.forward() got {len(args)} positional arguments, too many")
-        return bound
+        return bind_placeholders(self._placeholders, args, kwargs, f"{type(self.module).__name__}.forward")
 
     def _assemble(self, gathered: tuple[Any, ...]) -> Any:
         by_name = dict(zip(self._stages[-1].outputs, gathered))

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .graph import GRAPH_FORMAT
-from .trace import OpGraph, RecordedCall, iter_tensors, split_inputs, trace
+from .trace import OpGraph, RecordedCall, iter_tensors, map_tensors, split_inputs, trace
 
 
 def profile(
@@ -55,7 +55,7 @@ def profile(
     work_module = copy.deepcopy(graph.graph_module if graph.graph_module is not None else module)
     work_module.to(device).train()
     replay = _replay_graph(graph, work_module)
-    args, kwargs = split_inputs(_to_device(example_inputs, device))
+    args, kwargs = split_inputs(map_tensors(lambda t: t.to(device), example_inputs))
     timer = _Timer(device)
     calls = list(replay.record_calls(*args, **kwargs))
     rounds = warmup + repeats
@@ -200,18 +200,6 @@ def _owned_state(
 
 def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(value))
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_to_device(v, device) for v in value)
-    if isinstance(value, list):
-        return [_to_device(v, device) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    return value
 
 
 def _batch_size(example_inputs: Any) -> int | None:

@@ -32,7 +32,7 @@ from .pipeline import Pipeline
 from .plan import Plan
 from .profile_cache import default_cache_dir, load_cached, profile_key, store
 from .profiler import profile
-from .trace import trace
+from .trace import map_tensors, split_inputs, trace
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         example = getattr(self.lightning_module, "example_input_array", None)
         if example is not None and self.module_path is None and self._pipeline is None:
-            self._build(*microbatch_args(move_data_to_device(example, self.root_device)))
+            self._build(*split_inputs(move_data_to_device(example, self.root_device)))
         if trainer.state.fn == TrainerFn.FITTING:
             self._optimizer_state_to_parameters()
         self._install()
@@ -236,7 +236,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     def _make_plan(self, target: nn.Module, args: tuple, kwargs: dict, devices: list[torch.device]) -> Plan:
         with torch.inference_mode(False), torch.enable_grad():
-            example = _fresh((args, kwargs))
+            example = map_tensors(torch.Tensor.clone, (args, kwargs))  # ordinary tensors, even from inference mode
             graph = trace(target, fallback=None, leaf_modules=self.leaf_modules)
             example_inputs = example[1] if example[1] else example[0]
             key = profile_key(graph, target, example, self.root_device)
@@ -336,7 +336,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         return type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return _to_cpu(super().optimizer_state(optimizer))
+        return map_tensors(lambda t: t.detach().cpu(), super().optimizer_state(optimizer))
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         # torch puts each state tensor on its parameter's device; Lightning's default would then
@@ -370,40 +370,6 @@ class AntichainPipelineStrategy(ParallelStrategy):
             cls,
             description="Antichain-DAG pipeline parallelism over the Trainer's devices in one process",
         )
-
-
-def microbatch_args(example: Any) -> tuple[tuple, dict]:
-    """Lightning's ``example_input_array``: a tuple is positional, a dict keyword, else one argument."""
-    if isinstance(example, tuple):
-        return example, {}
-    if isinstance(example, dict):
-        return (), dict(example)
-    return (example,), {}
-
-
-def _fresh(value: Any) -> Any:
-    """Ordinary tensors from possibly inference-mode ones, so the profiler can run backward."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, tuple):
-        return tuple(_fresh(v) for v in value)
-    if isinstance(value, list):
-        return [_fresh(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _fresh(v) for k, v in value.items()}
-    return value
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return type(value)((k, _to_cpu(v)) for k, v in value.items())
-    if isinstance(value, list):
-        return [_to_cpu(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_cpu(v) for v in value)
-    return value
 
 
 def register() -> None:

@@ -214,7 +214,7 @@ def _record_fx_calls(graph: OpGraph, args: tuple, kwargs: dict) -> Iterator[Reco
     assert graph.graph_module is not None
     gm = graph.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    bound = _bind_placeholders(placeholders, args, kwargs)
+    bound = bind_placeholders(placeholders, args, kwargs, f"{type(graph.module).__name__}.forward")
     env: dict[str, Any] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -245,7 +245,8 @@ def _record_fx_calls(graph: OpGraph, args: tuple, kwargs: dict) -> Iterator[Reco
         yield RecordedCall(op, fn, tuple(call_args), dict(call_kwargs), value, module)
 
 
-def _bind_placeholders(placeholders: list[fx.Node], args: tuple, kwargs: dict) -> dict[str, Any]:
+def bind_placeholders(placeholders: list[fx.Node], args: tuple, kwargs: dict, owner: str = "forward") -> dict[str, Any]:
+    """Map a call's arguments onto the fx placeholders of ``forward``, defaults included."""
     bound: dict[str, Any] = {}
     positional = list(args)
     for node in placeholders:
@@ -257,8 +258,23 @@ def _bind_placeholders(placeholders: list[fx.Node], args: tuple, kwargs: dict) -
         elif node.args:
             bound[node.name] = node.args[0]
         else:
-            raise TypeError(f"missing example input for forward argument {name!r}")
+            raise TypeError(f"{owner}() missing argument {name!r}")
+    if positional:
+        raise TypeError(f"{owner}() got {len(args)} positional arguments, {len(args) - len(positional)} expected")
     return bound
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor inside its tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(map_tensors(fn, v) for v in value)
+    if isinstance(value, list):
+        return [map_tensors(fn, v) for v in value]
+    if isinstance(value, dict):
+        return type(value)((k, map_tensors(fn, v)) for k, v in value.items())
+    return value
 
 
 def _identity(value: Any) -> Any:

@@ -1,0 +1,37 @@
+"""Shared by the benchmark scripts: the machine's description and writing a section of docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo, else what platform reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(threads: int | None = None) -> str:
+    import torch
+
+    text = f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    return text if threads is None else f"{text}, {threads} thread(s)"
+
+
+def write_section(text: str, start: str, end: str, heading: str) -> None:
+    """Replace the text between the ``start`` and ``end`` markers, or append it under ``heading``."""
+    old = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
+    if start in old:
+        new = old[: old.index(start)] + text + old[old.index(end) + len(end) :]
+    else:
+        new = old.rstrip("\n") + f"\n\n{heading}\n\n" + text + "\n"
+    BENCHMARKS_MD.write_text(new)
