@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--save-profile", help="save the cost graph as JSON for later --load-profile")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     plan.add_argument("--output", help="save the plan as JSON to this file")
+    plan.add_argument("--plot", help="draw the stage loads and the predicted timeline to this PNG (needs matplotlib)")
     plan.add_argument("--quiet", action="store_true", help="no progress on stderr")
     plan.set_defaults(run=_plan)
     return parser
@@ -131,6 +132,10 @@ def _plan(args: argparse.Namespace) -> int:
     )
     if args.output:
         plan.save(args.output)
+    if args.plot:
+        from .plot import plot_plan
+
+        plot_plan(plan, args.plot)
     print(plan.to_json() if args.json else plan.table())
     return 0
 

@@ -182,27 +182,39 @@ def _json_number(value: Any) -> Any:
     return float(value)
 
 
-def gpipe_step_time(forward: list[float], backward: list[float], chunks: int) -> float:
-    """Makespan of one GPipe step: every micro-batch forward through all stages, then backward.
+Task = tuple[str, int, int, float, float]
 
-    Stage k handles micro-batch m once it has finished m-1 and stage k-1 has handed m over (a
-    flow shop); backward runs the stages in reverse once the last forward is done.
+
+def gpipe_schedule(forward: list[float], backward: list[float], chunks: int) -> list[Task]:
+    """The GPipe timeline: ``(phase, stage, micro_batch, start, end)`` for every task.
+
+    Stage k handles micro-batch m once it has finished m-1 and stage k-1 has handed m over (a flow
+    shop); the backward runs the stages in reverse, micro-batches last to first, once the last
+    forward is done.
+    """
+    k = len(forward)
+    tasks = []
+    done = [0.0] * k
+    for m in range(chunks):
+        ready = 0.0
+        for s in range(k):
+            start = max(done[s], ready)
+            done[s] = ready = start + forward[s]
+            tasks.append(("forward", s, m, start, done[s]))
+    back = [done[-1]] * k
+    for m in reversed(range(chunks)):
+        ready = done[-1]
+        for s in reversed(range(k)):
+            start = max(back[s], ready)
+            back[s] = ready = start + backward[s]
+            tasks.append(("backward", s, m, start, back[s]))
+    return tasks
+
+
+def gpipe_step_time(forward: list[float], backward: list[float], chunks: int) -> float:
+    """Makespan of one GPipe step (see :func:`gpipe_schedule`).
 
     >>> gpipe_step_time([1.0, 1.0], [2.0, 2.0], chunks=4)  # (M + K - 1) * (f + b)
     15.0
     """
-    k = len(forward)
-    done = [0.0] * k
-    for _ in range(chunks):
-        ready = 0.0
-        for s in range(k):
-            done[s] = max(done[s], ready) + forward[s]
-            ready = done[s]
-    start = done[-1]
-    back = [start] * k
-    for _ in range(chunks):
-        ready = start
-        for s in reversed(range(k)):
-            back[s] = max(back[s], ready) + backward[s]
-            ready = back[s]
-    return back[0]
+    return max(end for *_, end in gpipe_schedule(forward, backward, chunks))

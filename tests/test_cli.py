@@ -72,6 +72,30 @@ def test_table_and_saved_profile(tmp_path):
     assert again.stderr == ""  # no profiling the second time
 
 
+def test_plot_draws_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    picture = tmp_path / "plan.png"
+    run_cli(
+        "plan",
+        "torchvision.models.squeezenet1_0",
+        "--model-kwargs",
+        '{"num_classes": 10}',
+        "--stages",
+        "3",
+        "--input-shape",
+        "3,32,32",
+        "--batch-size",
+        "8",
+        "--chunks",
+        "4",
+        "--quiet",
+        "--plot",
+        str(picture),
+    )
+    data = picture.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

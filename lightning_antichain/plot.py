@@ -1,0 +1,70 @@
+"""Draw a plan: the load of each stage, and the predicted GPipe timeline of one step.
+
+Needs matplotlib (``pip install "lightning-antichain[plot]"``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .plan import Plan, gpipe_schedule
+
+
+def plot_plan(plan: Plan, path: str | os.PathLike[str], title: str | None = None) -> None:
+    """Write a PNG (or any format matplotlib knows from the suffix) of ``plan`` to ``path``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError('plotting needs matplotlib: pip install "lightning-antichain[plot]"') from exc
+
+    stages = plan.stages
+    fig, (loads, timeline) = plt.subplots(
+        1, 2, figsize=(13, 2.2 + 0.55 * len(stages)), gridspec_kw={"width_ratios": [1, 2.2]}
+    )
+    names = [f"stage {s.index}\n{s.device}" for s in stages]
+    ms = 1e3
+    y = range(len(stages))
+    forward = [ms * s.forward_s for s in stages]
+    backward = [ms * s.backward_s for s in stages]
+    transfer = [ms * s.transfer_s for s in stages]
+    loads.barh(y, forward, color="#4c72b0", label="forward")
+    loads.barh(y, backward, left=forward, color="#dd8452", label="backward")
+    loads.barh(y, transfer, left=[f + b for f, b in zip(forward, backward)], color="#8c8c8c", label="transfer")
+    loads.axvline(ms * plan.lower_bound_s, color="black", linestyle="--", linewidth=1, label="lower bound")
+    for i, s in enumerate(stages):
+        loads.text(ms * s.time_s, i, f" {len(s.nodes)} ops, {s.memory_bytes / 1e6:.0f} MB", va="center", fontsize=8)
+    loads.set_yticks(list(y), names)
+    loads.invert_yaxis()
+    loads.set_xlabel("ms per micro-batch")
+    loads.set_title(f"stage loads (bottleneck x{plan.balance:.3f} the bound)")
+    loads.set_xlim(0, 1.6 * ms * max(max(s.time_s for s in stages), plan.lower_bound_s))
+    loads.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.02 * len(stages)), ncol=4, fontsize=8)
+
+    half = [s.transfer_s / 2 for s in stages]
+    schedule = gpipe_schedule(
+        [s.forward_s + t for s, t in zip(stages, half)], [s.backward_s + t for s, t in zip(stages, half)], plan.chunks
+    )
+    for phase, stage, micro, start, end in schedule:
+        color = "#4c72b0" if phase == "forward" else "#dd8452"
+        timeline.barh(stage, ms * (end - start), left=ms * start, color=color, edgecolor="white", linewidth=0.6)
+        if ms * (end - start) > 0.04 * ms * plan.predicted_step_s:
+            middle = ms * (start + end) / 2
+            timeline.text(middle, stage, str(micro), ha="center", va="center", color="white", fontsize=7)
+    timeline.set_yticks(list(y), names)
+    timeline.invert_yaxis()
+    timeline.set_xlabel("ms")
+    timeline.set_title(f"predicted GPipe step: {plan.chunks} micro-batches, {ms * plan.predicted_step_s:.1f} ms")
+    timeline.text(
+        0.0,
+        -0.25 - 0.02 * len(stages),
+        "blue: forward, orange: backward, numbers: micro-batches",
+        transform=timeline.transAxes,
+        fontsize=8,
+    )
+    fig.suptitle(title or f"{plan.model or 'model'}: {plan.num_stages} stages, method {plan.method}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
