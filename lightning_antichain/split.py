@@ -54,6 +54,26 @@ class StageModule:
         """The original modules this stage calls."""
         return [self.module.get_submodule(n.target) for n in self.module.graph.nodes if n.op == "call_module"]
 
+    def parameters(self) -> list[nn.Parameter]:
+        """The original parameters this stage uses, each once: its modules' and those it fetches."""
+        found: dict[int, nn.Parameter] = {}
+        for module in self.submodules():
+            found.update((id(p), p) for p in module.parameters())
+        for node in self.module.graph.nodes:
+            if node.op == "get_attr":
+                value = self.module.get_parameter(node.target) if _is_parameter(self.module, node.target) else None
+                if value is not None:
+                    found[id(value)] = value
+        return list(found.values())
+
+
+def _is_parameter(module: nn.Module, target: str) -> bool:
+    try:
+        module.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
 
 def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> list[StageModule]:
     """One :class:`StageModule` per plan stage, in pipeline order."""

@@ -27,6 +27,7 @@ from torch import nn
 
 from . import microbatch
 from .engine import CHECKPOINT_MODES
+from .memory import device_memory_gb, optimizer_multiplier
 from .partition import partition, plan_from_balance
 from .pipeline import Pipeline
 from .plan import Plan
@@ -51,8 +52,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
         plan: path of a saved plan JSON to use instead of profiling and planning.
         balance: operations per stage, in execution order, to use instead of planning.
         bandwidth_gbps: link between stages in GB/s for the planner; default free on CPU, 16 on GPU.
-        memory_gb: memory per device in GB for the planner; default unlimited.
-        optimizer_multiplier: optimizer state per parameter byte for the planner (2 for Adam).
+        memory_gb: memory per device in GB for the planner; default: 90% of each GPU's memory,
+            unlimited on CPU.
+        optimizer_multiplier: optimizer state per parameter byte for the planner; default: read from
+            the configured optimizers (Adam 2, SGD with momentum 1, plain SGD 0).
         deferred_batch_norm: update BatchNorm running statistics once per batch, not per micro-batch.
         leaf_modules: dotted paths of submodules to keep whole when tracing.
         profile_cache: directory of cached profiles; default ``~/.cache/lightning-antichain``.
@@ -70,7 +73,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         balance: list[int] | None = None,
         bandwidth_gbps: float | None = None,
         memory_gb: float | None = None,
-        optimizer_multiplier: float = 2.0,
+        optimizer_multiplier: float | None = None,
         deferred_batch_norm: bool = False,
         leaf_modules: list[str] | None = None,
         profile_cache: str | None = None,
@@ -104,6 +107,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._installed: nn.Module | None = None
 
     # -- one process, several devices ----------------------------------------------------------
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The running pipeline (after the first forward or setup), for inspection."""
+        return self._pipeline
 
     @property
     def root_device(self) -> torch.device:
@@ -250,7 +258,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
         names = [str(d) for d in devices]
         if self.balance is not None:
             return plan_from_balance(
-                cost, self.balance, chunks=self.chunks, devices=names, bandwidth_gbps=self._bandwidth(devices)
+                cost,
+                self.balance,
+                chunks=self.chunks,
+                devices=names,
+                bandwidth_gbps=self._bandwidth(devices),
+                optimizer_multiplier=self._optimizer_multiplier(),
             )
         return partition(
             cost,
@@ -258,9 +271,19 @@ class AntichainPipelineStrategy(ParallelStrategy):
             chunks=self.chunks,
             devices=names,
             bandwidth_gbps=self._bandwidth(devices),
-            memory_gb=self.memory_gb,
-            optimizer_multiplier=self.optimizer_multiplier,
+            memory_gb=self._memory_gb(devices),
+            optimizer_multiplier=self._optimizer_multiplier(),
         )
+
+    def _memory_gb(self, devices: list[torch.device]) -> list[float | None] | float | None:
+        if self.memory_gb is not None:
+            return self.memory_gb
+        return [device_memory_gb(d) for d in devices]
+
+    def _optimizer_multiplier(self) -> float:
+        if self.optimizer_multiplier is not None:
+            return self.optimizer_multiplier
+        return optimizer_multiplier(self.optimizers) if self.optimizers else 2.0
 
     def _bandwidth(self, devices: list[torch.device]) -> float | None:
         if self.bandwidth_gbps is not None:
