@@ -1,0 +1,102 @@
+"""Faults in a real fit: a killed process resumes as plain Lightning does; errors and NaNs behave."""
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lit_models import TinyClassifier, loader, trainer
+from models import FAIL, fuse
+from torch import nn
+
+import lightning_antichain as la
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "kill_resume.py"
+torch.fx.wrap("fuse")  # fx wraps by name in the calling module's globals, so here too
+
+
+def losses(path):
+    return {r["step"]: r["loss"] for r in map(json.loads, Path(path).read_text().splitlines())}
+
+
+def run(tmp_path, name, *args):
+    out = tmp_path / f"{name}.jsonl"
+    for extra in args:
+        result = subprocess.run(
+            [sys.executable, str(SCRIPT), "--ckpt-dir", str(tmp_path / name), "--out", str(out), *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode in (0, -9), result.stderr[-2000:]  # -9: killed on purpose
+    return losses(out)
+
+
+def test_killed_run_resumes_like_plain_lightning(tmp_path):
+    # 4 steps per epoch, a checkpoint at each epoch end, SIGKILL at step 6, resume from step 4.
+    uninterrupted = run(tmp_path, "plain_full", [])
+    plain = run(tmp_path, "plain", ["--kill-at", "6"], ["--resume"])
+    piped = run(
+        tmp_path,
+        "piped",
+        ["--pipeline", "--devices", "2", "--kill-at", "6"],
+        ["--pipeline", "--devices", "2", "--resume"],
+    )
+    assert sorted(piped) == sorted(plain) == list(range(12))
+    for step in range(12):
+        assert piped[step] == pytest.approx(plain[step], rel=1e-5), step
+        assert plain[step] == pytest.approx(uninterrupted[step], rel=1e-5), step  # plain resume matches here
+
+
+class Exploding(TinyClassifier):
+    def forward(self, x):
+        for layer in list(self.net)[:6]:
+            x = layer(x)
+        return self.net[6](fuse(x))
+
+
+class ArmAt(L.Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        FAIL["forward"] = trainer.global_step == 2
+
+
+def test_a_stage_raising_ends_the_fit_with_that_exception():
+    try:
+        t = trainer(
+            devices=3,
+            strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False),
+            max_steps=5,
+            callbacks=[ArmAt()],
+        )
+        with pytest.raises(RuntimeError, match="fuse blew") as info:
+            t.fit(Exploding(), loader())
+    finally:
+        FAIL["forward"] = False
+    assert "pipeline stage" in "".join(getattr(info.value, "__notes__", []))
+    assert not [th for th in threading.enumerate() if th.name.startswith("antichain-stage")]
+
+
+class NaNAtStep(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == 3:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+
+def test_a_nan_loss_behaves_as_without_the_strategy():
+    runs = []
+    for strategy, devices in [("auto", 1), (la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False), 2)]:
+        torch.manual_seed(0)
+        model = NaNAtStep()
+        trainer(devices=devices, strategy=strategy, max_steps=6).fit(model, loader())
+        runs.append(torch.tensor(model.losses))
+    assert runs[0][:3].isfinite().all() and runs[0][3:].isnan().all()
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=0, equal_nan=True)
