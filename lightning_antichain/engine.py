@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,7 @@ class PassState:
     """Everything one forward pass leaves for its backward pass."""
 
     saved: list[list[_Saved]] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)  # seconds each stage worked, forward + backward
 
 
 def _wants_grad(value: Any) -> bool:
@@ -180,6 +182,7 @@ def run_forward(
         first.put((m, values, None, tuple(_wants_grad(v) for v in values)))
     if state is not None:
         state.saved = [[] for _ in stages]
+        state.busy[:] = [0.0] * len(stages)
 
     def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
         stage = stages[k]
@@ -190,6 +193,7 @@ def run_forward(
                 outbox.put(ABORT)
                 return
             m, values, event, flags = item
+            started = time.perf_counter()
             try:
                 leaves = arrive(values, event, stage.device, flags if state is not None else [False] * len(values))
                 recompute = state is not None and m < checkpoint_stop
@@ -207,6 +211,8 @@ def run_forward(
                 shipped, event = ship(outputs, stage.device, target or stage.device, target and stage.copy_stream)
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "forward", exc)) from exc
+            if state is not None:
+                state.busy[k] += time.perf_counter() - started
             outbox.put((m, shipped, event, out_flags))
 
     _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
@@ -266,6 +272,7 @@ def run_backward(
                 outbox.put(ABORT)
                 return
             m, grads, event = item
+            started = time.perf_counter()
             try:
                 saved = state.saved[k][m]
                 inputs, outputs = saved.inputs, saved.outputs
@@ -287,6 +294,7 @@ def run_backward(
                 shipped, event = ship(input_grads, stage.device, target or stage.device, target and stage.copy_stream)
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "backward", exc)) from exc
+            state.busy[k] += time.perf_counter() - started
             outbox.put((m, shipped, event))
 
     _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), grad=False)

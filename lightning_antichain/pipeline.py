@@ -75,6 +75,9 @@ class Pipeline(nn.Module):
         if share_cpu_allocator and any(s.device.type == "cpu" for s in stages):
             share_malloc_arena()
         self._pool = WorkerPool(len(stages))
+        #: seconds each stage worked in the last training step (forward and backward; on CUDA the
+        #: time to issue the work, not to run it)
+        self.last_busy_s: list[float] = [0.0] * len(stages)
         weakref.finalize(self, self._pool.shutdown)
         self._placeholders = [n for n in graph.graph_module.graph.nodes if n.op == "placeholder"]
         self._output_arg = next(n for n in graph.graph_module.graph.nodes if n.op == "output").args[0]
@@ -112,11 +115,11 @@ class Pipeline(nn.Module):
         grad_inputs = [v for v in (bound[name] for name in self._stages[0].inputs) if _is_grad_tensor(v)]
         phony = torch.empty(0, device=output_device, requires_grad=True)
         layout: list[tuple[bool, Any]] = []
+        self.last_busy_s = [0.0] * len(self._stages)
         deferral = deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext()
         with deferral:
-            tensors = _PipelineFunction.apply(
-                (self._pool, self._stages), micro_inputs, (output_device, stop, layout), phony, *grad_inputs
-            )
+            options = (output_device, stop, layout, self.last_busy_s)
+            tensors = _PipelineFunction.apply((self._pool, self._stages), micro_inputs, options, phony, *grad_inputs)
         it = iter(tensors)
         return self._assemble(tuple(next(it) if is_tensor else constant for is_tensor, constant in layout))
 
@@ -135,9 +138,9 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
-        output_device, stop, layout = options
+        output_device, stop, layout, busy = options
         pool, stages = runtime
-        state = PassState()
+        state = PassState(busy=busy)
         outputs = run_forward(pool, stages, micro_inputs, state, stop)
         gathered = microbatch.gather(outputs, output_device)
         layout.extend((isinstance(v, torch.Tensor), None if isinstance(v, torch.Tensor) else v) for v in gathered)

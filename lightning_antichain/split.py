@@ -151,17 +151,22 @@ def _value(env: dict[str, fx.Node], name: str) -> fx.Node:
 
 
 def place_stages(stages: list[StageModule]) -> None:
-    """Move each stage's submodules to its device; a module used by stages on two devices is an error."""
+    """Move each stage's submodules to its device.
+
+    A parameter used by stages on two different devices (tied weights, such as a shared embedding
+    and output layer) is refused before anything moves; on one device, stages may share it.
+    """
     owner: dict[int, StageModule] = {}
     for stage in stages:
-        for module in stage.submodules():
-            has_state = any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-            first = owner.setdefault(id(module), stage)
-            if first.device != stage.device and has_state:
+        for param in stage.parameters():
+            first = owner.setdefault(id(param), stage)
+            if first.device != stage.device:
                 raise ValueError(
-                    f"a module with parameters is used by stage {first.index} ({first.device}) and stage "
-                    f"{stage.index} ({stage.device}); tied parameters across devices are not supported yet. "
-                    "Put both uses in one stage (plan with fewer stages or a fixed balance)."
+                    f"a parameter of shape {tuple(param.shape)} is used by stage {first.index} ({first.device}) and "
+                    f"stage {stage.index} ({stage.device}): tied parameters across devices are not supported yet. "
+                    "Put both uses on one device (a fixed balance, or fewer stages)."
                 )
+    for stage in stages:
+        for module in stage.submodules():
             module.to(stage.device)
         stage.copy_stream = copy_stream_for(stage.device)

@@ -60,6 +60,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
         leaf_modules: dotted paths of submodules to keep whole when tracing.
         profile_cache: directory of cached profiles; default ``~/.cache/lightning-antichain``.
         use_profile_cache: read and write that cache.
+        log_stage_times: log each stage's measured busy time of the previous step
+            (``pipeline/stage{k}_busy_ms``) from ``training_step``.
     """
 
     strategy_name = "antichain_pipeline"
@@ -78,6 +80,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         leaf_modules: list[str] | None = None,
         profile_cache: str | None = None,
         use_profile_cache: bool = True,
+        log_stage_times: bool = False,
     ) -> None:
         super().__init__()
         if chunks < 1:
@@ -98,6 +101,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self.leaf_modules = list(leaf_modules or [])
         self.profile_cache = Path(profile_cache) if profile_cache else default_cache_dir()
         self.use_profile_cache = use_profile_cache
+        self.log_stage_times = log_stage_times
         self.plan: Plan | None = None
         self._pipeline: Pipeline | None = None
         self._calls = 0
@@ -332,6 +336,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
         return self._pipeline(*args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self.log_stage_times and self._pipeline is not None and any(self._pipeline.last_busy_s):
+            for k, busy in enumerate(self._pipeline.last_busy_s):  # the previous step's, backward included
+                self.lightning_module.log(f"pipeline/stage{k}_busy_ms", 1e3 * busy, on_step=True, on_epoch=False)
         calls = self._calls
         self._in_training_step = True
         try:

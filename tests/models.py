@@ -121,3 +121,17 @@ class Explosive(nn.Module):
         h = self.b(h)
         h = fuse(self.c(h))
         return self.d(h)
+
+
+class TiedEmbedding(nn.Module):
+    """A shared embedding and output layer: the same parameter is used by the first and last stage."""
+
+    def __init__(self, vocab=40, width=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh())
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens)))

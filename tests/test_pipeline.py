@@ -294,3 +294,27 @@ def test_deferred_batch_norm_stores_whole_batch_statistics(momentum):
     model.load_state_dict(state)
     la.Pipeline(model, plan, chunks=3)(x).sum().backward()
     assert model.state_dict()["1.num_batches_tracked"].item() == 3  # without deferral: once per micro-batch
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_tied_parameters_shared_by_first_and_last_stage(stages):
+    from models import TiedEmbedding
+
+    torch.manual_seed(0)
+    model = TiedEmbedding()
+    tokens = torch.randint(0, 40, (10, 7))
+    cost = la.profile(model, tokens[:2], repeats=1, warmup=0, progress=False)
+    plan = la.partition(cost, stages)
+    stage_of = plan.stage_of()
+    assert stage_of["embed"] == 0 and stage_of["head"] == stages - 1  # the tie really spans stages
+    model.double()
+    loss_of(model(tokens)).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with la.Pipeline(model, plan, chunks=4) as pipe:
+        loss_of(pipe(tokens)).backward()
+    for n, p in model.named_parameters():
+        assert max_relative_error(p.grad, reference[n]) <= 1e-9, n
+    with pytest.raises(ValueError, match="tied parameters across devices"):
+        la.Pipeline(model, plan, chunks=4, devices=["cpu"] * (stages - 1) + ["meta"])
+    assert model.head.weight.device.type == "cpu"  # refused before anything moved

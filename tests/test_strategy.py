@@ -228,3 +228,28 @@ def test_example_input_array_is_profiled_in_setup_and_the_summary_runs_through_t
     assert t.strategy.plan.micro_batch_size == 2  # profiled on the example, before any batch
     torch.testing.assert_close(torch.tensor(model.losses), torch.tensor(plain_run[0]), rtol=1e-5, atol=0)
     assert "forward" not in vars(model)  # the pipelined forward is gone after teardown
+
+
+def test_stage_busy_times_are_measured_and_logged(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    torch.manual_seed(0)
+    t = trainer(
+        devices=2,
+        strategy=strategy(log_stage_times=True),
+        max_steps=4,
+        limit_val_batches=0,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+    )
+    t.fit(TinyClassifier(), loader())
+    text = next(tmp_path.rglob("metrics.csv")).read_text()
+    header = text.splitlines()[0]
+    assert "pipeline/stage0_busy_ms" in header and "pipeline/stage1_busy_ms" in header
+    values = [
+        float(v)
+        for line in text.splitlines()[1:]
+        for v in line.split(",")[header.split(",").index("pipeline/stage0_busy_ms")].split()
+        if v
+    ]
+    assert values and all(v > 0 for v in values)
