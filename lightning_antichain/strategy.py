@@ -18,10 +18,18 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 
@@ -33,6 +41,7 @@ from .pipeline import Pipeline
 from .plan import Plan
 from .profile_cache import default_cache_dir, load_cached, profile_key, store
 from .profiler import profile
+from .replicas import average_gradients
 from .trace import map_tensors, split_inputs, trace
 
 log = logging.getLogger(__name__)
@@ -62,6 +71,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
         use_profile_cache: read and write that cache.
         log_stage_times: log each stage's measured busy time of the previous step
             (``pipeline/stage{k}_busy_ms``) from ``training_step``.
+        stages: devices per pipeline. Default: all of a node's devices, one pipeline per node. With
+            ``devices`` a multiple of it, each group of ``stages`` devices runs a pipeline replica in
+            its own process, and replicas average gradients over torch.distributed (gloo on CPU,
+            NCCL on GPU), as DDP does.
+        start_method: how replica processes start: ``"popen"`` (re-run the script, as Lightning's
+            DDP) or ``"spawn"``/``"fork"`` (notebooks).
+        process_group_backend: override the torch.distributed backend.
     """
 
     strategy_name = "antichain_pipeline"
@@ -81,6 +97,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
         profile_cache: str | None = None,
         use_profile_cache: bool = True,
         log_stage_times: bool = False,
+        stages: int | None = None,
+        start_method: Literal["popen", "spawn", "fork"] = "popen",
+        process_group_backend: str | None = None,
     ) -> None:
         super().__init__()
         if chunks < 1:
@@ -102,6 +121,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self.profile_cache = Path(profile_cache) if profile_cache else default_cache_dir()
         self.use_profile_cache = use_profile_cache
         self.log_stage_times = log_stage_times
+        if stages is not None and stages < 1:
+            raise ValueError(f"stages must be at least 1, got {stages}")
+        self.stages = stages
+        self.start_method = start_method
+        self.process_group_backend = process_group_backend
+        self._num_nodes = 1
         self.plan: Plan | None = None
         self._pipeline: Pipeline | None = None
         self._calls = 0
@@ -118,72 +143,130 @@ class AntichainPipelineStrategy(ParallelStrategy):
         return self._pipeline
 
     @property
-    def root_device(self) -> torch.device:
+    def stages_per_replica(self) -> int:
+        """Devices (stages) in one pipeline: ``stages``, or all the devices of a node."""
+        return self.stages or len(self.parallel_devices or [None])
+
+    @property
+    def num_processes(self) -> int:
+        """Pipeline replicas (processes) per node."""
+        return max(len(self.parallel_devices or []) // self.stages_per_replica, 1)
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one pipeline replica: Lightning then shards the data with a DistributedSampler."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    def stage_devices(self) -> list[torch.device]:
+        """The devices of this process's pipeline."""
         assert self.parallel_devices, "the Trainer has not assigned devices yet"
-        return self.parallel_devices[0]
+        first = self.local_rank * self.stages_per_replica
+        return list(self.parallel_devices[first : first + self.stages_per_replica])
+
+    @property
+    def root_device(self) -> torch.device:
+        return self.stage_devices[0]
 
     @property
     def global_rank(self) -> int:
-        return 0
+        return self.cluster_environment.global_rank() if self.is_distributed and self.cluster_environment else 0
 
     @property
     def local_rank(self) -> int:
-        return 0
+        return self.cluster_environment.local_rank() if self.is_distributed and self.cluster_environment else 0
 
     @property
     def node_rank(self) -> int:
-        return 0
+        return self.cluster_environment.node_rank() if self.is_distributed and self.cluster_environment else 0
 
     @property
     def world_size(self) -> int:
-        return 1
+        return self.num_nodes * self.num_processes
 
     @property
     def is_global_zero(self) -> bool:
-        return True
+        return self.global_rank == 0
 
     @property
     def num_nodes(self) -> int:
-        return 1
+        return self._num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
-        if num_nodes != 1:
-            raise ValueError(
-                f"AntichainPipelineStrategy runs one pipeline in one process; num_nodes={num_nodes} is not "
-                "supported yet. Use num_nodes=1."
-            )
+        if num_nodes < 1:
+            raise ValueError(f"num_nodes must be at least 1, got {num_nodes}")
+        self._num_nodes = num_nodes
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return {"num_replicas": 1, "rank": 0}
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        if not self.is_distributed:
+            return  # one pipeline: Lightning runs in this process
+        assert self.cluster_environment is not None
+        if self.start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.start_method)
 
     def set_world_ranks(self) -> None:
-        pass
+        if self.cluster_environment is not None and self.is_distributed:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.world_size)
+            rank_zero_only.rank = self.global_rank
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def barrier(self, name: str | None = None) -> None:
-        pass
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return obj
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src)
+        return box[0]
 
-    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Average the gradients of the replicas after the closure's backward, before the step."""
+        if not (self.is_distributed and _distributed_is_initialized()):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_average() -> Any:
+            result = closure()
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            average_gradients(params, self.root_device, self.world_size)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
 
     # -- setup ---------------------------------------------------------------------------------
 
     def setup_environment(self) -> None:
         if not self.parallel_devices:
             raise ValueError("AntichainPipelineStrategy got no devices from the Trainer")
+        devices = len(self.parallel_devices)
+        if devices % self.stages_per_replica:
+            raise ValueError(
+                f"devices={devices} is not a multiple of stages={self.stages}; each pipeline replica needs "
+                f"{self.stages} devices"
+            )
         stages = self._requested_stages()
-        if stages is not None and stages != len(self.parallel_devices):
+        if stages is not None and stages != self.stages_per_replica:
             raise ValueError(
                 f"the {'plan' if self.plan_path else 'balance'} has {stages} stages but the Trainer gives "
-                f"{len(self.parallel_devices)} devices; set devices={stages} (one device per stage)"
+                f"{self.stages_per_replica} devices per pipeline; set devices={stages} (one device per stage)"
             )
+        if self.is_distributed:
+            self.set_world_ranks()
+            backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+            _init_dist_connection(self.cluster_environment, backend)
         super().setup_environment()
 
     def _requested_stages(self) -> int | None:
@@ -230,9 +313,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def _build(self, args: tuple, kwargs: dict) -> None:
         """Profile one micro-batch ``args, kwargs`` (or load its cached profile), plan, place the stages."""
         target = self._target()
-        devices = list(self.parallel_devices or [])
+        devices = self.stage_devices
         if self.plan is None:
-            self.plan = self._make_plan(target, args, kwargs, devices)
+            plan = self._make_plan(target, args, kwargs, devices) if self.is_global_zero else None
+            if self.is_distributed:  # every replica runs rank 0's plan
+                data = self.broadcast(plan.to_dict() if plan is not None else None)
+                plan = Plan.from_dict(data)
+            self.plan = plan
             rank_zero_info(self.plan.table())
         self._pipeline = Pipeline(
             target,
@@ -380,6 +467,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             checkpoint[CHECKPOINT_KEY] = {
                 "chunks": self.chunks,
                 "devices": [str(d) for d in self.parallel_devices or []],
+                "replicas": self.world_size,
                 "plan": self.plan.to_dict(),
             }
         super().save_checkpoint(checkpoint, filepath, storage_options)

@@ -1,6 +1,5 @@
 """AntichainPipelineStrategy in the real Lightning Trainer, against plain single-device training."""
 
-import lightning as L
 import pytest
 import torch
 from lit_models import TinyClassifier, loader, trainer
@@ -202,9 +201,9 @@ def test_a_step_that_never_calls_the_pipelined_module_is_a_clear_error():
     assert t.strategy.plan.num_stages == 2 and len(model.losses) == 3
 
 
-def test_num_nodes_above_one_is_refused():
-    with pytest.raises(ValueError, match="num_nodes=2"):
-        L.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy())
+def test_devices_not_a_multiple_of_stages_is_a_clear_error():
+    with pytest.raises(ValueError, match="devices=3 is not a multiple of stages=2"):
+        fit(TinyClassifier(), strategy(stages=2), 3, max_steps=1)
 
 
 class WithExample(TinyClassifier):

@@ -1,0 +1,95 @@
+"""Fit TinyClassifier with a given layout and write rank 0's synced training losses as JSON.
+
+python replicas.py --out losses.json --devices 4 --stages 2 --batch-size 16   # 2 replicas x 2 stages
+python replicas.py --out losses.json --devices 1 --plain --batch-size 32      # plain Lightning
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lit_models import TinyClassifier, loader  # noqa: E402
+
+import lightning_antichain as la  # noqa: E402
+
+
+class Synced(TinyClassifier):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
+class ShardedData(L.LightningDataModule):
+    """Each replica takes every world_size-th sample in order, so the replicas' batches together are
+    the single-process batch (Lightning's own DistributedSampler would shuffle training data)."""
+
+    def __init__(self, batch_size):
+        super().__init__()
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        dataset = loader(160).dataset
+        sampler = None
+        if self.trainer.world_size > 1:
+            sampler = torch.utils.data.DistributedSampler(
+                dataset, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+            )
+        return torch.utils.data.DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
+
+
+class Record(L.Callback):
+    """Written from inside the fit by global rank 0, since with spawn that is a child process."""
+
+    def __init__(self, out):
+        self.out, self.losses = out, []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(trainer.callback_metrics["train_loss"].item())
+
+    def on_train_end(self, trainer, module):
+        if trainer.is_global_zero:
+            Path(self.out).write_text(json.dumps({"losses": self.losses, "world_size": trainer.world_size}))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--stages", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--start-method", default="popen")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    strategy = (
+        "auto"
+        if args.plain
+        else la.AntichainPipelineStrategy(
+            chunks=4, stages=args.stages, start_method=args.start_method, use_profile_cache=False
+        )
+    )
+    record = Record(args.out)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=10,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[record],
+        use_distributed_sampler=False,
+    )
+    trainer.fit(Synced(), datamodule=ShardedData(args.batch_size))
+
+
+if __name__ == "__main__":
+    main()

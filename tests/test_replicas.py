@@ -1,0 +1,37 @@
+"""Pipeline replicas in real processes: 2 processes x 2 CPU stages over gloo, against 1 x 2 and plain."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "replicas.py"
+
+
+def losses(tmp_path, name, *args):
+    out = tmp_path / f"{name}.json"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    return data["world_size"], torch.tensor(data["losses"])
+
+
+@pytest.mark.parametrize("start_method", ["popen", "spawn"])
+def test_two_replicas_of_two_stages_match_one_pipeline_and_plain_training(tmp_path, start_method):
+    world, replicated = losses(
+        tmp_path, "replicas", "--devices", "4", "--stages", "2", "--batch-size", "16", "--start-method", start_method
+    )
+    assert world == 2 and len(replicated) == 10
+    _, single = losses(tmp_path, "single", "--devices", "2", "--batch-size", "32")
+    _, plain = losses(tmp_path, "plain", "--devices", "1", "--plain", "--batch-size", "32")
+    torch.testing.assert_close(single, plain, rtol=1e-5, atol=0)
+    torch.testing.assert_close(replicated, plain, rtol=1e-5, atol=0)
