@@ -57,7 +57,19 @@ class StateSpace:
     cut_bytes: np.ndarray
     membership: np.ndarray = field(repr=False)
     cut_membership: np.ndarray = field(repr=False)
+    forbidden: np.ndarray = field(default=None, repr=False)  # states no stage may end at
     compression: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.forbidden is None:
+            self.forbidden = np.zeros(len(self.masks), dtype=bool)
+
+    def splits(self, group: set[Any]) -> np.ndarray:
+        """Per state: whether its down-set holds some but not all of ``group``."""
+        index = self.index
+        columns = [index[v] for v in group if v in index]
+        inside = self.membership[:, columns]
+        return inside.any(axis=1) & ~inside.all(axis=1)
 
     def __len__(self) -> int:
         return len(self.masks)

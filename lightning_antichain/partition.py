@@ -81,6 +81,7 @@ def partition(
     bandwidth_gbps: float | None = None,
     optimizer_multiplier: float = 2.0,
     max_states: int = DEFAULT_MAX_STATES,
+    colocate_tied: bool | None = None,
 ) -> Plan:
     """Split the profiled model into ``stages`` pipeline stages and predict what it will cost.
 
@@ -88,7 +89,9 @@ def partition(
     objects; ``speeds`` and ``memory_gb`` (decimal GB, one value or one per device) override their
     speed and memory. ``bandwidth_gbps`` is the link between stages in GB/s; ``None`` means
     transfers are free. ``chunks`` is the number of micro-batches per step; the cost graph's times
-    are per micro-batch. Raises :class:`InfeasiblePlanError` when no split fits.
+    are per micro-batch. ``colocate_tied`` keeps operations that use the same parameter (tied
+    weights) in one stage; by default it does so when the stages are on different devices, since
+    a parameter lives on one device. Raises :class:`InfeasiblePlanError` when no split fits.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -110,7 +113,21 @@ def partition(
     num_states = len(free) + 1
     if method == "antichain":
         space = build_state_space(graph, max_states)
-        chain, order = solve_bottleneck(space, specs, model)
+        if colocate_tied is None:
+            colocate_tied = len({s.name for s in specs}) > 1
+        groups = tied_groups(graph) if colocate_tied else []
+        for group in groups:
+            space.forbidden = space.forbidden | space.splits(group)
+        try:
+            chain, order = solve_bottleneck(space, specs, model)
+        except InfeasiblePlanError as exc:
+            if groups:
+                names = "; ".join(", ".join(sorted(map(str, g))) for g in groups)
+                raise InfeasiblePlanError(
+                    f"{exc}. Tied parameters must stay in one stage when stages are on different devices, and "
+                    f"these operations share parameters: {names}. Use fewer stages, or untie the weights."
+                ) from exc
+            raise
         stage_sets = _stage_sets(space, chain)
         specs = order
         compression, num_states = space.compression, len(space)
@@ -185,7 +202,8 @@ def stage_costs(space: StateSpace, spec: DeviceSpec, model: CostModel) -> np.nda
     """
     compute = (space.compute[:, None] - space.compute[None, :]) / spec.speed
     transfer = model.transfer_s(space.cut_bytes[:, None] + space.cut_bytes[None, :])
-    cost = np.where(space.contains(), compute + transfer, np.inf)
+    valid = space.contains() & ~space.forbidden[:, None] & ~space.forbidden[None, :]
+    cost = np.where(valid, compute + transfer, np.inf)
     if spec.memory_bytes is not None:
         memory = _stage_memory(space, model)
         cost[memory > spec.memory_bytes] = np.inf
@@ -264,6 +282,25 @@ def _backtrack(table: Table, counts: tuple[int, ...], last: int) -> tuple[list[i
     chain.reverse()
     kinds.reverse()
     return chain[1:], kinds
+
+
+def tied_groups(graph: nx.DiGraph) -> list[set[Any]]:
+    """Sets of operations that read the same parameter (a parameter fetched with ``get_attr`` is
+    read by the fetch's consumers, since every stage re-creates its own fetch)."""
+    users: dict[str, set[Any]] = {}
+    for v in graph.nodes:
+        readers = list(graph.successors(v)) if graph.nodes[v].get("kind") == "get_attr" else [v]
+        for name in graph.nodes[v].get("uses", []):
+            users.setdefault(name, set()).update(readers)
+    groups: list[set[Any]] = []
+    for members in users.values():
+        if len(members) > 1:
+            merged = [g for g in groups if g & members]
+            for g in merged:
+                groups.remove(g)
+                members = members | g
+            groups.append(set(members))
+    return groups
 
 
 def _stage_sets(space: StateSpace, chain: Sequence[int]) -> list[list[Any]]:

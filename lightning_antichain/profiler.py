@@ -73,8 +73,11 @@ def profile(
     reporter.close()
     cost = nx.DiGraph()
     owned: set[int] = set()
+    canonical: dict[int, str] = {}
     for order, (call, measured) in enumerate(zip(calls, samples)):
         params, buffers = _owned_state(call, owned)
+        for name, param in params:
+            canonical.setdefault(id(param), name)
         node = call.node
         cost.add_node(
             node.name,
@@ -89,6 +92,7 @@ def profile(
             param_bytes=sum(p.numel() * p.element_size() for _, p in params),
             buffer_bytes=sum(b.numel() * b.element_size() for _, b in buffers),
             params=[name for name, _ in params],
+            uses=sorted({canonical[id(p)] for p in _used_parameters(call) if id(p) in canonical}),
             pinned=node.kind == "placeholder",
         )
         for src in node.inputs:
@@ -196,6 +200,15 @@ def _owned_state(
     buffers = [(n, b) for n, b in named_buffers if id(b) not in owned]
     owned.update(id(t) for _, t in params + buffers)
     return params, buffers
+
+
+def _used_parameters(call: RecordedCall) -> list[torch.Tensor]:
+    """Every parameter the node reads, owned or shared (tied) with an earlier node."""
+    if call.module is not None:
+        return list(call.module.parameters())
+    if call.node.kind == "get_attr" and isinstance(call.output, nn.Parameter):
+        return [call.output]
+    return []
 
 
 def _nbytes(value: Any) -> int:

@@ -5,6 +5,7 @@ from functools import cache
 
 import networkx as nx
 import pytest
+import torch
 from conftest import random_cost_graph
 from test_antichain import brute_force_down_sets
 
@@ -163,3 +164,29 @@ def test_unequal_devices_get_matching_loads():
     loads = {s.device: len(s.nodes) for s in plan.stages}
     assert loads == {"slow": 3, "fast": 9}
     assert plan.bottleneck_s == pytest.approx(3.0)
+
+
+class SharedTwice(torch.nn.Module):
+    """One Linear applied at two places: both calls read the same parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.shared, self.b, self.c = (torch.nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x):
+        return self.c(self.shared(torch.tanh(self.b(self.shared(torch.tanh(self.a(x)))))))
+
+
+def test_tied_parameters_are_colocated_when_stages_sit_on_different_devices():
+    from models import TiedEmbedding
+
+    cost = la.profile(SharedTwice(), torch.randn(4, 32), repeats=1, warmup=0, progress=False)
+    assert la.partition.__globals__["tied_groups"](cost) == [{"shared", "shared_1"}]
+    plan = la.partition(cost, 3, devices=["cuda:0", "cuda:1", "cuda:2"])
+    stage_of = plan.stage_of()
+    assert stage_of["shared"] == stage_of["shared_1"]
+    assert plan.num_stages == 3
+    tied = la.profile(TiedEmbedding(), torch.randint(0, 40, (4, 7)), repeats=1, warmup=0, progress=False)
+    with pytest.raises(la.InfeasiblePlanError, match="Tied parameters must stay in one stage.*embed.*head"):
+        la.partition(tied, 2, devices=["cuda:0", "cuda:1"])
+    assert la.partition(tied, 2).num_stages == 2  # on one device (CPU) the tie may span stages

@@ -66,6 +66,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--start-method", default="popen")
+    parser.add_argument("--ckpt-dir", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     strategy = (
@@ -76,6 +77,9 @@ def main():
         )
     )
     record = Record(args.out)
+    callbacks = [record]
+    if args.ckpt_dir:
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=5))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
