@@ -22,16 +22,17 @@ def losses(tmp_path, name, *args):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
-    return data["world_size"], torch.tensor(data["losses"])
+    return data["world_size"], torch.tensor(data["losses"]), data["train_acc"]
 
 
 @pytest.mark.parametrize("start_method", ["popen", "spawn"])
 def test_two_replicas_of_two_stages_match_one_pipeline_and_plain_training(tmp_path, start_method):
-    world, replicated = losses(
+    world, replicated, replicated_acc = losses(
         tmp_path, "replicas", "--devices", "4", "--stages", "2", "--batch-size", "16", "--start-method", start_method
     )
     assert world == 2 and len(replicated) == 10
-    _, single = losses(tmp_path, "single", "--devices", "2", "--batch-size", "32")
-    _, plain = losses(tmp_path, "plain", "--devices", "1", "--plain", "--batch-size", "32")
+    _, single, single_acc = losses(tmp_path, "single", "--devices", "2", "--batch-size", "32")
+    _, plain, plain_acc = losses(tmp_path, "plain", "--devices", "1", "--plain", "--batch-size", "32")
     torch.testing.assert_close(single, plain, rtol=1e-5, atol=0)
-    torch.testing.assert_close(replicated, plain, rtol=1e-5, atol=0)
+    torch.testing.assert_close(replicated, plain, rtol=1e-5, atol=0)  # train_loss logged with sync_dist=True
+    assert replicated_acc == single_acc == plain_acc  # a torchmetrics accuracy over both replicas' samples

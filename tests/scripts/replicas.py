@@ -11,6 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torchmetrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lit_models import TinyClassifier, loader  # noqa: E402
@@ -19,10 +20,17 @@ import lightning_antichain as la  # noqa: E402
 
 
 class Synced(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = torch.nn.functional.cross_entropy(self(x), y)
+        logits = self(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
         self.log("train_loss", loss, sync_dist=True)
+        self.train_acc(logits.argmax(-1), y)  # torchmetrics syncs its state across replicas itself
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
 
@@ -55,7 +63,10 @@ class Record(L.Callback):
 
     def on_train_end(self, trainer, module):
         if trainer.is_global_zero:
-            Path(self.out).write_text(json.dumps({"losses": self.losses, "world_size": trainer.world_size}))
+            accuracy = trainer.callback_metrics["train_acc"].item()
+            Path(self.out).write_text(
+                json.dumps({"losses": self.losses, "world_size": trainer.world_size, "train_acc": accuracy})
+            )
 
 
 def main():
