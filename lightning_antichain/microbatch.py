@@ -8,10 +8,12 @@ handed unchanged to every micro-batch. Sizes differ by at most one sample (``tor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+
+from .trace import iter_tensors
 
 
 class MicroBatchError(ValueError):
@@ -77,13 +79,5 @@ def gather(chunks: Sequence[Any], device: torch.device | str | None = None) -> A
     return first
 
 
-def _batched_tensors(value: Any):
-    if isinstance(value, torch.Tensor):
-        if value.dim() > 0:
-            yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _batched_tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _batched_tensors(item)
+def _batched_tensors(value: Any) -> Iterator[torch.Tensor]:
+    return (t for t in iter_tensors(value) if t.dim() > 0)

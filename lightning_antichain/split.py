@@ -13,6 +13,7 @@ being shipped between stages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -50,9 +51,14 @@ class StageModule:
             for i, v in enumerate(leaves)
         )
 
+    @cached_property
+    def called_modules(self) -> list[nn.Module]:
+        """The original modules this stage calls (looked up once: the per-micro-batch paths use it)."""
+        return [self.module.get_submodule(n.target) for n in self.module.graph.nodes if n.op == "call_module"]
+
     def submodules(self) -> list[nn.Module]:
         """The original modules this stage calls."""
-        return [self.module.get_submodule(n.target) for n in self.module.graph.nodes if n.op == "call_module"]
+        return self.called_modules
 
     def parameters(self) -> list[nn.Parameter]:
         """The original parameters this stage uses, each once: its modules' and those it fetches."""

@@ -202,11 +202,14 @@ def _explain_trace_failure(module: nn.Module, exc: Exception) -> str:
     ]
     if frames:
         where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})"
+    if isinstance(exc, fx.proxy.TraceError):
+        cause = "This means Python control flow (if, while, bool()) on tensor values; make the branch static"
+    else:
+        cause = "fx records calls symbolically and this code needs real values or objects"
     return (
-        f"torch.fx cannot trace {type(module).__name__}{where}: {type(exc).__name__}: {exc}. "
-        "This usually means Python control flow that depends on tensor values. Make the branch "
-        "static, keep the offending submodule whole with leaf_modules=[...], or plan over the "
-        "top-level children with fallback='children'."
+        f"torch.fx cannot trace {type(module).__name__}{where}: {type(exc).__name__}: {exc}. {cause}, "
+        "keep the offending submodule whole with leaf_modules=[...], or plan over the top-level children "
+        "with fallback='children'."
     )
 
 
