@@ -54,10 +54,6 @@ class WorkerPool:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
-    @property
-    def alive(self) -> bool:
-        return any(t.is_alive() for t in self._threads)
-
     def _start(self) -> None:
         self._inboxes = [queue.Queue() for _ in range(self.size)]
         self._threads = [

@@ -1,8 +1,13 @@
+import os
 import random
+import tempfile
 
 import networkx as nx
 import pytest
 import torch
+
+# Profiles cached by tests (and by the processes they start) go to a scratch directory, not ~/.cache.
+os.environ.setdefault("LIGHTNING_ANTICHAIN_CACHE", tempfile.mkdtemp(prefix="lightning-antichain-cache-"))
 
 
 @pytest.fixture(autouse=True)
