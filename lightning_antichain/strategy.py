@@ -337,7 +337,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
         with torch.inference_mode(False), torch.enable_grad():
             example = map_tensors(torch.Tensor.clone, (args, kwargs))  # ordinary tensors, even from inference mode
             graph = trace(target, fallback=None, leaf_modules=self.leaf_modules)
-            example_inputs = example[1] if example[1] else example[0]
+            positional, keywords = example
+            if keywords:  # keyword form: name the positional arguments too, in forward's order
+                names = [n.target for n in graph.nodes if n.kind == "placeholder"]
+                example_inputs: Any = {**dict(zip(names, positional)), **keywords}
+            else:
+                example_inputs = positional
             key = profile_key(graph, target, example, self.root_device)
             cost = load_cached(self.profile_cache, key) if self.use_profile_cache else None
             if cost is None:

@@ -252,3 +252,24 @@ def test_stage_busy_times_are_measured_and_logged(tmp_path):
         if v
     ]
     assert values and all(v > 0 for v in values)
+
+
+class MixedArguments(TinyClassifier):
+    def forward(self, x, scale=None):
+        return self.net(x) * scale
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x, scale=torch.full((x.shape[0], 1), 0.5)), y)
+        self.losses.append(loss.item())
+        return loss
+
+
+def test_positional_and_keyword_arguments_together():
+    runs = []
+    for strategy_arg, devices in [("auto", 1), (strategy(), 2)]:
+        torch.manual_seed(0)
+        model = MixedArguments()
+        fit(model, strategy_arg, devices, max_steps=3, limit_val_batches=0)
+        runs.append(torch.tensor(model.losses))
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=0)
