@@ -76,8 +76,8 @@ def profile(
     canonical: dict[int, str] = {}
     for order, (call, measured) in enumerate(zip(calls, samples)):
         params, buffers = _owned_state(call, owned)
-        for name, param in params:
-            canonical.setdefault(id(param), name)
+        for param_name, param in params:
+            canonical.setdefault(id(param), param_name)
         node = call.node
         cost.add_node(
             node.name,
