@@ -1,6 +1,6 @@
 """A disk cache of cost graphs, so a rerun with the same model and shapes skips profiling.
 
-The key covers everything that changes the measurements: the traced graph's code, every parameter
+The key covers everything that changes the measurements: the cache format, the traced graph's code, every parameter
 and buffer's name, shape and dtype, the example inputs' shapes and dtypes, the device's name, the
 autocast dtype, and the torch version. Weights' values do not change costs and are not part of it.
 """
@@ -19,6 +19,9 @@ from torch import nn
 from .graph import load_cost_graph, save_cost_graph
 from .trace import OpGraph, iter_tensors
 
+# Bumped whenever what the profiler records changes, so older entries are profiled again.
+CACHE_VERSION = 2
+
 
 def default_cache_dir() -> Path:
     """``$LIGHTNING_ANTICHAIN_CACHE``, else ``~/.cache/lightning-antichain``."""
@@ -28,7 +31,7 @@ def default_cache_dir() -> Path:
 
 def profile_key(graph: OpGraph, module: nn.Module, example: Any, device: torch.device) -> str:
     """A stable hash of what the costs of ``module`` on ``example`` at ``device`` depend on."""
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(f"v{CACHE_VERSION}".encode())
     code = graph.graph_module.code if graph.graph_module is not None else repr([n.name for n in graph.nodes])
     digest.update(code.encode())
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
