@@ -21,7 +21,7 @@ import lightning_antichain as la
 from lightning_antichain.memory import optimizer_state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, write_section  # noqa: E402
+from report import machine, section, write_section  # noqa: E402
 
 START, END = "<!-- memory-cpu:start -->", "<!-- memory-cpu:end -->"
 
@@ -61,16 +61,15 @@ def main() -> None:
                 cells = [f"{p / 1e6:.2f} | {m / 1e6:.2f}" for p, m in zip(predicted, measured)]
                 lines.append(f"| {name} | {spec.index} | " + " | ".join(cells) + f" | {spec.memory_bytes / 1e6:.1f} |")
                 print(lines[-1], file=sys.stderr)
-    text = "\n".join(
+    text = section(
+        START,
+        END,
         [
-            START,
-            f"Command: `python {' '.join(sys.argv)}`  ",
             f"Machine: {machine(1)}; batch {args.batch_size} in {args.chunks} micro-batches, {args.stages} stages, "
             "Adam, one training step.",
             "",
             *lines,
-            END,
-        ]
+        ],
     )
     print(text)
     if not args.no_write:

@@ -32,7 +32,7 @@ import lightning_antichain as la
 from lightning_antichain.worker import WorkerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, write_section  # noqa: E402
+from report import machine, section, write_section  # noqa: E402
 
 START, END = "<!-- pipeline-cpu:start -->", "<!-- pipeline-cpu:end -->"
 
@@ -141,10 +141,10 @@ def main() -> None:
             f"{r['predicted_ms'] / r['measured_ms']:.2f} |"
         )
     first = next((r for r in rows if r["one_stage_overhead"] is not None), None)
-    text = "\n".join(
+    text = section(
+        START,
+        END,
         [
-            START,
-            f"Command: `python {' '.join(sys.argv)}`  ",
             f"Machine: {machine()}, 1 intra-op thread per worker; CNN of {args.depth + 1} 3x3 convolutions, "
             f"width {args.width}, on "
             f"{args.image_size}x{args.image_size} images, batch {args.batch_size}, {args.stages} stages, "
@@ -159,8 +159,7 @@ def main() -> None:
                 else f"{100 * first['one_stage_overhead']:+.1f}% against plain on the main thread, "
                 f"{100 * first['one_stage_vs_worker']:+.1f}% against plain run on one long-lived worker thread"
             ),
-            END,
-        ]
+        ],
     )
     print(text)
     if not args.no_write:

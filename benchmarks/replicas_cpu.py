@@ -103,7 +103,7 @@ def main() -> None:
         child(args)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from report import machine, write_section
+    from report import machine, section, write_section
 
     rows, plain = [], None
     for name, flags in CONFIGS:
@@ -126,18 +126,17 @@ def main() -> None:
         plain = plain or step
         rows.append(f"| {name} | {1e3 * step:.0f} | {args.batch_size / step:.1f} | {plain / step:.2f}x |")
         print(rows[-1], file=sys.stderr)
-    text = "\n".join(
+    text = section(
+        START,
+        END,
         [
-            START,
-            f"Command: `python {' '.join(sys.argv)}`  ",
             f"Machine: {machine(1)} per process; CNN of 9 3x3 convolutions (width 32) on 32x32 images, global "
             f"batch {args.batch_size}, median of {args.steps - args.warmup} steps after {args.warmup} warm-up.",
             "",
             "| layout | step ms | samples/s | vs plain |",
             "|---|---|---|---|",
             *rows,
-            END,
-        ]
+        ],
     )
     print(text)
     if not args.no_write:

@@ -35,3 +35,10 @@ def write_section(text: str, start: str, end: str, heading: str) -> None:
     else:
         new = old.rstrip("\n") + f"\n\n{heading}\n\n" + text + "\n"
     BENCHMARKS_MD.write_text(new)
+
+
+def section(start: str, end: str, lines: list[str]) -> str:
+    """A docs section between its markers: the command that made it, then ``lines``."""
+    import sys
+
+    return "\n".join([start, f"Command: `python {' '.join(sys.argv)}`  ", *lines, end])

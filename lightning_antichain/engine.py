@@ -216,7 +216,12 @@ def run_forward(
             outbox.put((m, shipped, event, out_flags))
 
     _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
-    results: list[tuple[Any, ...]] = [()] * len(micro_batches)
+    return _collect(last, len(micro_batches))
+
+
+def _collect(last: queue.Queue, count: int) -> list[tuple[Any, ...]]:
+    """The values the last worker of a finished pass left, in micro-batch order."""
+    results: list[tuple[Any, ...]] = [()] * count
     while not last.empty():
         item = last.get()
         if item is not ABORT:
@@ -298,12 +303,7 @@ def run_backward(
             outbox.put((m, shipped, event))
 
     _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), grad=False)
-    results: list[tuple[Any, ...]] = [()] * count
-    while not last.empty():
-        item = last.get()
-        if item is not ABORT:
-            results[item[0]] = item[1]
-    return results
+    return _collect(last, count)
 
 
 def _grad_of(value: Any) -> torch.Tensor | None:
