@@ -55,19 +55,27 @@ ABORT = _Abort()
 
 @dataclass
 class _Saved:
-    """What a stage keeps of one micro-batch for its backward."""
+    """What a stage keeps of one micro-batch for its backward: its input leaves (gradient leaves
+    where they need one), how they nest (``spec``), and its output leaves or, when the micro-batch
+    is recomputed, the RNG state to recompute them with."""
 
     inputs: tuple[Any, ...]
     outputs: tuple[Any, ...] | None
     rng: Any = None
+    spec: Any = None
 
 
 @dataclass
 class PassState:
-    """Everything one forward pass leaves for its backward pass."""
+    """Everything one forward pass leaves for its backward pass.
+
+    ``stage_sets[m]`` are the stage modules micro-batch m runs with: one list for all of them,
+    unless the graph was captured again for a micro-batch of another shape.
+    """
 
     saved: list[list[_Saved]] = field(default_factory=list)
     busy: list[float] = field(default_factory=list)  # seconds each stage worked, forward + backward
+    stage_sets: list[Sequence[StageModule]] = field(default_factory=list)
 
 
 def _wants_grad(value: Any) -> bool:
@@ -166,66 +174,74 @@ def _reraise(failure: _Failure) -> BaseException:
 
 def run_forward(
     pool: WorkerPool,
-    stages: Sequence[StageModule],
-    micro_batches: list[tuple[Any, ...]],
+    stage_sets: list[Sequence[StageModule]],
+    micro_batches: list[tuple[list[Any], Any]],
     state: PassState | None,
     checkpoint_stop: int,
-) -> list[tuple[Any, ...]]:
-    """Forward every micro-batch through every stage; returns the last stage's outputs.
+) -> list[tuple[list[Any], Any]]:
+    """Forward every micro-batch through every stage; returns the last stage's output leaves and spec.
 
-    With ``state`` given, autograd graphs (or, for micro-batches below ``checkpoint_stop``, just
-    the inputs and RNG state for recomputation) are kept in it for :func:`run_backward`.
+    ``micro_batches[m]`` is the flattened first-stage input of micro-batch m (leaves and spec), and
+    ``stage_sets[m]`` the stage modules it runs with. With ``state`` given, autograd graphs (or, for
+    micro-batches below ``checkpoint_stop``, just the inputs and RNG state for recomputation) are
+    kept in it for :func:`run_backward`.
     """
+    stages = stage_sets[0]
     first: queue.Queue = queue.Queue()
     last: queue.Queue = queue.Queue()
-    for m, values in enumerate(micro_batches):
-        first.put((m, values, None, tuple(_wants_grad(v) for v in values)))
+    for m, (leaves, spec) in enumerate(micro_batches):
+        first.put((m, leaves, spec, None, tuple(_wants_grad(v) for v in leaves)))
     if state is not None:
         state.saved = [[] for _ in stages]
         state.busy[:] = [0.0] * len(stages)
+        state.stage_sets = stage_sets
 
     def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
-        stage = stages[k]
+        device = stages[k].device
         target = stages[k + 1].device if k + 1 < len(stages) else None
         for _ in micro_batches:
             item = inbox.get()
             if item is ABORT or abort.is_set():
                 outbox.put(ABORT)
                 return
-            m, values, event, flags = item
+            m, values, spec, event, flags = item
+            stage = stage_sets[m][k]
             started = time.perf_counter()
             try:
-                leaves = arrive(values, event, stage.device, flags if state is not None else [False] * len(values))
+                leaves = arrive(values, event, device, flags if state is not None else [False] * len(values))
                 recompute = state is not None and m < checkpoint_stop
                 if recompute:
-                    rng = _rng_state(stage.device)
+                    rng = _rng_state(device)
                     with torch.no_grad():
-                        outputs = stage.module(*stage.arguments(leaves))
+                        outputs, out_spec = stage(leaves, spec)
                     out_flags = _recompute_flags(stage, leaves, outputs)
-                    state.saved[k].append(_Saved(leaves, None, rng))
+                    state.saved[k].append(_Saved(leaves, None, rng, spec))
                 else:
-                    outputs = stage.module(*stage.arguments(leaves))
+                    outputs, out_spec = stage(leaves, spec)
                     out_flags = tuple(_wants_grad(v) for v in outputs)
                     if state is not None:
-                        state.saved[k].append(_Saved(leaves, outputs))
-                shipped, event = ship(outputs, stage.device, target or stage.device, target and stage.copy_stream)
+                        state.saved[k].append(_Saved(leaves, tuple(outputs), None, spec))
+                shipped, event = ship(outputs, device, target or device, target and stages[k].copy_stream)
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "forward", exc)) from exc
             if state is not None:
                 state.busy[k] += time.perf_counter() - started
-            outbox.put((m, shipped, event, out_flags))
+            outbox.put((m, shipped, out_spec, event, out_flags))
 
     _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
-    return _collect(last, len(micro_batches))
+    return [(leaves, spec) for leaves, spec in _collect(last, len(micro_batches), width=2)]
 
 
-def _collect(last: queue.Queue, count: int) -> list[tuple[Any, ...]]:
-    """The values the last worker of a finished pass left, in micro-batch order."""
-    results: list[tuple[Any, ...]] = [()] * count
+def _collect(last: queue.Queue, count: int, width: int = 1) -> list[Any]:
+    """The values the last worker of a finished pass left, in micro-batch order.
+
+    Each item is ``(m, value, ...)``; ``width`` > 1 keeps that many fields after ``m``.
+    """
+    results: list[Any] = [()] * count
     while not last.empty():
         item = last.get()
         if item is not ABORT:
-            results[item[0]] = item[1]
+            results[item[0]] = item[1] if width == 1 else tuple(item[1 : 1 + width])
     return results
 
 
@@ -235,7 +251,7 @@ def _recompute_flags(stage: StageModule, inputs: tuple, outputs: tuple) -> tuple
     Floating outputs do when any input does or the stage has trainable parameters, except outputs
     that are inputs passed straight through, which keep their input's flag.
     """
-    trainable = any(p.requires_grad for m in stage.submodules() for p in m.parameters())
+    trainable = stage.trainable
     any_input = any(_wants_grad(v) for v in inputs)
     by_id = {id(v): _wants_grad(v) for v in inputs if isinstance(v, torch.Tensor)}
     return tuple(
@@ -253,15 +269,15 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]
 
 def run_backward(
     pool: WorkerPool,
-    stages: Sequence[StageModule],
     state: PassState,
     output_grads: list[tuple[Any, ...]],
 ) -> list[tuple[Any, ...]]:
     """Backward every micro-batch, last to first, through every stage, last to first.
 
-    ``output_grads[m]`` holds the gradients of the last stage's outputs for micro-batch m (``None``
-    where an output got none). Returns the gradients of stage 0's inputs per micro-batch.
+    ``output_grads[m]`` holds the gradients of the last stage's output leaves for micro-batch m
+    (``None`` where a leaf got none). Returns the gradients of stage 0's input leaves per micro-batch.
     """
+    stages = state.stage_sets[0]
     count = len(output_grads)
     first: queue.Queue = queue.Queue()
     last: queue.Queue = queue.Queue()
@@ -269,7 +285,6 @@ def run_backward(
         first.put((m, output_grads[m], None))
 
     def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
-        stage = stages[k]
         target = stages[k - 1].device if k > 0 else None
         for _ in range(count):
             item = inbox.get()
@@ -277,6 +292,7 @@ def run_backward(
                 outbox.put(ABORT)
                 return
             m, grads, event = item
+            stage = state.stage_sets[m][k]
             started = time.perf_counter()
             try:
                 saved = state.saved[k][m]
@@ -296,7 +312,8 @@ def run_backward(
                     restore()
                 input_grads = tuple(_grad_of(v) for v in inputs)
                 state.saved[k][m] = _Saved((), None)  # free the activations as soon as possible
-                shipped, event = ship(input_grads, stage.device, target or stage.device, target and stage.copy_stream)
+                device = stage.device
+                shipped, event = ship(input_grads, device, target or device, target and stages[k].copy_stream)
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "backward", exc)) from exc
             state.busy[k] += time.perf_counter() - started
@@ -310,7 +327,7 @@ def _grad_of(value: Any) -> torch.Tensor | None:
     return value.grad if isinstance(value, torch.Tensor) and value.requires_grad else None
 
 
-def _recompute(stage: StageModule, saved: _Saved) -> tuple[tuple[Any, ...], Callable[[], None]]:
+def _recompute(stage: StageModule, saved: _Saved) -> tuple[list[Any], Callable[[], None]]:
     """Run a checkpointed micro-batch's forward again with the RNG state it saw.
 
     Returns the outputs and a function that undoes the second update of BatchNorm running
@@ -324,17 +341,22 @@ def _recompute(stage: StageModule, saved: _Saved) -> tuple[tuple[Any, ...], Call
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
     ]
     kept = [{k: v.clone() for k, v in m.named_buffers(recurse=False)} for m in norms]
+    # buffers an ATen graph updates in place (running statistics read through get_attr)
+    fetched = [b for b in stage.buffers() if b.is_floating_point() or b.dtype == torch.long]
+    kept_fetched = [b.clone() for b in fetched]
     with torch.random.fork_rng(devices=devices):
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, stage.device)
         with torch.enable_grad():
-            outputs = stage.module(*stage.arguments(saved.inputs))
+            outputs, _ = stage(saved.inputs, saved.spec)
 
     def restore() -> None:
         with torch.no_grad():
             for module, buffers in zip(norms, kept):
                 for name, value in buffers.items():
                     getattr(module, name).copy_(value)
+            for buffer, value in zip(fetched, kept_fetched):
+                buffer.copy_(value)
 
     return outputs, restore

@@ -450,6 +450,8 @@ def _make_plan(
         compression=list(compression),
         model=meta.get("model"),
         granularity=meta.get("granularity"),
+        frontend=meta.get("frontend"),
+        refused=list(meta.get("refused") or []),
         profiled_on=meta.get("device_name") or meta.get("device"),
     )
 

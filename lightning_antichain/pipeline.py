@@ -12,30 +12,35 @@ where and in what order its operations run.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx as fx
 from torch import nn
 
 from . import microbatch
 from .batchnorm import deferred_batch_norm
+from .capture import NEEDS_EXAMPLE, UntraceableModelError, capture, capture_call
 from .engine import CHECKPOINT_MODES, PassState, run_backward, run_forward
 from .plan import Plan
-from .split import place_stages, split_stages
-from .trace import bind_placeholders, trace
+from .pytrees import flatten, unflatten
+from .split import PlanMismatchError, StageModule, place_stages, split_stages
+from .trace import OpGraph, iter_tensors
 from .worker import WorkerPool, share_malloc_arena
 
 
 class Pipeline(nn.Module):
     """Run ``module`` as the stages of ``plan``, ``chunks`` micro-batches at a time.
 
-    ``checkpoint`` recomputes activations in backward instead of keeping them: ``"never"``,
-    ``"except_last"`` (every micro-batch but the last, whose backward comes first anyway) or
-    ``"always"``. ``devices`` overrides the plan's device per stage. Outputs are gathered on
-    ``output_device`` (default: the device of the first input tensor, else the first stage's).
+    ``graph`` is the captured graph the plan was made for (see :func:`lightning_antichain.capture`):
+    pass the one that was profiled, so the graph that runs is the graph that was planned. Without it,
+    the module is captured again with the plan's frontend (on the first call, for frontends that need
+    an example). ``checkpoint`` recomputes activations in backward instead of keeping them:
+    ``"never"``, ``"except_last"`` (every micro-batch but the last, whose backward comes first
+    anyway) or ``"always"``. ``devices`` overrides the plan's device per stage. Outputs are gathered
+    on ``output_device`` (default: the device of the first input tensor, else the first stage's).
     A batch with fewer samples than ``chunks`` runs as that many micro-batches of one sample.
     ``deferred_batch_norm`` updates BatchNorm running statistics once per step from the whole batch
     instead of once per micro-batch (normalisation itself always uses micro-batch statistics).
@@ -54,33 +59,47 @@ class Pipeline(nn.Module):
         leaf_modules: Sequence[type | str] = (),
         deferred_batch_norm: bool = False,
         share_cpu_allocator: bool = True,
+        graph: OpGraph | None = None,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
         if chunks < 1:
             raise ValueError(f"chunks must be at least 1, got {chunks}")
+        if graph is not None and graph.module is not module:
+            raise ValueError("graph= was captured from another module than the one given to Pipeline")
         self.module = module
         self.plan = plan
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
         self.output_device = None if output_device is None else torch.device(output_device)
-        graph = trace(module, fallback=None, leaf_modules=leaf_modules)
-        stage_devices = [torch.device(d) for d in (devices or [s.device for s in plan.stages])]
-        stages = split_stages(graph, plan, stage_devices)
-        place_stages(stages)
-        # A plain list: the stages share the module's parameters and must not be registered twice.
-        self._stages = stages
-        if share_cpu_allocator and any(s.device.type == "cpu" for s in stages):
+        self.leaf_modules = tuple(leaf_modules)
+        self._devices = [torch.device(d) for d in (devices or [s.device for s in plan.stages])]
+        if len(self._devices) != plan.num_stages:
+            raise ValueError(f"got {len(self._devices)} devices for a plan of {plan.num_stages} stages")
+        self._graph: OpGraph | None = None
+        self._stages: list[StageModule] = []  # a plain list: stages share the module's parameters
+        self._variants: dict[Hashable, list[StageModule]] = {}
+        if share_cpu_allocator and any(d.type == "cpu" for d in self._devices):
             share_malloc_arena()
-        self._pool = WorkerPool(len(stages))
+        self._pool = WorkerPool(plan.num_stages)
         #: seconds each stage worked in the last training step (forward and backward; on CUDA the
         #: time to issue the work, not to run it)
-        self.last_busy_s: list[float] = [0.0] * len(stages)
+        self.last_busy_s: list[float] = [0.0] * plan.num_stages
         weakref.finalize(self, self._pool.shutdown)
-        self._placeholders = [n for n in graph.graph_module.graph.nodes if n.op == "placeholder"]
-        self._output_arg = next(n for n in graph.graph_module.graph.nodes if n.op == "output").args[0]
+        frontend = plan.frontend or "fx"
+        if frontend == "children":
+            raise UntraceableModelError(
+                f"this plan cuts {type(module).__name__} at its top-level children, which is for planning only: "
+                "no capture frontend could turn it into a graph the pipeline can run. Keep the block with the "
+                "offending code whole with leaf_modules=[...], or pipeline a submodule (module=...). The frontends "
+                "said:\n  " + "\n  ".join(plan.refused)
+            )
+        if graph is None and frontend not in NEEDS_EXAMPLE:
+            graph = capture(module, leaf_modules=self.leaf_modules, frontends=(frontend,))
+        if graph is not None:
+            self._use(graph)
 
     def close(self) -> None:
         """Stop the worker threads now (they also stop when the Pipeline is garbage collected)."""
@@ -93,44 +112,99 @@ class Pipeline(nn.Module):
         self.close()
 
     @property
+    def graph(self) -> OpGraph | None:
+        """The captured graph the stages were cut from (``None`` until the first call, if it needs one)."""
+        return self._graph
+
+    @property
     def stages(self) -> list[Any]:
         return list(self._stages)
 
     @property
     def devices(self) -> list[torch.device]:
-        return [s.device for s in self._stages]
+        return list(self._devices)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        bound = self._bind(args, kwargs)
-        micro = microbatch.scatter([bound[name] for name in self._stages[0].inputs], self.chunks)
-        micro_inputs = [tuple(values) for values in micro]
-        output_device = self.output_device or _first_device(args, kwargs) or self._stages[0].device
+        graph = self._graph or self._capture_for(args, kwargs)
+        values = graph.bind(args, kwargs)
+        micro_values = microbatch.scatter(values, self.chunks)
+        stage_sets = [self._stages_for(v) for v in micro_values]
+        micro_inputs = [flatten([v[i] for i in self._input_slots]) for v in micro_values]
+        output_device = self.output_device or _first_device(args, kwargs) or self._devices[0]
         needs_grad = torch.is_grad_enabled()
         if not needs_grad:
-            outputs = run_forward(self._pool, self._stages, micro_inputs, None, 0)
-            return self._assemble(microbatch.gather(outputs, output_device))
+            outputs = run_forward(self._pool, stage_sets, micro_inputs, None, 0)
+            leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device)
+            return self._assemble(leaves, outputs[0][1])
         stop = {"never": 0, "except_last": len(micro_inputs) - 1, "always": len(micro_inputs)}[self.checkpoint]
         if not self.training:
             stop = 0
-        grad_inputs = [v for v in (bound[name] for name in self._stages[0].inputs) if _is_grad_tensor(v)]
+        whole, _ = flatten([values[i] for i in self._input_slots])
+        grad_inputs = [v for v in whole if _is_grad_tensor(v)]
         phony = torch.empty(0, device=output_device, requires_grad=True)
-        layout: list[tuple[bool, Any]] = []
+        outcome = _Outcome()
         self.last_busy_s = [0.0] * len(self._stages)
         deferral = deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext()
         with deferral:
-            options = (output_device, stop, layout, self.last_busy_s)
-            tensors = _PipelineFunction.apply((self._pool, self._stages), micro_inputs, options, phony, *grad_inputs)
+            options = (output_device, stop, outcome, self.last_busy_s)
+            tensors = _PipelineFunction.apply((self._pool, stage_sets), micro_inputs, options, phony, *grad_inputs)
         it = iter(tensors)
-        return self._assemble(tuple(next(it) if is_tensor else constant for is_tensor, constant in layout))
+        leaves = [next(it) if is_tensor else constant for is_tensor, constant in outcome.layout]
+        return self._assemble(leaves, outcome.spec)
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        return bind_placeholders(self._placeholders, args, kwargs, f"{type(self.module).__name__}.forward")
+    def _use(self, graph: OpGraph) -> None:
+        """Cut the stages out of ``graph`` and place them on their devices."""
+        stages = split_stages(graph, self.plan, self._devices)
+        place_stages(stages)
+        placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
+        self._input_slots = [placeholders.index(name) for name in stages[0].inputs]
+        self._output_names = stages[-1].outputs
+        self._graph, self._stages = graph, stages
 
-    def _assemble(self, gathered: tuple[Any, ...]) -> Any:
-        by_name = dict(zip(self._stages[-1].outputs, gathered))
-        return fx.node.map_arg(self._output_arg, lambda n: by_name[n.name])
+    def _capture_for(self, args: tuple, kwargs: dict) -> OpGraph:
+        """Capture the module on the first micro-batch of this call, with the plan's frontend."""
+        first = microbatch.scatter((args, kwargs), self.chunks)[0]
+        graph = capture_call(self.module, *first, leaf_modules=self.leaf_modules,
+                             frontends=(self.plan.frontend or "fx",))
+        self._use(graph)
+        return graph
+
+    def _stages_for(self, values: list[Any]) -> list[StageModule]:
+        """The stage modules for one micro-batch: captured again if the graph does not hold for it."""
+        assert self._graph is not None
+        specialization = self._graph.specialization
+        if specialization is None or specialization.holds_for(values):
+            return self._stages
+        key = specialization.key_of(values)
+        if key not in self._variants:
+            graph = specialization.recapture(*self._graph.signature.unbind(values))
+            try:
+                stages = split_stages(graph, self.plan, self._devices)
+            except PlanMismatchError as exc:
+                raise PlanMismatchError(
+                    f"{self._graph.frontend} captured {type(self.module).__name__} again for a micro-batch of other "
+                    f"shapes and got a different graph: {exc}"
+                ) from exc
+            for new, old in zip(stages, self._stages):
+                new.copy_stream = old.copy_stream
+            self._variants[key] = stages
+        return self._variants[key]
+
+    def _assemble(self, leaves: list[Any], spec: Any) -> Any:
+        assert self._graph is not None and self._graph.signature is not None
+        by_name = dict(zip(self._output_names, unflatten(leaves, spec)))
+        return self._graph.signature.assemble(by_name)
+
+
+@dataclass
+class _Outcome:
+    """How the gathered output leaves nest (``spec``), and which are tensors returned by the
+    autograd Function versus constants (``layout``: ``(is_tensor, constant)`` per leaf)."""
+
+    spec: Any = None
+    layout: list[tuple[bool, Any]] = field(default_factory=list)
 
 
 class _PipelineFunction(torch.autograd.Function):
@@ -138,31 +212,34 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
-        output_device, stop, layout, busy = options
-        pool, stages = runtime
+        output_device, stop, outcome, busy = options
+        pool, stage_sets = runtime
         state = PassState(busy=busy)
-        outputs = run_forward(pool, stages, micro_inputs, state, stop)
-        gathered = microbatch.gather(outputs, output_device)
-        layout.extend((isinstance(v, torch.Tensor), None if isinstance(v, torch.Tensor) else v) for v in gathered)
+        outputs = run_forward(pool, stage_sets, micro_inputs, state, stop)
+        gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device)
+        outcome.spec = outputs[0][1]
+        outcome.layout = [(isinstance(v, torch.Tensor), None if isinstance(v, torch.Tensor) else v) for v in gathered]
         tensors = tuple(v for v in gathered if isinstance(v, torch.Tensor))
-        ctx.pool, ctx.stages, ctx.state = pool, stages, state
-        ctx.sizes = [microbatch.batch_size(m) or 1 for m in micro_inputs]
-        ctx.layout = list(layout)
-        ctx.grad_input_slots = [i for i, v in enumerate(micro_inputs[0]) if _is_grad_tensor(v)]
+        ctx.pool, ctx.state = pool, state
+        ctx.sizes = [[leaves[i].shape[0] for leaves, _ in outputs] for i, v in enumerate(gathered)
+                     if isinstance(v, torch.Tensor)]
+        ctx.count = len(micro_inputs)
+        ctx.is_tensor = [isinstance(v, torch.Tensor) for v in gathered]
+        ctx.grad_input_slots = [i for i, v in enumerate(micro_inputs[0][0]) if _is_grad_tensor(v)]
         ctx.input_devices = [v.device for v in grad_inputs]
         ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point()])
         return tensors
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: ANN001
-        count = len(ctx.sizes)
+        count = ctx.count
         per_output: list[list[Any]] = []
-        it = iter(grads)
-        for is_tensor, _ in ctx.layout:
-            grad = next(it) if is_tensor else None
-            per_output.append(list(torch.split(grad, ctx.sizes)) if grad is not None else [None] * count)
+        it = iter(zip(grads, ctx.sizes))
+        for is_tensor in ctx.is_tensor:
+            grad, sizes = next(it) if is_tensor else (None, None)
+            per_output.append(list(torch.split(grad, sizes)) if grad is not None else [None] * count)
         output_grads = [tuple(g[m] for g in per_output) for m in range(count)]
-        input_grads = run_backward(ctx.pool, ctx.stages, ctx.state, output_grads)
+        input_grads = run_backward(ctx.pool, ctx.state, output_grads)
         ctx.state = None
         result: list[Any] = [None, None, None, None]
         for slot, device in zip(ctx.grad_input_slots, ctx.input_devices):
@@ -179,7 +256,5 @@ def _is_grad_tensor(value: Any) -> bool:
 
 
 def _first_device(args: tuple, kwargs: dict) -> torch.device | None:
-    from .trace import iter_tensors
-
     first = next(iter_tensors((args, kwargs)), None)
     return None if first is None else first.device

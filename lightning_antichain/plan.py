@@ -63,6 +63,8 @@ class Plan:
     ``max(total compute / total device speed, slowest single operation)``, which no split can beat;
     ``predicted_step_s`` is one step of ``chunks`` micro-batches under the GPipe schedule, fill
     and drain included. ``compression`` says what the planner simplified to stay fast.
+    ``frontend`` names the capture frontend whose graph was planned, and ``refused`` why the
+    frontends before it could not capture the model.
     """
 
     stages: list[Stage]
@@ -83,6 +85,8 @@ class Plan:
     model: str | None = None
     granularity: str | None = None
     profiled_on: str | None = None
+    frontend: str | None = None
+    refused: list[str] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -161,8 +165,10 @@ class Plan:
             f"lower bound {1e3 * self.lower_bound_s:.2f} ms (x{self.balance:.3f}); "
             f"predicted step {1e3 * self.predicted_step_s:.1f} ms",
             f"{self.num_nodes} ops, {self.num_states} states, solved in {self.solve_s:.3f} s"
-            + ("" if self.profile_s is None else f", profiled in {self.profile_s:.1f} s"),
+            + ("" if self.profile_s is None else f", profiled in {self.profile_s:.1f} s")
+            + ("" if self.frontend is None else f"; captured by {self.frontend}"),
         ]
+        lines += [f"capture: {reason}" for reason in self.refused]
         lines += [f"note: {c}" for c in self.compression]
         return "\n".join(lines)
 

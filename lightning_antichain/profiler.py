@@ -20,6 +20,7 @@ import networkx as nx
 import torch
 from torch import nn
 
+from .capture.devices import retarget_devices
 from .graph import GRAPH_FORMAT
 from .trace import OpGraph, RecordedCall, iter_tensors, map_tensors, split_inputs, trace
 
@@ -54,7 +55,9 @@ def profile(
     graph = op_graph or trace(module, example_inputs, fallback=fallback, leaf_modules=leaf_modules)
     work_module = copy.deepcopy(graph.graph_module if graph.graph_module is not None else module)
     work_module.to(device).train()
-    replay = _replay_graph(graph, work_module)
+    if graph.graph_module is not None:
+        retarget_devices(work_module, graph.capture_device, device)
+    replay = graph.rebound(work_module if graph.graph_module is not None else None, work_module)
     args, kwargs = split_inputs(map_tensors(lambda t: t.to(device), example_inputs))
     timer = _Timer(device)
     calls = list(replay.record_calls(*args, **kwargs))
@@ -106,6 +109,8 @@ def profile(
         device_name=_device_name(device),
         micro_batch_size=_batch_size(example_inputs),
         granularity=graph.granularity,
+        frontend=graph.frontend if graph.granularity == "ops" else "children",
+        refused=list(graph.refused),
         note=graph.note,
         outputs=list(graph.outputs),
         warmup=warmup,
@@ -113,13 +118,6 @@ def profile(
         profile_s=time.perf_counter() - started,
     )
     return cost
-
-
-def _replay_graph(graph: OpGraph, work_module: nn.Module) -> OpGraph:
-    """The same OpGraph, bound to the profiling copy of the module."""
-    if graph.graph_module is not None:
-        return OpGraph(work_module, graph.nodes, graph.outputs, graph.granularity, work_module, graph.note)
-    return OpGraph(work_module, graph.nodes, graph.outputs, graph.granularity, None, graph.note)
 
 
 class _Timer:
@@ -190,10 +188,9 @@ def _owned_state(
         prefix = call.node.target + "."
         named_params = [(prefix + n, p) for n, p in call.module.named_parameters()]
         named_buffers = [(prefix + n, b) for n, b in call.module.named_buffers()]
-    elif call.node.kind == "get_attr" and isinstance(call.output, torch.Tensor):
-        target = [(call.node.target, call.output)]
-        is_param = isinstance(call.output, nn.Parameter)
-        named_params, named_buffers = (target, []) if is_param else ([], target)
+    elif call.state:
+        named_params = [(n, t) for n, t in call.state if isinstance(t, nn.Parameter)]
+        named_buffers = [(n, t) for n, t in call.state if not isinstance(t, nn.Parameter)]
     else:
         return [], []
     params = [(n, p) for n, p in named_params if id(p) not in owned]
@@ -206,9 +203,7 @@ def _used_parameters(call: RecordedCall) -> list[torch.Tensor]:
     """Every parameter the node reads, owned or shared (tied) with an earlier node."""
     if call.module is not None:
         return list(call.module.parameters())
-    if call.node.kind == "get_attr" and isinstance(call.output, nn.Parameter):
-        return [call.output]
-    return []
+    return [t for _, t in call.state if isinstance(t, nn.Parameter)]
 
 
 def _nbytes(value: Any) -> int:

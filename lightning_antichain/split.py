@@ -1,10 +1,11 @@
-"""Stage modules cut out of the traced graph according to a Plan.
+"""Stage modules cut out of the captured graph according to a Plan.
 
-Each stage is a ``torch.fx.GraphModule`` whose placeholders are the tensors entering the stage (its
-input cut) and whose output is the tuple of tensors leaving it (its output cut). The submodules
-the stages call are the original module's own objects, so parameters and buffers are shared: the
-original ``state_dict()`` keys and values never change, and an optimizer built on the original
-parameters trains the pipeline.
+Each stage is a ``torch.fx.GraphModule`` whose placeholders are the values entering the stage (its
+input cut) and whose output is the tuple of values leaving it (its output cut); a value may be any
+pytree of tensors. The modules and tensors the stages use are the original module's own objects,
+looked up through its live submodules, so parameters and buffers are shared: the original
+``state_dict()`` keys and values never change, buffer updates land in the user's buffers, and an
+optimizer built on the original parameters trains the pipeline.
 
 Parameter fetches (fx ``get_attr`` nodes) are re-created in every stage that uses them instead of
 being shipped between stages.
@@ -20,7 +21,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .capture.devices import retarget_devices
+from .capture.lifted import share_original_modules
 from .plan import Plan
+from .pytrees import flatten, unflatten
 from .trace import OpGraph
 from .transfer import copy_stream_for
 
@@ -41,15 +45,34 @@ class StageModule:
     mutated: frozenset[int] = frozenset()
     copy_stream: Any = None
 
-    def arguments(self, leaves: tuple) -> tuple:
+    def __call__(self, leaves: list[Any], spec: Any) -> tuple[list[Any], Any]:
+        """Run the stage on the flattened input values; returns its flattened output values."""
+        return flatten(self.module(*self.arguments(tuple(unflatten(leaves, spec)))))
+
+    def arguments(self, values: tuple) -> tuple:
         """The values to call the stage with: inputs that the stage changes in place are cloned,
         since autograd forbids in-place changes of the leaves that collect input gradients."""
         if not self.mutated:
-            return leaves
+            return values
         return tuple(
             v.clone() if i in self.mutated and isinstance(v, torch.Tensor) and v.requires_grad else v
-            for i, v in enumerate(leaves)
+            for i, v in enumerate(values)
         )
+
+    @cached_property
+    def trainable(self) -> bool:
+        """Whether the stage uses a parameter that needs gradients."""
+        return any(p.requires_grad for p in self.parameters())
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers this stage fetches directly (those of called modules excluded)."""
+        found: dict[int, torch.Tensor] = {}
+        for node in self.module.graph.nodes:
+            if node.op == "get_attr":
+                value = _attr(self.module, node.target)
+                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                    found[id(value)] = value
+        return list(found.values())
 
     @cached_property
     def called_modules(self) -> list[nn.Module]:
@@ -67,18 +90,17 @@ class StageModule:
             found.update((id(p), p) for p in module.parameters())
         for node in self.module.graph.nodes:
             if node.op == "get_attr":
-                value = self.module.get_parameter(node.target) if _is_parameter(self.module, node.target) else None
-                if value is not None:
+                value = _attr(self.module, node.target)
+                if isinstance(value, nn.Parameter):
                     found[id(value)] = value
         return list(found.values())
 
 
-def _is_parameter(module: nn.Module, target: str) -> bool:
-    try:
-        module.get_parameter(target)
-        return True
-    except AttributeError:
-        return False
+def _attr(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for part in str(target).split("."):
+        value = getattr(value, part)
+    return value
 
 
 def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> list[StageModule]:
@@ -91,7 +113,8 @@ def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> lis
     gm = graph.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}
     stage_of = plan.stage_of()
-    planned, traced = set(stage_of), {n for n, node in nodes.items() if node.op != "output"}
+    planned = set(stage_of)
+    traced = {n for n, node in nodes.items() if node.op not in ("output", "get_attr")}
     if planned != traced:
         missing, unknown = sorted(traced - planned), sorted(planned - traced)
         raise PlanMismatchError(
@@ -122,8 +145,12 @@ def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> lis
                         )
                     env[dep.name] = sub.get_attr(dep.target)
             env[node.name] = sub.node_copy(node, lambda n, env=env: env[n.name])
+        for name in outputs:
+            if name not in env and name in is_attr:
+                env[name] = sub.get_attr(nodes[name].target)
         sub.output(tuple(_value(env, name) for name in outputs))
-        module = fx.GraphModule(gm, sub, f"Stage{spec.index}")
+        module = share_original_modules(fx.GraphModule(gm, sub, f"Stage{spec.index}"), graph.module)
+        retarget_devices(module, graph.capture_device, device)
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
         mutated = frozenset(i for i, p in enumerate(placeholders) if any(_in_place(module, u) for u in p.users))
         stages.append(StageModule(spec.index, module, inputs, outputs, device, mutated))
@@ -131,7 +158,9 @@ def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> lis
 
 
 def _in_place(module: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node`` may change its first argument in place (ReLU(inplace=True), x.add_, ...)."""
+    """Whether ``node`` may change an argument in place (ReLU(inplace=True), x.add_, aten.add_, ...)."""
+    if isinstance(node.target, torch._ops.OpOverload):
+        return any(a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments)
     if node.op == "call_module":
         return bool(getattr(module.get_submodule(node.target), "inplace", False))
     if node.op == "call_method":
@@ -157,7 +186,7 @@ def _value(env: dict[str, fx.Node], name: str) -> fx.Node:
 
 
 def place_stages(stages: list[StageModule]) -> None:
-    """Move each stage's submodules to its device.
+    """Move each stage's submodules and the tensors it fetches to its device.
 
     A parameter used by stages on two different devices (tied weights, such as a shared embedding
     and output layer) is refused before anything moves; on one device, stages may share it.
@@ -175,4 +204,17 @@ def place_stages(stages: list[StageModule]) -> None:
     for stage in stages:
         for module in stage.submodules():
             module.to(stage.device)
+        for tensor in [*stage.parameters(), *stage.buffers()]:
+            _move_in_place(tensor, stage.device)
         stage.copy_stream = copy_stream_for(stage.device)
+
+
+def _move_in_place(tensor: torch.Tensor, device: torch.device) -> None:
+    """Move a parameter or buffer without replacing the object, as ``Module.to`` does for parameters:
+    optimizers and every stage that fetches it keep seeing the same tensor."""
+    if tensor.device == device:
+        return
+    with torch.no_grad():
+        tensor.data = tensor.data.to(device)
+        if tensor.grad is not None:
+            tensor.grad = tensor.grad.to(device)

@@ -1,0 +1,138 @@
+"""Capture: from the user's ``forward`` to a graph of operations, by a chain of frontends.
+
+Each frontend is tried in turn; the first that succeeds gives the graph, and the reasons the
+earlier ones refused are kept with it (and printed with the plan):
+
+1. ``"fx"``: ``torch.fx`` symbolic tracing (:mod:`.symbolic`). Shape-generic, module-level ops.
+2. ``"export"``: ``torch.export``, non-strict (:mod:`.exported`). ATen ops, dynamic batch dimension.
+3. ``"concrete"``: a real run recorded op by op (:mod:`.concrete`), with guards on value reads.
+4. ``"leaves"``: fx with the blocks it cannot trace kept whole (:mod:`.leaves`).
+
+The strategy, the CLI, :func:`lightning_antichain.profile` and :class:`lightning_antichain.Pipeline`
+all capture through :func:`capture`, and the graph that was profiled is the graph that runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from .concrete import SpecializationError, capture_concrete
+from .errors import FrontendRefused, UntraceableModelError
+from .exported import capture_exported
+from .leaves import capture_with_leaves
+from .opgraph import OpGraph, OpNode, RecordedCall, op_graph
+from .signature import SignatureMismatchError
+from .symbolic import capture_symbolic
+
+FRONTENDS = ("fx", "export", "concrete", "leaves")
+NEEDS_EXAMPLE = ("export", "concrete")
+
+__all__ = [
+    "FRONTENDS",
+    "OpGraph",
+    "OpNode",
+    "RecordedCall",
+    "SignatureMismatchError",
+    "SpecializationError",
+    "UntraceableModelError",
+    "capture",
+    "capture_call",
+]
+
+
+def capture(
+    module: nn.Module,
+    example_inputs: Any = None,
+    *,
+    leaf_modules: Sequence[type | str] = (),
+    frontends: Sequence[str] = FRONTENDS,
+) -> OpGraph:
+    """The graph of operations of ``module``, from the first frontend of ``frontends`` that succeeds.
+
+    ``example_inputs`` is one micro-batch in Lightning's ``example_input_array`` convention (a
+    tensor, a tuple of positional arguments, or a dict of keyword arguments); export and concrete
+    capture need it. ``leaf_modules`` (classes or dotted paths) are kept whole by fx and by the leaf
+    frontend. Raises :class:`UntraceableModelError` with every frontend's reason when none succeeds.
+    """
+    from ..trace import split_inputs
+
+    call = None if example_inputs is None else split_inputs(example_inputs)
+    return _capture(module, call, leaf_modules, frontends)
+
+
+def capture_call(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    leaf_modules: Sequence[type | str] = (),
+    frontends: Sequence[str] = FRONTENDS,
+) -> OpGraph:
+    """:func:`capture` for an example given as a call's positional and keyword arguments."""
+    return _capture(module, (args, kwargs), leaf_modules, frontends)
+
+
+def _capture(
+    module: nn.Module, call: tuple[tuple, dict] | None, leaf_modules: Sequence[type | str], frontends: Sequence[str]
+) -> OpGraph:
+    unknown = [f for f in frontends if f not in FRONTENDS]
+    if unknown or not frontends:
+        raise ValueError(f"frontends must be a non-empty sequence of {FRONTENDS}, got {list(frontends)}")
+    refused: list[str] = []
+    data_dependent: FrontendRefused | None = None
+    for frontend in frontends:
+        if frontend in NEEDS_EXAMPLE and call is None:
+            refused.append(f"{frontend}: needs an example input (example_input_array)")
+            continue
+        try:
+            graph = _capture_with(frontend, module, call, leaf_modules)
+        except FrontendRefused as exc:
+            refused.append(f"{frontend}: {exc.reason}")
+            if exc.data_dependent and data_dependent is None:
+                data_dependent = exc
+            continue
+        graph.refused = tuple(refused)
+        return graph
+    raise UntraceableModelError(_explain(module, refused, data_dependent), refused)
+
+
+def _capture_with(
+    frontend: str, module: nn.Module, call: tuple[tuple, dict] | None, leaf_modules: Sequence[type | str]
+) -> OpGraph:
+    from ..trace import iter_tensors
+
+    if frontend == "fx":
+        return op_graph(module, capture_symbolic(module, leaf_modules), "fx")
+    if frontend == "leaves":
+        graph_module, made = capture_with_leaves(module, leaf_modules)
+        graph = op_graph(module, graph_module, "leaves")
+        graph.note = f"kept whole: {', '.join(made)}" if made else None
+        return graph
+    assert call is not None
+    args, kwargs = call
+    capture_fn = capture_exported if frontend == "export" else capture_concrete
+    graph_module, signature, specialization = capture_fn(module, args, kwargs)
+    specialization.recapture = lambda a, k: _capture_with(frontend, module, (a, k), leaf_modules)
+    graph = op_graph(module, graph_module, frontend, signature, specialization)
+    first = next(iter_tensors((args, kwargs)), None)
+    graph.capture_device = str(first.device) if first is not None else None
+    return graph
+
+
+def _explain(module: nn.Module, refused: list[str], data_dependent: FrontendRefused | None) -> str:
+    name = type(module).__name__
+    lead = (
+        f"{name} has Python control flow on its input's values at {data_dependent.location}, so no fixed "
+        "graph of it is correct for every batch. "
+        if data_dependent is not None
+        else f"no capture frontend could turn {name} into a graph of operations. "
+    )
+    return (
+        lead
+        + "Keep the block holding that code whole with leaf_modules=['path.to.block'], or pipeline a submodule "
+        "that has none (AntichainPipelineStrategy(module='backbone')). Each frontend said:\n  "
+        + "\n  ".join(refused)
+    )

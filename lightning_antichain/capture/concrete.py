@@ -1,0 +1,199 @@
+"""Frontend 3: concrete capture, which runs ``forward`` on the real example and records every ATen op.
+
+Where torch.export has only fake tensors, this has values, so code that decides on them can be
+captured: ``nn.Transformer`` comparing a mask with a causal one, a check on a buffer's flag. Each
+such read of a tensor's value is a *specialisation*: the graph keeps the branch the example took.
+Every one becomes a guard in the graph that recomputes the value at run time and raises
+:class:`SpecializationError` if it changed, so a stale specialisation can never change a result. A
+read of the batch's own values (``if x.sum() > 0``) would change from batch to batch; it is refused
+with the file and line, since the graph could not be trusted for the next batch.
+
+All shapes are specialised too: the runtime captures again for each new micro-batch shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.func import functional_call
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .errors import FrontendRefused, first_line, location_of, user_frame
+from .lifted import input_placeholder_names, rebuild_over_module
+from .signature import FlatSignature, owner_name
+from .specialization import Specialization, input_key
+
+
+class SpecializationError(RuntimeError):
+    """A value the graph was specialised on at capture has changed; the graph no longer holds."""
+
+
+def check_specialized(value: Any, expected: Any, where: str) -> None:
+    """The guard: ``value`` computed now must equal ``expected`` seen at capture."""
+    if value != expected:
+        raise SpecializationError(
+            f"the captured graph assumed a value of {expected!r} here, but it is now {value!r}: {where}. "
+            "The pipeline captured forward on an example and kept the branch that example took. Keep the "
+            "module holding this code whole with leaf_modules=[...], so it runs as written."
+        )
+
+
+torch.fx.wrap("check_specialized")
+
+
+def capture_concrete(
+    module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[fx.GraphModule, FlatSignature, Specialization]:
+    """The ATen graph of one real run of ``module`` on ``args, kwargs``, with guards on value reads."""
+    args, kwargs = FlatSignature.canonical(module.forward, args, kwargs)
+    state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    inputs = (args, kwargs)
+
+    def run(state: dict[str, torch.Tensor], inputs: tuple[tuple, dict]) -> Any:
+        return functional_call(module, state, inputs[0], inputs[1])
+
+    try:
+        with _side_effects_undone(module):
+            traced = make_fx(run, tracing_mode="real", pre_dispatch=True, record_stack_traces=True,
+                             _error_on_data_dependent_ops=False)(state, inputs)
+    except Exception as exc:  # whatever the user's forward raises on this input
+        raise FrontendRefused(f"{type(exc).__name__}: {first_line(exc)}", location=location_of(exc)) from exc
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    state_names = list(state)
+    with_paths, in_spec = pytree.tree_flatten_with_path(inputs)
+    leaves = [v for _, v in with_paths]
+    if len(placeholders) != len(state_names) + len(leaves):
+        raise FrontendRefused(
+            f"make_fx made {len(placeholders)} inputs for {len(state)} tensors and {len(leaves)} leaves"
+        )
+    state_map = {p.name: q for p, q in zip(placeholders, state_names)}
+    names = input_placeholder_names([pytree.keystr(path) for path, _ in with_paths])
+    input_names = {p.name: n for p, n in zip(placeholders[len(state_names):], names)}
+    _guard_value_reads(traced, set(input_names), (state, inputs))
+    graph_module = rebuild_over_module(traced.graph, module, state_map, {}, traced, input_names, type(module).__name__)
+    output = tuple(graph_module.graph.output_node().args[0])
+    flat = FlatSignature(module.forward, in_spec, traced._out_spec, output, owner_name(module))
+    ranges = tuple(None for _ in leaves)
+    specialization = Specialization(input_key(leaves, ranges), ranges, lambda a, k: capture_concrete(module, a, k))
+    return graph_module, flat, specialization
+
+
+@contextlib.contextmanager
+def _side_effects_undone(module: nn.Module):
+    """Capture runs forward for real: restore the buffers it updates and the RNG it draws from."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    with _rng_forked(list(buffers.values()) + list(module.parameters())):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, b in module.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
+
+
+def _is_value_read(node: fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.data_dependent_output in target.tags
+    )
+
+
+def _guard_value_reads(traced: fx.GraphModule, user_inputs: set[str], example: Any) -> None:
+    """Refuse reads of the batch's values; guard every other read with its value at capture."""
+    reads = [n for n in traced.graph.nodes if _is_value_read(n)]
+    if not reads:
+        return
+    for node in reads:
+        ancestors = _ancestors(node)
+        if any(a.op == "placeholder" and a.name in user_inputs for a in ancestors):
+            where = _where(node)
+            raise FrontendRefused(
+                f"forward decides on the values of its input ({node.target} at {where}); that decision can "
+                "differ from batch to batch, so no fixed graph is correct",
+                location=where,
+                data_dependent=True,
+            )
+    values = _values_of(traced, reads, example)
+    for node in reads:
+        with traced.graph.inserting_after(node):
+            traced.graph.call_function(check_specialized, (node, values[node], _where(node)))
+    traced.recompile()
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+def _values_of(traced: fx.GraphModule, reads: list[fx.Node], example: Any) -> dict[fx.Node, Any]:
+    """The value each read returned on the example: the graph run once more, side effects undone."""
+    wanted = set(reads)
+    values: dict[fx.Node, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            if n in wanted:
+                values[n] = result
+            return result
+
+    state, _ = example
+    with _buffers_restored(state), _rng_forked(example), torch.no_grad():
+        Recorder(traced).run(*pytree.tree_leaves(example))
+    return values
+
+
+@contextlib.contextmanager
+def _rng_forked(example: Any):
+    """Random draws made while capturing do not advance the user's generators."""
+    devices = sorted({t.device.index or 0 for t in pytree.tree_leaves(example)
+                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+@contextlib.contextmanager
+def _buffers_restored(state: dict[str, torch.Tensor]):
+    saved = {k: v.detach().clone() for k, v in state.items() if not isinstance(v, nn.Parameter)}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for k, v in saved.items():
+                state[k].copy_(v)
+
+
+def _where(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    frames = _parse_stack(trace)
+    return user_frame(frames) or (frames[-1].filename + f":{frames[-1].lineno}" if frames else str(node.target))
+
+
+def _parse_stack(text: str) -> list[Any]:
+    import traceback
+
+    frames = []
+    lines = text.strip().splitlines()
+    for i, line in enumerate(lines):
+        line = line.strip()
+        if line.startswith('File "'):
+            filename = line.split('"')[1]
+            try:
+                lineno = int(line.split("line ")[1].split(",")[0])
+            except (IndexError, ValueError):
+                continue
+            code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File") else ""
+            frames.append(traceback.FrameSummary(filename, lineno, "", line=code))
+    return frames

@@ -1,0 +1,44 @@
+"""Devices named inside a captured graph.
+
+ATen graphs from torch.export and concrete capture name the device of every tensor they create
+(``arange(..., device=cpu)``): the device the example was on. A stage that runs on another device
+must create its tensors there, so those names are rewritten for each stage. fx graphs read devices
+from their inputs at run time and need nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | None,
+                     target: str | torch.device) -> fx.GraphModule:
+    """Rewrite every ``source`` device constant in ``graph_module`` to ``target``, in place."""
+    if source is None:
+        return graph_module
+    source, target = torch.device(source), torch.device(target)
+    if _same(source, target):
+        return graph_module
+
+    swapped: list[bool] = []
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, torch.device) and _same(value, source):
+            swapped.append(True)
+            return target
+        return value
+
+    for node in graph_module.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            node.args = fx.node.map_aggregate(node.args, swap)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+    if swapped:
+        graph_module.recompile()
+    return graph_module
+
+
+def _same(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index or 0) == (b.index or 0)

@@ -1,0 +1,106 @@
+"""Frontend 2: ``torch.export``, non-strict, as torch.distributed.pipelining captures.
+
+It runs ``forward`` with fake tensors, so shape-dependent Python (``b, t = idx.size()``,
+``assert t <= block_size``, ``torch.arange(t)``) is fine, and it captures Hugging Face models and timm's
+Swin. It keeps dim 0 of every batched input symbolic where the code allows (``Dim.AUTO``), so one
+graph serves all micro-batch sizes in the range export proves (from 2 up). It refuses control flow
+on tensor values, since fake tensors have none: ``nn.Transformer`` comparing a mask to a causal
+one, ``if x.sum() > 0``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import Dim
+from torch.export.graph_signature import InputKind, OutputKind
+
+from .errors import FrontendRefused, first_line, location_of
+from .lifted import rebuild_over_module
+from .signature import FlatSignature, owner_name
+from .specialization import BatchRange, Specialization, input_key
+
+
+def capture_exported(
+    module: nn.Module, args: tuple, kwargs: dict
+) -> tuple[fx.GraphModule, FlatSignature, Specialization]:
+    """The exported graph of ``module`` on ``args, kwargs``, over the user's own parameters."""
+    args, kwargs = FlatSignature.canonical(module.forward, args, kwargs)
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    dynamic = pytree.tree_map(
+        lambda v: {0: Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() > 0 else None, (args, kwargs)
+    )
+    shapes = dynamic[1] if not args else dynamic[0] if not kwargs else None
+    try:
+        exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+    except Exception as exc:  # export raises many kinds: UserError, GuardOnDataDependentSymNode, ...
+        where = location_of(exc)
+        raise FrontendRefused(f"{type(exc).__name__}: {first_line(exc)}", location=where) from exc
+    signature = exported.graph_signature
+    state: dict[str, str] = {}
+    constants: dict[str, Any] = {}
+    user_inputs: list[str] = []
+    for spec in signature.input_specs:
+        name = spec.arg.name
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            state[name] = spec.target
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            constants[name] = exported.constants[spec.target]
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+        else:
+            raise FrontendRefused(f"torch.export lifted an input of kind {spec.kind.name}, which cannot be pipelined")
+    if len(user_inputs) != len(leaves):
+        raise FrontendRefused(f"torch.export made {len(user_inputs)} inputs of {len(leaves)} argument leaves")
+    source = _write_back_mutations(exported.graph_module.graph, signature, state)
+    graph_module = rebuild_over_module(source, module, state, constants, exported.graph_module, {},
+                                       type(module).__name__)
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    ranges = tuple(_batch_range(p, exported.range_constraints) for p in placeholders)
+    output = tuple(graph_module.graph.output_node().args[0])
+    flat = FlatSignature(module.forward, in_spec, exported.call_spec.out_spec, output, owner_name(module))
+    specialization = Specialization(input_key(leaves, ranges), ranges,
+                                    lambda a, k: capture_exported(module, a, k))
+    return graph_module, flat, specialization
+
+
+def _write_back_mutations(graph: fx.Graph, signature: Any, state: dict[str, str]) -> fx.Graph:
+    """Turn mutated-buffer outputs into in-place copies, leaving only the user's outputs.
+
+    Export's training IR mostly mutates buffers in place already; where it returns a new value
+    instead, the copy lands it in the user's buffer as eager execution would.
+    """
+    output_node = graph.output_node()
+    results = list(output_node.args[0])
+    by_target = {target: name for name, target in state.items()}
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    kept = []
+    for spec, value in zip(signature.output_specs, results):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            kept.append(value)
+        elif spec.kind in (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION):
+            target = placeholders[by_target[spec.target]] if spec.kind == OutputKind.BUFFER_MUTATION else (
+                placeholders[spec.target])
+            with graph.inserting_before(output_node):
+                graph.call_function(torch.ops.aten.copy_.default, (target, value))
+        else:
+            raise FrontendRefused(
+                f"torch.export returned an output of kind {spec.kind.name}, which cannot be pipelined"
+            )
+    output_node.args = (tuple(kept),)
+    return graph
+
+
+def _batch_range(placeholder: fx.Node, ranges: dict[Any, Any]) -> BatchRange | None:
+    value = placeholder.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or not isinstance(value.shape[0], torch.SymInt):
+        return None
+    bounds = ranges.get(value.shape[0].node.expr)
+    if bounds is None:
+        return None
+    lower, upper = int(bounds.lower), bounds.upper
+    return lower, (None if not upper.is_finite else int(upper))

@@ -1,0 +1,59 @@
+"""What a captured graph assumed about its inputs, so the runtime can tell when it still holds.
+
+fx graphs are shape-generic. torch.export specialises every dimension but the batch dimension,
+which it keeps symbolic over a range (it assumes a size of at least 2); concrete capture specialises
+every shape. Constants among the arguments (a ``float`` scale, a flag) are baked into the graph by
+both. :func:`input_key` describes a call's inputs by exactly what a graph depends on, so two
+micro-batches with the same key can run the same graph, and a new key means capturing again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BatchRange = tuple[int, int | None]
+
+
+def input_key(values: Sequence[Any], batch_ranges: Sequence[BatchRange | None]) -> Hashable:
+    """What a graph captured for ``values`` depends on: shapes, dtypes, devices, constants.
+
+    A tensor whose dim 0 is dynamic in the graph (``batch_ranges[i]``) is described without its
+    batch size while that size lies in the range.
+    """
+    key: list[Hashable] = []
+    for value, batch in zip(values, batch_ranges):
+        if isinstance(value, torch.Tensor):
+            shape: list[Any] = list(value.shape)
+            if batch is not None and shape and batch[0] <= shape[0] and (batch[1] is None or shape[0] <= batch[1]):
+                shape[0] = "batch"
+            key.append(("tensor", str(value.dtype), value.device.type, tuple(shape)))
+        else:
+            try:
+                hash(value)
+                key.append(("constant", type(value).__name__, value))
+            except TypeError:
+                key.append(("constant", type(value).__name__, repr(value)))
+    return tuple(key)
+
+
+@dataclass
+class Specialization:
+    """The inputs a graph was captured for, and how to capture it again for others.
+
+    ``batch_ranges[i]`` is the range of dim-0 sizes the graph holds for at placeholder i (``None``:
+    the exact size only). ``recapture(args, kwargs)`` runs the same frontend on other inputs.
+    """
+
+    key: Hashable
+    batch_ranges: tuple[BatchRange | None, ...]
+    recapture: Callable[[tuple, dict], Any]
+
+    def key_of(self, values: Sequence[Any]) -> Hashable:
+        return input_key(values, self.batch_ranges)
+
+    def holds_for(self, values: Sequence[Any]) -> bool:
+        return self.key_of(values) == self.key
