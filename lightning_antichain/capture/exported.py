@@ -10,6 +10,9 @@ one, ``if x.sum() > 0``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,7 +39,8 @@ def capture_exported(
     )
     shapes = dynamic[1] if not args else dynamic[0] if not kwargs else None
     try:
-        exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+        with _quiet("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export"):
+            exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as exc:  # export raises many kinds: UserError, GuardOnDataDependentSymNode, ...
         where = location_of(exc)
         raise FrontendRefused(f"{type(exc).__name__}: {first_line(exc)}", location=where) from exc
@@ -66,6 +70,20 @@ def capture_exported(
     specialization = Specialization(input_key(leaves, ranges), ranges,
                                     lambda a, k: capture_exported(module, a, k))
     return graph_module, flat, specialization
+
+
+@contextlib.contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """Export logs a graph dump when it refuses; the refusal is reported with the plan instead."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
 
 
 def _write_back_mutations(graph: fx.Graph, signature: Any, state: dict[str, str]) -> fx.Graph:
@@ -103,4 +121,7 @@ def _batch_range(placeholder: fx.Node, ranges: dict[Any, Any]) -> BatchRange | N
     if bounds is None:
         return None
     lower, upper = int(bounds.lower), bounds.upper
-    return lower, (None if not upper.is_finite else int(upper))
+    try:
+        return lower, int(upper)
+    except (TypeError, ValueError, AttributeError):  # sympy's infinities
+        return lower, None

@@ -32,6 +32,10 @@ class LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self._leaf_paths or isinstance(m, self._leaf_types):
             return True
+        if next(m.children(), None) is not None:
+            # fx keeps every torch.nn module whole; containers such as nn.Transformer would then be one
+            # operation that no plan can cut, so trace into them (or let a later frontend capture them)
+            return False
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
