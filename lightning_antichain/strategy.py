@@ -34,6 +34,8 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 
 from . import microbatch
+from .capture import OpGraph, capture_call
+from .capture.signature import FlatSignature, original_forward
 from .engine import CHECKPOINT_MODES
 from .memory import device_memory_gb, optimizer_multiplier
 from .partition import partition, plan_from_balance
@@ -42,7 +44,7 @@ from .plan import Plan
 from .profile_cache import default_cache_dir, load_cached, profile_key, store
 from .profiler import profile
 from .replicas import average_gradients
-from .trace import map_tensors, split_inputs, trace
+from .trace import map_tensors, split_inputs
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +130,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self.process_group_backend = process_group_backend
         self._num_nodes = 1
         self.plan: Plan | None = None
+        self._graph: OpGraph | None = None  # the graph profiled for the plan, run by the pipeline
         self._pipeline: Pipeline | None = None
         self._calls = 0
         self._checked_first_step = False
@@ -324,6 +327,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._pipeline = Pipeline(
             target,
             self.plan,
+            graph=self._graph if self._graph is not None and self._graph.module is target else None,
             chunks=self.chunks,
             checkpoint=self.checkpoint,
             devices=devices,
@@ -336,13 +340,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def _make_plan(self, target: nn.Module, args: tuple, kwargs: dict, devices: list[torch.device]) -> Plan:
         with torch.inference_mode(False), torch.enable_grad():
             example = map_tensors(torch.Tensor.clone, (args, kwargs))  # ordinary tensors, even from inference mode
-            graph = trace(target, fallback=None, leaf_modules=self.leaf_modules)
             positional, keywords = example
-            if keywords:  # keyword form: name the positional arguments too, in forward's order
-                names = [n.target for n in graph.nodes if n.kind == "placeholder"]
-                example_inputs: Any = {**dict(zip(names, positional)), **keywords}
-            else:
-                example_inputs = positional
+            if keywords and positional:  # keyword form: name the positional arguments too
+                positional, keywords = FlatSignature.canonical(original_forward(target), positional, keywords)
+            example_inputs: Any = keywords if keywords else positional
+            graph = capture_call(target, positional, keywords, leaf_modules=self.leaf_modules)
+            self._graph = graph
             key = profile_key(graph, target, example, self.root_device)
             cost = load_cached(self.profile_cache, key) if self.use_profile_cache else None
             if cost is None:

@@ -94,11 +94,11 @@ class NanoGPT(nn.Module):
 class TransformerLM(nn.Module):
     """An encoder-decoder around ``nn.Transformer``, with the causal mask built in forward."""
 
-    def __init__(self, vocab: int = 40, width: int = 32) -> None:
+    def __init__(self, vocab: int = 40, width: int = 32, dropout: float = 0.1) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.transformer = nn.Transformer(
-            d_model=width, nhead=4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64, dropout=0.1,
+            d_model=width, nhead=4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=64, dropout=dropout,
             batch_first=True,
         )
         self.out = nn.Linear(width, vocab)

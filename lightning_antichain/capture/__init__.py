@@ -24,7 +24,7 @@ from .errors import FrontendRefused, UntraceableModelError
 from .exported import capture_exported
 from .leaves import capture_with_leaves
 from .opgraph import OpGraph, OpNode, RecordedCall, op_graph
-from .signature import SignatureMismatchError
+from .signature import SignatureMismatchError, own_forward
 from .symbolic import capture_symbolic
 
 FRONTENDS = ("fx", "export", "concrete", "leaves")
@@ -88,7 +88,8 @@ def _capture(
             refused.append(f"{frontend}: needs an example input (example_input_array)")
             continue
         try:
-            graph = _capture_with(frontend, module, call, leaf_modules)
+            with own_forward(module):
+                graph = _capture_with(frontend, module, call, leaf_modules)
         except FrontendRefused as exc:
             refused.append(f"{frontend}: {exc.reason}")
             if exc.data_dependent and data_dependent is None:
@@ -115,7 +116,7 @@ def _capture_with(
     args, kwargs = call
     capture_fn = capture_exported if frontend == "export" else capture_concrete
     graph_module, signature, specialization = capture_fn(module, args, kwargs)
-    specialization.recapture = lambda a, k: _capture_with(frontend, module, (a, k), leaf_modules)
+    specialization.recapture = lambda a, k: _capture(module, (a, k), leaf_modules, (frontend,))
     graph = op_graph(module, graph_module, frontend, signature, specialization)
     first = next(iter_tensors((args, kwargs)), None)
     graph.capture_device = str(first.device) if first is not None else None

@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from .errors import FrontendRefused, first_line, location_of, user_frame
 from .lifted import input_placeholder_names, rebuild_over_module
-from .signature import FlatSignature, owner_name
+from .signature import FlatSignature, original_forward, owner_name
 from .specialization import Specialization, input_key
 
 
@@ -50,7 +50,7 @@ def capture_concrete(
     module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[fx.GraphModule, FlatSignature, Specialization]:
     """The ATen graph of one real run of ``module`` on ``args, kwargs``, with guards on value reads."""
-    args, kwargs = FlatSignature.canonical(module.forward, args, kwargs)
+    args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
     state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     inputs = (args, kwargs)
 
@@ -77,7 +77,7 @@ def capture_concrete(
     _guard_value_reads(traced, set(input_names), (state, inputs))
     graph_module = rebuild_over_module(traced.graph, module, state_map, {}, traced, input_names, type(module).__name__)
     output = tuple(graph_module.graph.output_node().args[0])
-    flat = FlatSignature(module.forward, in_spec, traced._out_spec, output, owner_name(module))
+    flat = FlatSignature(original_forward(module), in_spec, traced._out_spec, output, owner_name(module))
     ranges = tuple(None for _ in leaves)
     specialization = Specialization(input_key(leaves, ranges), ranges, lambda a, k: capture_concrete(module, a, k))
     return graph_module, flat, specialization

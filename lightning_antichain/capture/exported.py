@@ -11,6 +11,7 @@ one, ``if x.sum() > 0``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +25,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from .errors import FrontendRefused, first_line, location_of
 from .lifted import rebuild_over_module
-from .signature import FlatSignature, owner_name
+from .signature import FlatSignature, original_forward, owner_name
 from .specialization import BatchRange, Specialization, input_key
 
 
@@ -32,12 +33,9 @@ def capture_exported(
     module: nn.Module, args: tuple, kwargs: dict
 ) -> tuple[fx.GraphModule, FlatSignature, Specialization]:
     """The exported graph of ``module`` on ``args, kwargs``, over the user's own parameters."""
-    args, kwargs = FlatSignature.canonical(module.forward, args, kwargs)
+    args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
-    dynamic = pytree.tree_map(
-        lambda v: {0: Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() > 0 else None, (args, kwargs)
-    )
-    shapes = dynamic[1] if not args else dynamic[0] if not kwargs else None
+    shapes = _dynamic_batch(module, args, kwargs)
     try:
         with _quiet("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export"):
             exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
@@ -66,10 +64,23 @@ def capture_exported(
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     ranges = tuple(_batch_range(p, exported.range_constraints) for p in placeholders)
     output = tuple(graph_module.graph.output_node().args[0])
-    flat = FlatSignature(module.forward, in_spec, exported.call_spec.out_spec, output, owner_name(module))
+    flat = FlatSignature(original_forward(module), in_spec, exported.call_spec.out_spec, output, owner_name(module))
     specialization = Specialization(input_key(leaves, ranges), ranges,
                                     lambda a, k: capture_exported(module, a, k))
     return graph_module, flat, specialization
+
+
+def _dynamic_batch(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """Export's ``dynamic_shapes``: dim 0 of every batched tensor left to export (``Dim.AUTO``),
+    keyed by ``forward``'s parameter names as export binds them (``*args`` get a tuple)."""
+    try:
+        bound = inspect.signature(original_forward(module)).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    return {
+        name: pytree.tree_map(lambda v: {0: Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() > 0 else None, value)
+        for name, value in bound.arguments.items()
+    }
 
 
 @contextlib.contextmanager
