@@ -53,7 +53,8 @@ def main() -> None:
             plan = la.partition(cost, stages, chunks=8)
             times.append(plan.solve_s)
         assert plan is not None
-        print(f"| {stages} | {plan.num_nodes} | {plan.num_states} | {statistics.median(times):.3f} | {plan.balance:.3f} |")
+        solve = statistics.median(times)
+        print(f"| {stages} | {plan.num_nodes} | {plan.num_states} | {solve:.3f} | {plan.balance:.3f} |")
     print()
     print(plan.table())
 

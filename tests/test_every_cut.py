@@ -38,7 +38,7 @@ def test_every_two_stage_cut_of_a_gpt_matches_the_plain_module():
             (output * weights).sum().backward()
         assert (output - expected).abs().max().item() <= 1e-12 * expected.abs().max().item(), f"cut after {first}"
         for n, p in model.named_parameters():
-            floor = max(reference[n].abs().max().item(), 1e-12 * scale)
+            floor = max(reference[n].abs().max().item(), 1e-6 * scale)
             error = (p.grad - reference[n]).abs().max().item() / floor
             assert error <= 1e-9, f"cut after {first} ops ({boundary}): {n} off by {error:.1e}"
     assert tuple_cuts >= 2  # the split's tuple crossed the boundary, once per block

@@ -5,7 +5,8 @@ cannot change the maths) in float64, and its output and every parameter gradient
 plain module within 1e-9 relative. Relative to what: a gradient that is zero in exact arithmetic
 (BERT's attention key biases: adding a constant to every key does not change a softmax) is pure
 round-off in both runs, so each parameter's error is measured against the larger of its own
-largest reference gradient and 1e-12 of the model's largest one.
+largest reference gradient and 1e-6 of the model's largest one. A tiny gradient may then differ
+by at most 1e-15 of the largest: far below a real error, which is the size of the gradient itself.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def zoo_parity(name: str, stages: int = 3, chunks: int = 4, batch: int = 8):
     for n, p in model.named_parameters():
         if n in reference:
             assert p.grad is not None, f"{name}: no gradient for {n}"
-            floor = max(reference[n].abs().max().item(), 1e-12 * scale)
+            floor = max(reference[n].abs().max().item(), 1e-6 * scale)
             grad_error = max(grad_error, (p.grad - reference[n]).abs().max().item() / floor)
     return graph, plan, out_error, grad_error
 
