@@ -157,21 +157,13 @@ def _fresh_inputs(call: RecordedCall) -> tuple[tuple, dict, list[torch.Tensor]]:
     leaves: list[torch.Tensor] = []
 
     def fresh(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if value.requires_grad and value.is_floating_point():
-                leaf = value.detach().requires_grad_(True)
-                leaves.append(leaf)
-                return leaf.clone()
-            return value.detach().clone()
-        if isinstance(value, tuple):
-            return tuple(fresh(v) for v in value)
-        if isinstance(value, list):
-            return [fresh(v) for v in value]
-        if isinstance(value, dict):
-            return {k: fresh(v) for k, v in value.items()}
-        return value
+        if value.requires_grad and value.is_floating_point():
+            leaf = value.detach().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone()
+        return value.detach().clone()
 
-    return fresh(call.args), fresh(call.kwargs), leaves
+    return map_tensors(fresh, call.args), map_tensors(fresh, call.kwargs), leaves
 
 
 def _parameters(call: RecordedCall) -> list[torch.Tensor]:

@@ -344,7 +344,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             if keywords and positional:  # keyword form: name the positional arguments too
                 positional, keywords = FlatSignature.canonical(original_forward(target), positional, keywords)
             example_inputs: Any = keywords if keywords else positional
-            graph = capture_call(target, positional, keywords, leaf_modules=self.leaf_modules)
+            graph = capture_call(target, positional, keywords, leaf_modules=self.leaf_modules, progress=True)
             self._graph = graph
             key = profile_key(graph, target, example, self.root_device)
             cost = load_cached(self.profile_cache, key) if self.use_profile_cache else None

@@ -21,6 +21,7 @@ from torch import nn
 from .capture import FRONTENDS, OpGraph, OpNode, RecordedCall, UntraceableModelError, capture
 from .capture.opgraph import identity as _identity
 from .capture.signature import bind_placeholders
+from .pytrees import flatten, unflatten
 
 GRANULARITIES = ("ops", "children")
 
@@ -79,16 +80,9 @@ def trace(
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``value`` with ``fn`` applied to every tensor inside its tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, tuple):
-        return tuple(map_tensors(fn, v) for v in value)
-    if isinstance(value, list):
-        return [map_tensors(fn, v) for v in value]
-    if isinstance(value, dict):
-        return type(value)((k, map_tensors(fn, v)) for k, v in value.items())
-    return value
+    """``value`` with ``fn`` applied to every tensor inside it, containers and their types kept."""
+    leaves, spec = flatten(value)
+    return unflatten([fn(v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
 
 def _trace_children(module: nn.Module, example_inputs: Any) -> OpGraph:
@@ -173,12 +167,5 @@ def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
 
 
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside a nested structure of tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from iter_tensors(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from iter_tensors(item)
+    """Every tensor inside a nested value (tuples, lists, dicts, named tuples, dataclasses)."""
+    return (v for v in flatten(value)[0] if isinstance(v, torch.Tensor))

@@ -14,6 +14,8 @@ all capture through :func:`capture`, and the graph that was profiled is the grap
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +51,7 @@ def capture(
     *,
     leaf_modules: Sequence[type | str] = (),
     frontends: Sequence[str] = FRONTENDS,
+    progress: bool = False,
 ) -> OpGraph:
     """The graph of operations of ``module``, from the first frontend of ``frontends`` that succeeds.
 
@@ -56,11 +59,12 @@ def capture(
     tensor, a tuple of positional arguments, or a dict of keyword arguments); export and concrete
     capture need it. ``leaf_modules`` (classes or dotted paths) are kept whole by fx and by the leaf
     frontend. Raises :class:`UntraceableModelError` with every frontend's reason when none succeeds.
+    ``progress`` reports each frontend tried on stderr.
     """
     from ..trace import split_inputs
 
     call = None if example_inputs is None else split_inputs(example_inputs)
-    return _capture(module, call, leaf_modules, frontends)
+    return _capture(module, call, leaf_modules, frontends, progress)
 
 
 def capture_call(
@@ -70,34 +74,51 @@ def capture_call(
     *,
     leaf_modules: Sequence[type | str] = (),
     frontends: Sequence[str] = FRONTENDS,
+    progress: bool = False,
 ) -> OpGraph:
     """:func:`capture` for an example given as a call's positional and keyword arguments."""
-    return _capture(module, (args, kwargs), leaf_modules, frontends)
+    return _capture(module, (args, kwargs), leaf_modules, frontends, progress)
 
 
 def _capture(
-    module: nn.Module, call: tuple[tuple, dict] | None, leaf_modules: Sequence[type | str], frontends: Sequence[str]
+    module: nn.Module,
+    call: tuple[tuple, dict] | None,
+    leaf_modules: Sequence[type | str],
+    frontends: Sequence[str],
+    progress: bool = False,
 ) -> OpGraph:
     unknown = [f for f in frontends if f not in FRONTENDS]
     if unknown or not frontends:
         raise ValueError(f"frontends must be a non-empty sequence of {FRONTENDS}, got {list(frontends)}")
     refused: list[str] = []
     data_dependent: FrontendRefused | None = None
+    name = type(module).__name__
     for frontend in frontends:
         if frontend in NEEDS_EXAMPLE and call is None:
             refused.append(f"{frontend}: needs an example input (example_input_array)")
             continue
+        started = time.perf_counter()
+        _report(progress, f"capturing {name} with {frontend} ...")
         try:
             with own_forward(module):
                 graph = _capture_with(frontend, module, call, leaf_modules)
         except FrontendRefused as exc:
             refused.append(f"{frontend}: {exc.reason}")
+            _report(progress, f"capturing {name}: {frontend} refused ({exc.reason[:120]})")
             if exc.data_dependent and data_dependent is None:
                 data_dependent = exc
             continue
         graph.refused = tuple(refused)
+        _report(progress, f"captured {name} with {frontend}: {len(graph)} operations in "
+                          f"{time.perf_counter() - started:.1f} s")
         return graph
     raise UntraceableModelError(_explain(module, refused, data_dependent), refused)
+
+
+def _report(enabled: bool, line: str) -> None:
+    if enabled:
+        sys.stderr.write(f"lightning-antichain: {line}\n")
+        sys.stderr.flush()
 
 
 def _capture_with(
@@ -116,7 +137,7 @@ def _capture_with(
     args, kwargs = call
     capture_fn = capture_exported if frontend == "export" else capture_concrete
     graph_module, signature, specialization = capture_fn(module, args, kwargs)
-    specialization.recapture = lambda a, k: _capture(module, (a, k), leaf_modules, (frontend,))
+    specialization.recapture = lambda a, k: _capture(module, (a, k), leaf_modules, (frontend,), False)
     graph = op_graph(module, graph_module, frontend, signature, specialization)
     first = next(iter_tensors((args, kwargs)), None)
     graph.capture_device = str(first.device) if first is not None else None

@@ -2,8 +2,9 @@
 
 It runs ``forward`` with fake tensors, so shape-dependent Python (``b, t = idx.size()``,
 ``assert t <= block_size``, ``torch.arange(t)``) is fine, and it captures Hugging Face models and timm's
-Swin. It keeps dim 0 of every batched input symbolic where the code allows (``Dim.AUTO``), so one
-graph serves all micro-batch sizes in the range export proves (from 2 up). It refuses control flow
+Swin. It keeps dim 0 of every batched input symbolic where the code allows (``Dim.AUTO``), and
+reasons about sizes without assuming they differ from 1, so one graph serves every micro-batch size
+in the range export proves (usually all of them). It refuses control flow
 on tensor values, since fake tensors have none: ``nn.Transformer`` comparing a mask to a causal
 one, ``if x.sum() > 0``.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.experimental._config as fx_config
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim
@@ -37,7 +39,9 @@ def capture_exported(
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     shapes = _dynamic_batch(module, args, kwargs)
     try:
-        with _quiet("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export"):
+        # size-oblivious: prove the graph for every batch size, 1 included, instead of assuming >= 2
+        with _quiet("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export"), \
+                fx_config.patch(backed_size_oblivious=True):
             exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as exc:  # export raises many kinds: UserError, GuardOnDataDependentSymNode, ...
         where = location_of(exc)

@@ -25,6 +25,9 @@ class LeafTracer(fx.Tracer):
 
     def __init__(self, leaf_modules: Sequence[type | str] = ()) -> None:
         super().__init__()
+        # buffers become graph values, not constants: a branch on one (``if self.flag:``) must be
+        # refused rather than baked into the graph with the value it had while tracing
+        self.proxy_buffer_attributes = True
         self._leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
         self._leaf_paths = {m for m in leaf_modules if isinstance(m, str)}
         self.path: list[str] = []
