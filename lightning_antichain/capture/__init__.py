@@ -24,9 +24,10 @@ from torch import nn
 from .concrete import SpecializationError, capture_concrete
 from .errors import FrontendRefused, UntraceableModelError
 from .exported import capture_exported
+from .isolation import attributes_restored, own_forward
 from .leaves import capture_with_leaves
 from .opgraph import OpGraph, OpNode, RecordedCall, op_graph
-from .signature import SignatureMismatchError, own_forward
+from .signature import SignatureMismatchError
 from .symbolic import capture_symbolic
 
 FRONTENDS = ("fx", "export", "concrete", "leaves")
@@ -100,7 +101,7 @@ def _capture(
         started = time.perf_counter()
         _report(progress, f"capturing {name} with {frontend} ...")
         try:
-            with own_forward(module):
+            with own_forward(module), attributes_restored(module):
                 graph = _capture_with(frontend, module, call, leaf_modules)
         except FrontendRefused as exc:
             refused.append(f"{frontend}: {exc.reason}")

@@ -97,6 +97,7 @@ def _side_effects_undone(module: nn.Module):
                         b.copy_(buffers[name])
 
 
+
 def _is_value_read(node: fx.Node) -> bool:
     target = node.target
     return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (

@@ -9,9 +9,8 @@ the values of the graph's output nodes.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
@@ -124,21 +123,6 @@ def bind_placeholders(placeholders: list[fx.Node], args: tuple, kwargs: dict, ow
 def original_forward(module: nn.Module) -> Callable[..., Any]:
     """The module's own ``forward``, even while a strategy has installed another one on the instance."""
     return type(module).forward.__get__(module)
-
-
-@contextlib.contextmanager
-def own_forward(module: nn.Module) -> Iterator[None]:
-    """Run the module's class ``forward`` inside this block.
-
-    Capture must record the user's code; the strategy makes the instance's ``forward`` the
-    pipelined one, and capturing through that would capture the pipeline (and recurse into it).
-    """
-    installed = vars(module).pop("forward", None)
-    try:
-        yield
-    finally:
-        if installed is not None:
-            module.forward = installed
 
 
 def owner_name(module: nn.Module) -> str:
