@@ -36,3 +36,12 @@ def test_two_replicas_of_two_stages_match_one_pipeline_and_plain_training(tmp_pa
     torch.testing.assert_close(single, plain, rtol=1e-5, atol=0)
     torch.testing.assert_close(replicated, plain, rtol=1e-5, atol=0)  # train_loss logged with sync_dist=True
     assert replicated_acc == single_acc == plain_acc  # a torchmetrics accuracy over both replicas' samples
+
+
+def test_replicas_of_a_gpt_captured_by_export_agree_on_the_plan_and_match_plain(tmp_path):
+    """Rank 0 plans; the other replica captures GPT-2 itself and must get the same operation names."""
+    gpt = ("--model", "gpt2")
+    world, replicated, _ = losses(tmp_path, "replicas", "--devices", "4", "--stages", "2", "--batch-size", "8", *gpt)
+    assert world == 2 and len(replicated) == 10
+    _, plain, _ = losses(tmp_path, "plain", "--devices", "1", "--plain", "--batch-size", "16", *gpt)
+    torch.testing.assert_close(replicated, plain, rtol=1e-5, atol=0)

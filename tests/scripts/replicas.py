@@ -1,4 +1,4 @@
-"""Fit TinyClassifier with a given layout and write rank 0's synced training losses as JSON.
+"""Fit TinyClassifier (or GPT-2, --model gpt2) with a given layout; write rank 0's synced losses as JSON.
 
 python replicas.py --out losses.json --devices 4 --stages 2 --batch-size 16   # 2 replicas x 2 stages
 python replicas.py --out losses.json --devices 1 --plain --batch-size 32      # plain Lightning
@@ -15,6 +15,7 @@ import torchmetrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lit_models import TinyClassifier, loader  # noqa: E402
+from test_zoo_trainer import ZooModule  # noqa: E402
 
 import lightning_antichain as la  # noqa: E402
 
@@ -34,16 +35,36 @@ class Synced(TinyClassifier):
         return loss
 
 
+class SyncedGPT(ZooModule):
+    """GPT-2 captured by torch.export: every replica must capture the same operation names."""
+
+    def __init__(self):
+        super().__init__("gpt2")
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=40)
+
+    def training_step(self, batch, batch_idx):
+        tokens, target = batch
+        logits = self(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        self.log("train_loss", loss, sync_dist=True)
+        self.train_acc(logits.argmax(-1).reshape(-1), target.reshape(-1))
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+
 class ShardedData(L.LightningDataModule):
     """Each replica takes every world_size-th sample in order, so the replicas' batches together are
     the single-process batch (Lightning's own DistributedSampler would shuffle training data)."""
 
-    def __init__(self, batch_size):
+    def __init__(self, batch_size, model="tiny"):
         super().__init__()
-        self.batch_size = batch_size
+        self.batch_size, self.model = batch_size, model
 
     def train_dataloader(self):
-        dataset = loader(160).dataset
+        if self.model == "gpt2":
+            dataset = torch.utils.data.TensorDataset(*ZooModule("gpt2").batch(160, torch.Generator().manual_seed(3)))
+        else:
+            dataset = loader(160).dataset
         sampler = None
         if self.trainer.world_size > 1:
             sampler = torch.utils.data.DistributedSampler(
@@ -78,6 +99,7 @@ def main():
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--start-method", default="popen")
     parser.add_argument("--ckpt-dir", default=None)
+    parser.add_argument("--model", choices=["tiny", "gpt2"], default="tiny")
     args = parser.parse_args()
     torch.manual_seed(0)
     strategy = (
@@ -103,7 +125,8 @@ def main():
         callbacks=[record],
         use_distributed_sampler=False,
     )
-    trainer.fit(Synced(), datamodule=ShardedData(args.batch_size))
+    module = SyncedGPT() if args.model == "gpt2" else Synced()
+    trainer.fit(module, datamodule=ShardedData(args.batch_size, args.model))
 
 
 if __name__ == "__main__":
