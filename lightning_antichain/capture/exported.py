@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -89,13 +90,15 @@ def _dynamic_batch(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
 
 @contextlib.contextmanager
 def _quiet(*names: str) -> Iterator[None]:
-    """Export logs a graph dump when it refuses; the refusal is reported with the plan instead."""
+    """Export logs and prints a graph dump when it refuses; the refusal is reported with the plan
+    instead. Warnings (``warnings.warn``) still reach the user."""
     loggers = [logging.getLogger(name) for name in names]
     levels = [log.level for log in loggers]
     for log in loggers:
         log.setLevel(logging.ERROR)
     try:
-        yield
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
         for log, level in zip(loggers, levels):
             log.setLevel(level)
