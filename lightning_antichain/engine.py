@@ -342,7 +342,7 @@ def _recompute(stage: StageModule, saved: _Saved) -> tuple[list[Any], Callable[[
     ]
     kept = [{k: v.clone() for k, v in m.named_buffers(recurse=False)} for m in norms]
     # buffers an ATen graph updates in place (running statistics read through get_attr)
-    fetched = [b for b in stage.buffers() if b.is_floating_point() or b.dtype == torch.long]
+    fetched = stage.buffers()
     kept_fetched = [b.clone() for b in fetched]
     with torch.random.fork_rng(devices=devices):
         torch.set_rng_state(cpu_rng)

@@ -14,6 +14,7 @@ All shapes are specialised too: the runtime captures again for each new micro-ba
 from __future__ import annotations
 
 import contextlib
+import traceback
 from typing import Any
 
 import torch
@@ -182,9 +183,8 @@ def _where(node: fx.Node) -> str:
     return user_frame(frames) or (frames[-1].filename + f":{frames[-1].lineno}" if frames else str(node.target))
 
 
-def _parse_stack(text: str) -> list[Any]:
-    import traceback
-
+def _parse_stack(text: str) -> list[traceback.FrameSummary]:
+    """The frames of an fx node's recorded stack trace (``File "...", line N, in f`` + code)."""
     frames = []
     lines = text.strip().splitlines()
     for i, line in enumerate(lines):
