@@ -229,7 +229,7 @@ def run_forward(
             outbox.put((m, shipped, out_spec, event, out_flags))
 
     _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
-    return [(leaves, spec) for leaves, spec in _collect(last, len(micro_batches), width=2)]
+    return _collect(last, len(micro_batches), width=2)
 
 
 def _collect(last: queue.Queue, count: int, width: int = 1) -> list[Any]:
