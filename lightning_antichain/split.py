@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .capture.devices import retarget_devices
@@ -54,10 +55,7 @@ class StageModule:
         since autograd forbids in-place changes of the leaves that collect input gradients."""
         if not self.mutated:
             return values
-        return tuple(
-            v.clone() if i in self.mutated and isinstance(v, torch.Tensor) and v.requires_grad else v
-            for i, v in enumerate(values)
-        )
+        return tuple(pytree.tree_map(_clone_if_leaf, v) if i in self.mutated else v for i, v in enumerate(values))
 
     @cached_property
     def trainable(self) -> bool:
@@ -152,9 +150,53 @@ def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> lis
         module = share_original_modules(fx.GraphModule(gm, sub, f"Stage{spec.index}"), graph.module)
         retarget_devices(module, graph.capture_device, device)
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-        mutated = frozenset(i for i, p in enumerate(placeholders) if any(_in_place(module, u) for u in p.users))
+        mutated = frozenset(i for i, p in enumerate(placeholders) if _changed_in_place(module, p))
         stages.append(StageModule(spec.index, module, inputs, outputs, device, mutated))
     return stages
+
+
+def _clone_if_leaf(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) and value.requires_grad else value
+
+
+def _changed_in_place(module: fx.GraphModule, value: fx.Node) -> bool:
+    """Whether an operation may change ``value`` in place, directly or through something that may
+    return it or a view of it (``nn.Identity``, dropout in eval mode, ``x.view``, indexing)."""
+    seen: set[fx.Node] = set()
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if _in_place(module, user):
+                return True
+            if user not in seen and _may_alias(module, user):
+                seen.add(user)
+                stack.append(user)
+    return False
+
+
+def _may_alias(module: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node``'s result may share storage with an argument (erring towards yes)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        returns = target._schema.returns
+        return bool(returns and returns[0].alias_info is not None) or "dropout" in target.name()
+    if node.op == "call_module":
+        sub = module.get_submodule(str(target))
+        if not type(sub).__module__.startswith("torch.nn"):
+            return True  # a user leaf module may return its input as is
+        return isinstance(sub, (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd))
+    name = str(target) if node.op == "call_method" else getattr(target, "__name__", "")
+    return name in _ALIASING_CALLS
+
+
+_ALIASING_CALLS = {
+    "getitem", "__getitem__", "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze",
+    "unsqueeze", "transpose", "t", "permute", "expand", "expand_as", "narrow", "select", "unbind", "split", "chunk",
+    "tensor_split", "movedim", "moveaxis", "swapaxes", "contiguous", "detach", "as_strided", "view_as_real",
+    "view_as_complex", "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda", "dropout",
+    "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "identity",
+}
 
 
 def _in_place(module: fx.GraphModule, node: fx.Node) -> bool:

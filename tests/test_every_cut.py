@@ -42,3 +42,41 @@ def test_every_two_stage_cut_of_a_gpt_matches_the_plain_module():
             error = (p.grad - reference[n]).abs().max().item() / floor
             assert error <= 1e-9, f"cut after {first} ops ({boundary}): {n} off by {error:.1e}"
     assert tuple_cuts >= 2  # the split's tuple crossed the boundary, once per block
+
+
+class AliasedInPlace(torch.nn.Module):
+    """timm's BatchNormAct: an in-place activation behind ``nn.Identity`` / dropout, which return
+    their input as is. A cut before them hands the next stage a gradient leaf that the activation
+    would change in place, unless the stage copies it first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+        self.drop, self.same = torch.nn.Dropout(0.5), torch.nn.Identity()
+        self.act = torch.nn.SiLU(inplace=True)
+
+    def forward(self, x):
+        h = self.act(self.same(self.drop(self.a(x))))
+        return self.b(torch.relu_(h[:, :6]) + 1)
+
+
+def test_every_cut_before_an_in_place_op_behind_an_alias_matches_the_plain_module():
+    torch.manual_seed(0)
+    model = AliasedInPlace().double().eval()
+    x = torch.randn(6, 6, dtype=torch.float64)
+    graph = capture(model, x[:2])
+    assert graph.frontend == "fx"
+    cost = la.profile(model, x[:2], op_graph=graph, repeats=1, warmup=0, progress=False)
+    expected = model(x)
+    expected.sum().backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    operations = sum(1 for n in graph.nodes if n.kind != "placeholder")
+    for first in range(1, operations):
+        plan = la.plan_from_balance(cost, [first, operations - first], chunks=3)
+        model.zero_grad(set_to_none=True)
+        with la.Pipeline(model, plan, chunks=3, graph=graph) as pipe:
+            output = pipe(x)
+            output.sum().backward()
+        torch.testing.assert_close(output, expected, rtol=1e-12, atol=0, msg=f"cut after {first}")
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, reference[n], rtol=1e-12, atol=1e-15, msg=f"cut after {first}: {n}")
