@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from . import microbatch
 from .batchnorm import deferred_batch_norm
 from .capture import NEEDS_EXAMPLE, UntraceableModelError, capture, capture_call
+from .capture.assignments import Output, assign
 from .engine import CHECKPOINT_MODES, PassState, run_backward, run_forward
 from .plan import Plan
 from .pytrees import flatten, unflatten
@@ -133,9 +135,11 @@ class Pipeline(nn.Module):
         output_device = self.output_device or _first_device(args, kwargs) or self._devices[0]
         needs_grad = torch.is_grad_enabled()
         if not needs_grad:
-            outputs = run_forward(self._pool, stage_sets, micro_inputs, None, 0)
+            outputs, assigned = self._take_assigned(run_forward(self._pool, stage_sets, micro_inputs, None, 0))
             leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device)
-            return self._assemble(leaves, outputs[0][1])
+            result = self._assemble(leaves, outputs[0][1])
+            self._assign(assigned, micro_values)
+            return result
         stop = {"never": 0, "except_last": len(micro_inputs) - 1, "always": len(micro_inputs)}[self.checkpoint]
         if not self.training:
             stop = 0
@@ -146,11 +150,13 @@ class Pipeline(nn.Module):
         self.last_busy_s = [0.0] * len(self._stages)
         deferral = deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext()
         with deferral:
-            options = (output_device, stop, outcome, self.last_busy_s)
+            options = (output_device, stop, outcome, self.last_busy_s, self._take_assigned)
             tensors = _PipelineFunction.apply((self._pool, stage_sets), micro_inputs, options, phony, *grad_inputs)
         it = iter(tensors)
         leaves = [next(it) if is_tensor else constant for is_tensor, constant in outcome.layout]
-        return self._assemble(leaves, outcome.spec)
+        result = self._assemble(leaves, outcome.spec)
+        self._assign(outcome.assigned, micro_values)
+        return result
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -160,7 +166,12 @@ class Pipeline(nn.Module):
         place_stages(stages)
         placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
         self._input_slots = [placeholders.index(name) for name in stages[0].inputs]
-        self._output_names = stages[-1].outputs
+        names = stages[-1].outputs
+        assigned = {leaf.node for a in graph.assignments for leaf in a.leaves if isinstance(leaf, Output)}
+        returned = assigned & _returned_names(graph)
+        self._returned_slots = [i for i, n in enumerate(names) if n not in assigned or n in returned]
+        self._assigned_slots = {n: i for i, n in enumerate(names) if n in assigned}
+        self._output_names = tuple(names[i] for i in self._returned_slots)
         self._graph, self._stages = graph, stages
 
     def _capture_for(self, args: tuple, kwargs: dict) -> OpGraph:
@@ -192,6 +203,30 @@ class Pipeline(nn.Module):
             self._variants[key] = stages
         return self._variants[key]
 
+    def _take_assigned(self, outputs: list[tuple[list[Any], Any]]) -> tuple[list[tuple[list[Any], Any]], _Assigned]:
+        """Each micro-batch's stage outputs, less the values only kept for attributes ``forward``
+        assigns; and those values, by output name, with where the returned leaves sit among all."""
+        if not self._assigned_slots:
+            return outputs, _Assigned()
+        returned, taken = [], _Assigned()
+        for leaves, spec in outputs:
+            values = unflatten(leaves, spec)
+            returned.append(flatten(tuple(values[i] for i in self._returned_slots)))
+            taken.values.append({name: values[i] for name, i in self._assigned_slots.items()})
+            offsets = [0]
+            for i in range(spec.num_children):
+                offsets.append(offsets[-1] + spec.child(i).num_leaves)
+            taken.leaf_positions = [p for i in self._returned_slots for p in range(offsets[i], offsets[i + 1])]
+            taken.leaf_count = offsets[-1]
+        return returned, taken
+
+    def _assign(self, assigned: _Assigned, micro_values: list[list[Any]]) -> None:
+        """Give the attributes ``forward`` assigns the values a whole-batch call would."""
+        if assigned.values:
+            assert self._graph is not None
+            sizes = [microbatch.batch_size(v) for v in micro_values]
+            assign(self.module, self._graph.assignments, assigned.values, sizes)
+
     def _assemble(self, leaves: list[Any], spec: Any) -> Any:
         assert self._graph is not None and self._graph.signature is not None
         by_name = dict(zip(self._output_names, unflatten(leaves, spec)))
@@ -205,6 +240,18 @@ class _Outcome:
 
     spec: Any = None
     layout: list[tuple[bool, Any]] = field(default_factory=list)
+    assigned: _Assigned = field(default_factory=lambda: _Assigned())
+
+
+@dataclass
+class _Assigned:
+    """Per micro-batch, the output values kept only for attributes ``forward`` assigns (by node
+    name); and which of the last stage's output leaves the caller gets (``None``: all of them), so
+    backward can hand the stages a gradient slot for every leaf."""
+
+    values: list[dict[str, Any]] = field(default_factory=list)
+    leaf_positions: list[int] | None = None
+    leaf_count: int = 0
 
 
 class _PipelineFunction(torch.autograd.Function):
@@ -212,10 +259,10 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
-        output_device, stop, outcome, busy = options
+        output_device, stop, outcome, busy, take_assigned = options
         pool, stage_sets = runtime
         state = PassState(busy=busy)
-        outputs = run_forward(pool, stage_sets, micro_inputs, state, stop)
+        outputs, outcome.assigned = take_assigned(run_forward(pool, stage_sets, micro_inputs, state, stop))
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device)
         outcome.spec = outputs[0][1]
         outcome.layout = [(isinstance(v, torch.Tensor), None if isinstance(v, torch.Tensor) else v) for v in gathered]
@@ -224,6 +271,7 @@ class _PipelineFunction(torch.autograd.Function):
         ctx.sizes = [[leaves[i].shape[0] for leaves, _ in outputs] for i, v in enumerate(gathered)
                      if isinstance(v, torch.Tensor)]
         ctx.count = len(micro_inputs)
+        ctx.leaf_positions, ctx.leaf_count = outcome.assigned.leaf_positions, outcome.assigned.leaf_count
         ctx.is_tensor = [isinstance(v, torch.Tensor) for v in gathered]
         ctx.grad_input_slots = [i for i, v in enumerate(micro_inputs[0][0]) if _is_grad_tensor(v)]
         ctx.input_devices = [v.device for v in grad_inputs]
@@ -239,6 +287,8 @@ class _PipelineFunction(torch.autograd.Function):
             grad, sizes = next(it) if is_tensor else (None, None)
             per_output.append(list(torch.split(grad, sizes)) if grad is not None else [None] * count)
         output_grads = [tuple(g[m] for g in per_output) for m in range(count)]
+        if ctx.leaf_positions is not None:  # leaves only kept for attributes get no gradient
+            output_grads = [_spread(grads, ctx.leaf_positions, ctx.leaf_count) for grads in output_grads]
         input_grads = run_backward(ctx.pool, ctx.state, output_grads)
         ctx.state = None
         result: list[Any] = [None, None, None, None]
@@ -249,6 +299,23 @@ class _PipelineFunction(torch.autograd.Function):
             else:
                 result.append(torch.cat([p.to(device) for p in parts], dim=0))
         return tuple(result)
+
+
+def _spread(grads: tuple[Any, ...], positions: list[int], count: int) -> tuple[Any, ...]:
+    full: list[Any] = [None] * count
+    for position, grad in zip(positions, grads):
+        full[position] = grad
+    return tuple(full)
+
+
+def _returned_names(graph: OpGraph) -> set[str]:
+    """The output nodes whose values ``forward`` returns (as opposed to only assigning them)."""
+    assert graph.graph_module is not None
+    signature = graph.signature
+    returned = signature.output if signature is not None else graph.graph_module.graph.output_node().args[0]
+    found: set[str] = set()
+    fx.node.map_arg(returned, lambda n: found.add(n.name))
+    return found
 
 
 def _is_grad_tensor(value: Any) -> bool:

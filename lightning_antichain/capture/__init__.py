@@ -14,19 +14,23 @@ all capture through :func:`capture`, and the graph that was profiled is the grap
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
+from .assignments import AssignmentError, assigned_paths, snapshot
 from .concrete import SpecializationError, capture_concrete
 from .errors import FrontendRefused, UntraceableModelError
 from .exported import capture_exported
 from .isolation import attributes_restored, own_forward
 from .leaves import capture_with_leaves
 from .opgraph import OpGraph, OpNode, RecordedCall, op_graph
+from .settle import settle
 from .signature import SignatureMismatchError
 from .symbolic import capture_symbolic
 
@@ -35,6 +39,7 @@ NEEDS_EXAMPLE = ("export", "concrete")
 
 __all__ = [
     "FRONTENDS",
+    "AssignmentError",
     "OpGraph",
     "OpNode",
     "RecordedCall",
@@ -101,14 +106,22 @@ def _capture(
         started = time.perf_counter()
         _report(progress, f"capturing {name} with {frontend} ...")
         try:
-            with own_forward(module), attributes_restored(module):
+            # gradients on, as in training: whether an assigned attribute needs them is recorded
+            with own_forward(module), attributes_restored(module), torch.enable_grad():
                 graph = _capture_with(frontend, module, call, leaf_modules)
+                warm_start = None
+                if graph.assignments:
+                    assert call is not None
+                    graph, warm_start = settle(module, call, graph,
+                                               functools.partial(_capture_with, frontend, module, call, leaf_modules))
         except FrontendRefused as exc:
             refused.append(f"{frontend}: {exc.reason}")
             _report(progress, f"capturing {name}: {frontend} refused ({exc.reason[:120]})")
             if exc.data_dependent and data_dependent is None:
                 data_dependent = exc
             continue
+        if warm_start is not None:
+            warm_start()
         graph.refused = tuple(refused)
         _report(progress, f"captured {name} with {frontend}: {len(graph)} operations in "
                           f"{time.perf_counter() - started:.1f} s")
@@ -128,21 +141,34 @@ def _capture_with(
     from ..trace import iter_tensors
 
     if frontend == "fx":
-        return op_graph(module, capture_symbolic(module, leaf_modules), "fx")
+        before = snapshot(module)
+        graph_module = capture_symbolic(module, leaf_modules)
+        _refuse_assignments(module, before)
+        return op_graph(module, graph_module, "fx")
     if frontend == "leaves":
+        before = snapshot(module)
         graph_module, made = capture_with_leaves(module, leaf_modules)
+        _refuse_assignments(module, before)
         graph = op_graph(module, graph_module, "leaves")
         graph.note = f"kept whole: {', '.join(made)}" if made else None
         return graph
     assert call is not None
     args, kwargs = call
     capture_fn = capture_exported if frontend == "export" else capture_concrete
-    graph_module, signature, specialization = capture_fn(module, args, kwargs)
+    graph_module, signature, specialization, assignments = capture_fn(module, args, kwargs)
     specialization.recapture = lambda a, k: _capture(module, (a, k), leaf_modules, (frontend,), False)
     graph = op_graph(module, graph_module, frontend, signature, specialization)
+    graph.assignments = assignments
     first = next(iter_tensors((args, kwargs)), None)
     graph.capture_device = str(first.device) if first is not None else None
     return graph
+
+
+def _refuse_assignments(module: nn.Module, before: dict) -> None:
+    assigned = assigned_paths(module, before)
+    if assigned:
+        raise FrontendRefused(f"forward assigns {', '.join(assigned)}, and an fx graph cannot store attributes "
+                              "(torch.export and concrete capture can)")
 
 
 def _explain(module: nn.Module, refused: list[str], data_dependent: FrontendRefused | None) -> str:

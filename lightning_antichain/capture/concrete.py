@@ -13,7 +13,6 @@ All shapes are specialised too: the runtime captures again for each new micro-ba
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 from typing import Any
 
@@ -24,7 +23,9 @@ from torch import nn
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .assignments import Assignment, assignments_of, recording_assignments
 from .errors import FrontendRefused, first_line, location_of, user_frame
+from .isolation import buffers_restored, rng_forked, side_effects_undone
 from .lifted import input_placeholder_names, rebuild_over_module
 from .signature import FlatSignature, original_forward, owner_name
 from .specialization import Specialization, input_key
@@ -49,8 +50,9 @@ torch.fx.wrap("check_specialized")
 
 def capture_concrete(
     module: nn.Module, args: tuple, kwargs: dict
-) -> tuple[fx.GraphModule, FlatSignature, Specialization]:
-    """The ATen graph of one real run of ``module`` on ``args, kwargs``, with guards on value reads."""
+) -> tuple[fx.GraphModule, FlatSignature, Specialization, tuple[Assignment, ...]]:
+    """The ATen graph of one real run of ``module`` on ``args, kwargs``, with guards on value reads,
+    and the attributes its ``forward`` assigns."""
     args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
     state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     inputs = (args, kwargs)
@@ -59,7 +61,7 @@ def capture_concrete(
         return functional_call(module, state, inputs[0], inputs[1])
 
     try:
-        with _side_effects_undone(module):
+        with side_effects_undone(module), recording_assignments(module, buffers=True) as recording:
             traced = make_fx(run, tracing_mode="real", pre_dispatch=True, record_stack_traces=True,
                              _error_on_data_dependent_ops=False)(state, inputs)
     except Exception as exc:  # whatever the user's forward raises on this input
@@ -78,25 +80,14 @@ def capture_concrete(
     _guard_value_reads(traced, set(input_names), (state, inputs))
     graph_module = rebuild_over_module(traced.graph, module, state_map, {}, traced, input_names, type(module).__name__)
     output = tuple(graph_module.graph.output_node().args[0])
-    flat = FlatSignature(original_forward(module), in_spec, traced._out_spec, output, owner_name(module))
+    out_spec = traced._out_spec.child(0)
+    user, extra = output[:out_spec.num_leaves], output[out_spec.num_leaves:]
+    flat = FlatSignature(original_forward(module), in_spec, out_spec, user, owner_name(module))
     ranges = tuple(None for _ in leaves)
-    specialization = Specialization(input_key(leaves, ranges), ranges, lambda a, k: capture_concrete(module, a, k))
-    return graph_module, flat, specialization
-
-
-@contextlib.contextmanager
-def _side_effects_undone(module: nn.Module):
-    """Capture runs forward for real: restore the buffers it updates and the RNG it draws from."""
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    with _rng_forked(list(buffers.values()) + list(module.parameters())):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, b in module.named_buffers():
-                    if name in buffers:
-                        b.copy_(buffers[name])
-
+    specialization = Specialization(input_key(leaves, ranges), ranges,
+                                    lambda a, k: capture_concrete(module, a, k)[:3])
+    assignments = assignments_of(recording, extra, set(input_names.values()))
+    return graph_module, flat, specialization, assignments
 
 
 def _is_value_read(node: fx.Node) -> bool:
@@ -152,29 +143,9 @@ def _values_of(traced: fx.GraphModule, reads: list[fx.Node], example: Any) -> di
             return result
 
     state, _ = example
-    with _buffers_restored(state), _rng_forked(example), torch.no_grad():
+    with buffers_restored(state), rng_forked(example), torch.no_grad():
         Recorder(traced).run(*pytree.tree_leaves(example))
     return values
-
-
-@contextlib.contextmanager
-def _rng_forked(example: Any):
-    """Random draws made while capturing do not advance the user's generators."""
-    devices = sorted({t.device.index or 0 for t in pytree.tree_leaves(example)
-                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        yield
-
-
-@contextlib.contextmanager
-def _buffers_restored(state: dict[str, torch.Tensor]):
-    saved = {k: v.detach().clone() for k, v in state.items() if not isinstance(v, nn.Parameter)}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for k, v in saved.items():
-                state[k].copy_(v)
 
 
 def _where(node: fx.Node) -> str:

@@ -15,6 +15,7 @@ import contextlib
 import inspect
 import io
 import logging
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch import nn
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
+from .assignments import Assignment, assignments_of, recording_assignments, symbolic_values
 from .errors import FrontendRefused, first_line, location_of
 from .lifted import rebuild_over_module
 from .signature import FlatSignature, original_forward, owner_name
@@ -34,19 +36,31 @@ from .specialization import BatchRange, Specialization, input_key
 
 def capture_exported(
     module: nn.Module, args: tuple, kwargs: dict
-) -> tuple[fx.GraphModule, FlatSignature, Specialization]:
-    """The exported graph of ``module`` on ``args, kwargs``, over the user's own parameters."""
+) -> tuple[fx.GraphModule, FlatSignature, Specialization, tuple[Assignment, ...]]:
+    """The exported graph of ``module`` on ``args, kwargs``, over the user's own parameters, and
+    the attributes its ``forward`` assigns."""
     args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     shapes = _dynamic_batch(module, args, kwargs)
     try:
         # size-oblivious: prove the graph for every batch size, 1 included, instead of assuming >= 2
         with _quiet("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export"), \
-                fx_config.patch(backed_size_oblivious=True):
+                fx_config.patch(backed_size_oblivious=True), warnings.catch_warnings(), \
+                recording_assignments(module, buffers=True) as recording:
+            # export warns that tensor attributes were assigned; they are graph outputs here, replayed at run time
+            warnings.filterwarnings("ignore", message="The tensor attribute")
             exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as exc:  # export raises many kinds: UserError, GuardOnDataDependentSymNode, ...
         where = location_of(exc)
         raise FrontendRefused(f"{type(exc).__name__}: {first_line(exc)}", location=where) from exc
+    if recording.filled_buffers:
+        # export then writes the new value into an input instead (torch 2.14); concrete capture is exact
+        raise FrontendRefused(f"forward assigns a tensor to {', '.join(recording.filled_buffers)}, a buffer registered "
+                              "as None, which torch.export does not capture correctly")
+    symbolic = symbolic_values(recording)
+    if symbolic:
+        raise FrontendRefused(f"forward assigns {', '.join(symbolic)} a size of its input, which torch.export keeps "
+                              "symbolic and cannot store")
     signature = exported.graph_signature
     state: dict[str, str] = {}
     constants: dict[str, Any] = {}
@@ -69,10 +83,13 @@ def capture_exported(
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     ranges = tuple(_batch_range(p, exported.range_constraints) for p in placeholders)
     output = tuple(graph_module.graph.output_node().args[0])
-    flat = FlatSignature(original_forward(module), in_spec, exported.call_spec.out_spec, output, owner_name(module))
+    out_spec = exported.call_spec.out_spec.child(0)
+    user, extra = output[:out_spec.num_leaves], output[out_spec.num_leaves:]
+    flat = FlatSignature(original_forward(module), in_spec, out_spec, user, owner_name(module))
     specialization = Specialization(input_key(leaves, ranges), ranges,
-                                    lambda a, k: capture_exported(module, a, k))
-    return graph_module, flat, specialization
+                                    lambda a, k: capture_exported(module, a, k)[:3])
+    assignments = assignments_of(recording, extra, {p.name for p in placeholders})
+    return graph_module, flat, specialization, assignments
 
 
 def _dynamic_batch(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:

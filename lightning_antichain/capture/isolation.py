@@ -4,7 +4,8 @@ Capture records the user's ``forward``, so it must run the class's own ``forward
 strategy has installed the pipelined one on the instance. Capturing through that would capture
 the pipeline and recurse into it. ``forward`` may also assign attributes (``self.src_mask = ...``);
 torch.export would leave fake tensors there and concrete capture the example's values, so both
-are put back.
+are put back. Capture and its checks also run forward for real: buffer updates and random draws
+are undone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 
@@ -28,21 +31,59 @@ def own_forward(module: nn.Module) -> Iterator[None]:
 
 
 
-
 @contextlib.contextmanager
 def attributes_restored(module: nn.Module) -> Iterator[None]:
-    """Undo the plain attributes that ``forward`` assigns on any submodule inside this block."""
-    before = {m: _plain_attributes(m) for m in module.modules()}
+    """Undo the plain attributes and buffer replacements that ``forward`` makes on any submodule
+    inside this block (values changed in place are :func:`side_effects_undone`'s business)."""
+    before = {m: (_plain_attributes(m), dict(m._buffers)) for m in module.modules()}
     try:
         yield
     finally:
-        for m, attributes in before.items():
+        for m, (attributes, buffers) in before.items():
             for key in set(_plain_attributes(m)) - set(attributes):
                 delattr(m, key)
             for key, value in attributes.items():
                 if m.__dict__.get(key, value) is not value:
                     object.__setattr__(m, key, value)
+            for key in set(m._buffers) - set(buffers):
+                del m._buffers[key]
+            m._buffers.update(buffers)
 
 
 def _plain_attributes(module: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in vars(module).items() if k not in ("_parameters", "_buffers", "_modules")}
+
+
+@contextlib.contextmanager
+def side_effects_undone(module: nn.Module) -> Iterator[None]:
+    """Restore the buffers that running ``module`` inside this block updates, and the RNG it draws from."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    with rng_forked(list(buffers.values()) + list(module.parameters())):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, b in module.named_buffers():
+                    if name in buffers:
+                        b.copy_(buffers[name])
+
+
+@contextlib.contextmanager
+def rng_forked(example: Any) -> Iterator[None]:
+    """Random draws made inside this block do not advance the user's generators."""
+    devices = sorted({t.device.index or 0 for t in pytree.tree_leaves(example)
+                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+@contextlib.contextmanager
+def buffers_restored(state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Put back the values of the non-parameter tensors of ``state`` on leaving this block."""
+    saved = {k: v.detach().clone() for k, v in state.items() if not isinstance(v, nn.Parameter)}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for k, v in saved.items():
+                state[k].copy_(v)

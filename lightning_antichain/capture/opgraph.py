@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .assignments import Assignment
 from .signature import FlatSignature, FxSignature
 from .specialization import Specialization
 
@@ -64,7 +65,8 @@ class OpGraph:
     granularity. ``frontend`` names the capture frontend that produced it and ``refused`` says why
     the ones before it could not; ``signature`` maps a call onto the placeholders and the outputs
     back; ``specialization`` says which inputs the graph holds for (``None``: any);
-    ``capture_device`` is the device the graph's tensor constructors name (``None``: none).
+    ``capture_device`` is the device the graph's tensor constructors name (``None``: none);
+    ``assignments`` are the attributes ``forward`` assigns, replayed by the runtime after each call.
     """
 
     module: nn.Module
@@ -78,6 +80,7 @@ class OpGraph:
     signature: FxSignature | FlatSignature | None = None
     specialization: Specialization | None = None
     capture_device: str | None = None
+    assignments: tuple[Assignment, ...] = ()
     recorder: Callable[[OpGraph, tuple, dict], Iterator[RecordedCall]] | None = field(default=None, repr=False)
     _by_name: dict[str, OpNode] = field(init=False, repr=False)
 
@@ -105,7 +108,8 @@ class OpGraph:
     def rebound(self, graph_module: fx.GraphModule | None, module: nn.Module) -> OpGraph:
         """The same graph over another copy of the module (the profiler's)."""
         return OpGraph(module, self.nodes, self.outputs, self.granularity, graph_module, self.note, self.frontend,
-                       self.refused, self.signature, self.specialization, self.capture_device, self.recorder)
+                       self.refused, self.signature, self.specialization, self.capture_device, self.assignments,
+                       self.recorder)
 
 
 def op_graph(module: nn.Module, graph_module: fx.GraphModule, frontend: str, signature: Any = None,
