@@ -13,8 +13,9 @@ Node attributes (all optional except the graph being acyclic; missing ones defau
 ``top_level``       the top-level child the node belongs to (for the block baseline)
 ==================  ====================================================================
 
-Graph attributes: ``outputs`` (the nodes the model returns), ``micro_batch_size``, ``device``,
-``granularity``, ``profile_s`` and so on, as the profiler writes them.
+Graph attributes: ``outputs`` (the nodes the model returns), ``together`` (groups of nodes that
+must share a stage), ``micro_batch_size``, ``device``, ``granularity``, ``profile_s`` and so on, as
+the profiler writes them.
 
 A hand-made graph is a valid cost graph too::
 

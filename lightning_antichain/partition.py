@@ -116,7 +116,7 @@ def partition(
         if colocate_tied is None:
             colocate_tied = len({s.name for s in specs}) > 1
         groups = tied_groups(graph) if colocate_tied else []
-        for group in groups:
+        for group in groups + [set(g) for g in graph.graph.get("together", [])]:
             space.forbidden = space.forbidden | space.splits(group)
         try:
             chain, order = solve_bottleneck(space, specs, model)
@@ -166,6 +166,13 @@ def plan_from_balance(
     bounds = np.cumsum([0, *balance])
     stage_sets = [free[bounds[k] : bounds[k + 1]] for k in range(len(balance))]
     stage_sets[0] = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]] + stage_sets[0]
+    for group in graph.graph.get("together", []):
+        stages_of = {k for k, members in enumerate(stage_sets) if set(group) & set(members)}
+        if len(stages_of) > 1:
+            raise InfeasiblePlanError(
+                f"balance {list(balance)} separates {', '.join(group)}, which must share a stage: a view taken "
+                "before an in-place change and read after it. Move the boundary before or after them."
+            )
     built = evaluate_stages(graph, stage_sets, specs, model)
     return _make_plan(graph, built, specs, model, "balance", time.perf_counter() - started, len(free) + 1, [])
 

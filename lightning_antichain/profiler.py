@@ -100,6 +100,8 @@ def profile(
         )
         for src in node.inputs:
             cost.add_edge(src, node.name)
+        for src in node.after:  # an in-place operation and the readers of what it changes
+            cost.add_edge(src, node.name)
     for u, v in cost.edges:
         cost.edges[u, v]["bytes"] = cost.nodes[u]["output_bytes"]
     cost.graph.update(
@@ -113,6 +115,7 @@ def profile(
         refused=list(graph.refused),
         note=graph.note,
         outputs=list(graph.outputs),
+        together=[list(group) for group in graph.together],
         warmup=warmup,
         repeats=repeats,
         profile_s=time.perf_counter() - started,

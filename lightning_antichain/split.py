@@ -24,6 +24,7 @@ from torch import nn
 
 from .capture.devices import retarget_devices
 from .capture.lifted import share_original_modules
+from .capture.mutations import is_in_place, may_alias
 from .plan import Plan
 from .pytrees import flatten, unflatten
 from .trace import OpGraph
@@ -51,11 +52,13 @@ class StageModule:
         return flatten(self.module(*self.arguments(tuple(unflatten(leaves, spec)))))
 
     def arguments(self, values: tuple) -> tuple:
-        """The values to call the stage with: inputs that the stage changes in place are cloned,
-        since autograd forbids in-place changes of the leaves that collect input gradients."""
+        """The values to call the stage with: inputs that the stage changes in place are copied.
+        Autograd forbids in-place changes of the leaves that collect input gradients, and the
+        micro-batches of one input are views of one tensor: changing one in place would bump the
+        version counter they share and fail the backward of the others."""
         if not self.mutated:
             return values
-        return tuple(pytree.tree_map(_clone_if_leaf, v) if i in self.mutated else v for i, v in enumerate(values))
+        return tuple(pytree.tree_map(_copy, v) if i in self.mutated else v for i, v in enumerate(values))
 
     @cached_property
     def trainable(self) -> bool:
@@ -155,8 +158,8 @@ def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> lis
     return stages
 
 
-def _clone_if_leaf(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) and value.requires_grad else value
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _changed_in_place(module: fx.GraphModule, value: fx.Node) -> bool:
@@ -167,58 +170,12 @@ def _changed_in_place(module: fx.GraphModule, value: fx.Node) -> bool:
     while stack:
         node = stack.pop()
         for user in node.users:
-            if _in_place(module, user):
+            if is_in_place(module, user):
                 return True
-            if user not in seen and _may_alias(module, user):
+            if user not in seen and may_alias(module, user):
                 seen.add(user)
                 stack.append(user)
     return False
-
-
-def _may_alias(module: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node``'s result may share storage with an argument (erring towards yes)."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        returns = target._schema.returns
-        return bool(returns and returns[0].alias_info is not None) or "dropout" in target.name()
-    if node.op == "call_module":
-        sub = module.get_submodule(str(target))
-        if not type(sub).__module__.startswith("torch.nn"):
-            return True  # a user leaf module may return its input as is
-        return isinstance(sub, (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd))
-    name = str(target) if node.op == "call_method" else getattr(target, "__name__", "")
-    return name in _ALIASING_CALLS
-
-
-_ALIASING_CALLS = {
-    "getitem", "__getitem__", "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze",
-    "unsqueeze", "transpose", "t", "permute", "expand", "expand_as", "narrow", "select", "unbind", "split", "chunk",
-    "tensor_split", "movedim", "moveaxis", "swapaxes", "contiguous", "detach", "as_strided", "view_as_real",
-    "view_as_complex", "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda", "dropout",
-    "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "identity",
-}
-
-
-def _in_place(module: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether ``node`` may change an argument in place (ReLU(inplace=True), x.add_, aten.add_, ...)."""
-    if isinstance(node.target, torch._ops.OpOverload):
-        return any(a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments)
-    if node.op == "call_module":
-        return bool(getattr(module.get_submodule(node.target), "inplace", False))
-    if node.op == "call_method":
-        return str(node.target).endswith("_") and not str(node.target).startswith("__")
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return (
-            bool(node.kwargs.get("inplace"))
-            or name.startswith("i")
-            and name in _IN_PLACE_OPERATORS
-            or (name.endswith("_") and not name.startswith("_"))
-        )
-    return False
-
-
-_IN_PLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor"}
 
 
 def _value(env: dict[str, fx.Node], name: str) -> fx.Node:

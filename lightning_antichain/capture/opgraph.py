@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from .assignments import Assignment
+from .mutations import ordering
 from .signature import FlatSignature, FxSignature
 from .specialization import Specialization
 
@@ -28,6 +29,8 @@ class OpNode:
     ``owner`` is the dotted path of the module whose ``forward`` issued the call, ``""`` for the
     model's own ``forward``; the block baseline groups nodes by its first component. ``state``
     names the parameters and buffers it fetches directly (not those inside a called module).
+    ``after`` names nodes that must run before it without feeding it: in-place operations on a
+    tensor it reads, or readers of a tensor it changes in place (:mod:`.mutations`).
     """
 
     name: str
@@ -36,6 +39,7 @@ class OpNode:
     inputs: tuple[str, ...]
     owner: str = ""
     state: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
 
     @property
     def top_level(self) -> str:
@@ -66,7 +70,8 @@ class OpGraph:
     the ones before it could not; ``signature`` maps a call onto the placeholders and the outputs
     back; ``specialization`` says which inputs the graph holds for (``None``: any);
     ``capture_device`` is the device the graph's tensor constructors name (``None``: none);
-    ``assignments`` are the attributes ``forward`` assigns, replayed by the runtime after each call.
+    ``assignments`` are the attributes ``forward`` assigns, replayed by the runtime after each call;
+    each group of ``together`` must share a stage (views read across an in-place change).
     """
 
     module: nn.Module
@@ -81,6 +86,7 @@ class OpGraph:
     specialization: Specialization | None = None
     capture_device: str | None = None
     assignments: tuple[Assignment, ...] = ()
+    together: tuple[tuple[str, ...], ...] = ()
     recorder: Callable[[OpGraph, tuple, dict], Iterator[RecordedCall]] | None = field(default=None, repr=False)
     _by_name: dict[str, OpNode] = field(init=False, repr=False)
 
@@ -109,13 +115,14 @@ class OpGraph:
         """The same graph over another copy of the module (the profiler's)."""
         return OpGraph(module, self.nodes, self.outputs, self.granularity, graph_module, self.note, self.frontend,
                        self.refused, self.signature, self.specialization, self.capture_device, self.assignments,
-                       self.recorder)
+                       self.together, self.recorder)
 
 
 def op_graph(module: nn.Module, graph_module: fx.GraphModule, frontend: str, signature: Any = None,
              specialization: Specialization | None = None) -> OpGraph:
     """The :class:`OpGraph` of a captured graph module, with parameter fetches folded in."""
     attrs = {n.name: n for n in graph_module.graph.nodes if n.op == "get_attr"}
+    orders = ordering(graph_module)
     nodes: list[OpNode] = []
     outputs: tuple[str, ...] = ()
     for node in graph_module.graph.nodes:
@@ -133,11 +140,14 @@ def op_graph(module: nn.Module, graph_module: fx.GraphModule, frontend: str, sig
                 inputs=tuple(n.name for n in inputs if n.name not in attrs),
                 owner=_owner(node),
                 state=tuple(str(n.target) for n in inputs if n.name in attrs and _is_tensor_attr(graph_module, n)),
+                after=tuple(n for n in orders.after.get(node.name, ()) if n not in attrs),
             )
         )
     if signature is None:
         signature = FxSignature(graph_module, f"{type(module).__name__}.forward")
-    return OpGraph(module, nodes, outputs, "ops", graph_module, None, frontend, (), signature, specialization)
+    graph = OpGraph(module, nodes, outputs, "ops", graph_module, None, frontend, (), signature, specialization)
+    graph.together = tuple(g for g in orders.together if not set(g) & set(attrs))
+    return graph
 
 
 def _is_tensor_attr(graph_module: fx.GraphModule, node: fx.Node) -> bool:
