@@ -3,12 +3,20 @@
 The key covers everything that changes the measurements: the cache format, the traced graph's code, every parameter
 and buffer's name, shape and dtype, the example inputs' shapes and dtypes, the device's name, the
 autocast dtype, and the torch version. Weights' values do not change costs and are not part of it.
+
+A file can still be damaged or edited, and a plan from a wrong cost graph is a wrong plan. So an
+entry is only used if it describes the captured graph exactly (the same operations, the same
+dependencies, numbers where numbers belong); otherwise it is ignored with a warning that names the
+file, and profiled and written again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +24,14 @@ import networkx as nx
 import torch
 from torch import nn
 
-from .graph import load_cost_graph, save_cost_graph
+from .graph import cost_graph_from_dict, save_cost_graph
 from .trace import OpGraph, iter_tensors
 
 # Bumped whenever what the profiler records changes, so older entries are profiled again.
-CACHE_VERSION = 2
+# 3: dependencies from in-place operations (``OpNode.after``) and the ``together`` groups.
+CACHE_VERSION = 3
+
+_NUMBERS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "buffer_bytes")
 
 
 def default_cache_dir() -> Path:
@@ -44,14 +55,45 @@ def profile_key(graph: OpGraph, module: nn.Module, example: Any, device: torch.d
     return digest.hexdigest()[:32]
 
 
-def load_cached(directory: Path, key: str) -> nx.DiGraph | None:
+def load_cached(directory: Path, key: str, graph: OpGraph | None = None) -> nx.DiGraph | None:
+    """The cached cost graph of ``key``, if there is one and it describes ``graph`` exactly."""
     path = directory / f"{key}.json"
     if not path.exists():
         return None
     try:
-        return load_cost_graph(path)
-    except (ValueError, KeyError, OSError):
-        return None  # a damaged or old cache entry is profiled again
+        data = json.loads(path.read_text())
+        listed = {node["name"] for node in data["nodes"]}  # edges alone would re-create a missing node
+        cost = cost_graph_from_dict(data)
+        problem = None if graph is None else (
+            "it lists operations that are only named by its edges" if listed != set(cost.nodes) else None
+        ) or mismatch(cost, graph, data)
+    except Exception as exc:  # noqa: BLE001 - any damage: null, [], strings for numbers, bad JSON
+        problem = f"it cannot be read ({type(exc).__name__}: {exc})"
+    if problem is None:
+        return cost
+    warnings.warn(f"lightning-antichain: ignoring the cached profile {path}: {problem}. Profiling again.", stacklevel=2)
+    return None
+
+
+def mismatch(cost: nx.DiGraph, graph: OpGraph, data: dict[str, Any]) -> str | None:
+    """Why ``cost`` (read from ``data``) is not the cost graph of ``graph`` (``None`` if it is)."""
+    expected_nodes = {n.name for n in graph.nodes}
+    nodes = set(cost.nodes)
+    if nodes != expected_nodes:
+        missing, unknown = sorted(expected_nodes - nodes)[:5], sorted(nodes - expected_nodes)[:5]
+        return f"its operations differ from the model's (missing {missing}, unknown {unknown})"
+    expected_edges = {(src, n.name) for n in graph.nodes for src in (*n.inputs, *n.after)}
+    if set(cost.edges) != expected_edges:
+        return "its dependencies differ from the model's"
+    for attrs in data["nodes"]:
+        name = attrs["name"]
+        for field in _NUMBERS:
+            value = attrs.get(field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                return f"operation {name!r} has {field} = {value!r}, not a non-negative number"
+    if sorted(map(sorted, cost.graph.get("together", []))) != sorted(map(sorted, graph.together)):
+        return "its groups of operations that must share a stage differ from the model's"
+    return None
 
 
 def store(directory: Path, key: str, graph: nx.DiGraph) -> Path:
