@@ -66,8 +66,10 @@ class Pipeline(nn.Module):
         super().__init__()
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        if chunks < 1:
-            raise ValueError(f"chunks must be at least 1, got {chunks}")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(
+                f"chunks is the number of micro-batches per batch, a whole number of at least 1; got {chunks!r}"
+            )
         if graph is not None and graph.module is not module:
             raise ValueError("graph= was captured from another module than the one given to Pipeline")
         self.module = module

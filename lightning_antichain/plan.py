@@ -130,8 +130,15 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        """The plan saved at ``path`` by :meth:`save` (or ``lightning-antichain plan --output``)."""
+        try:
+            with open(path) as f:
+                return cls.from_dict(json.load(f))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{path} is not a plan saved by Plan.save or `lightning-antichain plan --output` "
+                f"({type(exc).__name__}: {exc}). Save the plan again, or leave plan= out to plan anew."
+            ) from exc
 
     def table(self) -> str:
         """A fixed-width table of the stages, with the plan's totals underneath."""

@@ -13,6 +13,7 @@ original parameters, and checkpoints hold the original keys as CPU tensors.
 from __future__ import annotations
 
 import logging
+import weakref
 from pathlib import Path
 from typing import Any, Literal
 
@@ -104,8 +105,17 @@ class AntichainPipelineStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
     ) -> None:
         super().__init__()
-        if chunks < 1:
-            raise ValueError(f"chunks must be at least 1, got {chunks}")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(
+                f"chunks is the number of micro-batches per batch, a whole number of at least 1; got {chunks!r}"
+            )
+        if balance is not None and (
+            not balance or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance)
+        ):
+            raise ValueError(
+                f"balance lists how many operations each stage runs: one positive whole number per stage, got "
+                f"{balance!r}. Leave it out to let the planner choose."
+            )
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
         if plan is not None and balance is not None:
@@ -130,6 +140,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self.process_group_backend = process_group_backend
         self._num_nodes = 1
         self.plan: Plan | None = None
+        self._planned_for: weakref.ref[nn.Module] | None = None  # the module self.plan was made for
         self._graph: OpGraph | None = None  # the graph profiled for the plan, run by the pipeline
         self._pipeline: Pipeline | None = None
         self._calls = 0
@@ -317,12 +328,16 @@ class AntichainPipelineStrategy(ParallelStrategy):
         """Profile one micro-batch ``args, kwargs`` (or load its cached profile), plan, place the stages."""
         target = self._target()
         devices = self.stage_devices
+        planned_for = self._planned_for() if self._planned_for is not None else None
+        if self.plan is not None and self.plan_path is None and planned_for is not target:
+            self.plan, self._graph = None, None  # fit(a) then validate(b): b gets its own plan
         if self.plan is None:
             plan = self._make_plan(target, args, kwargs, devices) if self.is_global_zero else None
             if self.is_distributed:  # every replica runs rank 0's plan
                 data = self.broadcast(plan.to_dict() if plan is not None else None)
                 plan = Plan.from_dict(data)
             self.plan = plan
+            self._planned_for = weakref.ref(target)
             rank_zero_info(self.plan.table())
         self._pipeline = Pipeline(
             target,
@@ -347,7 +362,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             graph = capture_call(target, positional, keywords, leaf_modules=self.leaf_modules, progress=True)
             self._graph = graph
             key = profile_key(graph, target, example, self.root_device)
-            cost = load_cached(self.profile_cache, key) if self.use_profile_cache else None
+            cost = load_cached(self.profile_cache, key, graph) if self.use_profile_cache else None
             if cost is None:
                 cost = profile(target, example_inputs, self.root_device, op_graph=graph, name=type(target).__name__)
                 if self.use_profile_cache:
@@ -419,6 +434,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
         if self._in_training_step and not self._checked_batch:
             self._checked_batch = True
             size = microbatch.batch_size((args, kwargs))
+            if size == 0:
+                raise ValueError(
+                    "the first training batch is empty (0 samples). Check the DataLoader: the dataset's length, "
+                    "its sampler, and drop_last."
+                )
             if size is not None and size < self.chunks:
                 raise ValueError(
                     f"chunks={self.chunks} is larger than the batch of {size} samples; lower chunks or raise "

@@ -1,5 +1,8 @@
 """AntichainPipelineStrategy in the real Lightning Trainer, against plain single-device training."""
 
+import re
+import warnings
+
 import pytest
 import torch
 from lit_models import TinyClassifier, loader, trainer
@@ -273,3 +276,98 @@ def test_positional_and_keyword_arguments_together():
         fit(model, strategy_arg, devices, max_steps=3, limit_val_batches=0)
         runs.append(torch.tensor(model.losses))
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=0)
+
+
+def _drop_a_node(data):
+    data["nodes"] = [n for n in data["nodes"] if n["name"] != data["edges"][-1][1]]
+
+
+def _rename_a_node(data):
+    old = data["nodes"][-1]["name"]
+    data["nodes"][-1]["name"] = "renamed"
+    data["edges"] = [[u, "renamed" if v == old else v, b] for u, v, b in data["edges"]]
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_drop_a_node, "only named by its edges"),
+        (_rename_a_node, "operations differ from the model's"),
+        (lambda d: d["nodes"][1].update(forward_s="fast"), "cannot be read"),
+        (lambda d: d["nodes"][1].update(backward_s=None), "cannot be read"),
+        (lambda d: d["nodes"][1].pop("output_bytes"), "output_bytes = None, not a non-negative number"),
+        (lambda d: d["edges"].pop(), "dependencies differ"),
+        (lambda d: d.update(nodes=[]), "only named by its edges"),
+        (lambda d: "null", "cannot be read"),
+    ],
+)
+def test_a_damaged_profile_cache_entry_is_ignored_with_a_warning_and_rewritten(tmp_path, damage, reason):
+    import json
+
+    def run():
+        return fit(TinyClassifier(), strategy(use_profile_cache=True, profile_cache=str(tmp_path)), 2, max_steps=1,
+                   limit_val_batches=0)
+
+    run()
+    (entry,) = tmp_path.glob("*.json")
+    data = json.loads(entry.read_text())
+    replaced = damage(data)
+    entry.write_text(replaced if isinstance(replaced, str) else json.dumps(data))
+    with pytest.warns(UserWarning, match=f"ignoring the cached profile {re.escape(str(entry))}: .*{reason}"):
+        assert run().strategy.plan.num_stages == 2
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lightning-antichain")  # rewritten: taken without a word
+        run()
+
+
+@pytest.mark.parametrize("chunks", [2.5, True, 0, "4"])
+def test_chunks_that_are_not_a_count_are_a_clear_error(chunks):
+    with pytest.raises(ValueError, match=f"chunks is the number of micro-batches per batch, a whole number of at "
+                                         f"least 1; got {re.escape(repr(chunks))}"):
+        la.AntichainPipelineStrategy(chunks=chunks)
+    with pytest.raises(ValueError, match="chunks is the number of micro-batches"):
+        la.Pipeline(nn.Linear(2, 2), la.partition(la.profile(nn.Linear(2, 2), torch.randn(2, 2), progress=False), 1),
+                    chunks=chunks)
+
+
+@pytest.mark.parametrize("balance", [[], [0, 3], [2.5, 1]])
+def test_a_balance_that_is_not_counts_per_stage_is_a_clear_error(balance):
+    with pytest.raises(ValueError, match=r"balance lists how many operations each stage runs: one positive whole "
+                                         r"number per stage, got .*Leave it out to let the planner choose"):
+        la.AntichainPipelineStrategy(balance=balance)
+
+
+def test_a_plan_file_that_is_not_json_names_the_file(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text("stage 0: net.0 .. net.3\n")
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))} is not a plan saved by Plan.save.*JSONDecodeError"):
+        fit(TinyClassifier(), strategy(plan=str(path)), 2, max_steps=1)
+
+
+def test_an_empty_first_batch_says_so_instead_of_asking_for_fewer_chunks():
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    batches = [[], list(range(16)), list(range(16, 32))]
+
+    def collate(items):
+        if not items:
+            return torch.empty(0, 16), torch.empty(0, dtype=torch.long)
+        return torch.stack([x for x, _ in items]), torch.stack([y for _, y in items])
+
+    empty_first = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_sampler=batches,
+                                              collate_fn=collate)
+    with pytest.raises(ValueError, match=r"the first training batch is empty \(0 samples\). Check the DataLoader"):
+        trainer(strategy=strategy(), devices=2, max_steps=2, limit_val_batches=0).fit(TinyClassifier(), empty_first)
+
+
+def test_fit_one_model_then_validate_another_plans_the_other():
+    torch.manual_seed(0)
+    first, second = TinyClassifier(), TinyClassifier()
+    second.net = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    expected = trainer(devices=1).validate(second, loader(seed=1), verbose=False)
+    t = trainer(strategy=strategy(), devices=2, max_steps=2)
+    t.fit(first, loader())  # no validation loader: the first model is never validated
+    first_plan = t.strategy.plan
+    result = t.validate(second, loader(seed=1), verbose=False)
+    assert t.strategy.plan is not first_plan and t.strategy.plan.num_stages == 2
+    assert {n for s in t.strategy.plan.stages for n in s.nodes} >= {"net_0", "net_1", "net_2"}
+    torch.testing.assert_close(result[0]["val_loss"], expected[0]["val_loss"], rtol=1e-5, atol=0)
