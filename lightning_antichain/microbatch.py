@@ -55,11 +55,14 @@ def _take(value: Any, index: int, count: int) -> Any:
     return value
 
 
-def gather(chunks: Sequence[Any], device: torch.device | str | None = None) -> Any:
+def gather(chunks: Sequence[Any], device: torch.device | str | None = None,
+           sizes: Sequence[int | None] | None = None) -> Any:
     """The micro-batch outputs joined back on dim 0 (on ``device`` if given), structure kept.
 
-    Non-tensor values are taken from the first micro-batch; a 0-dim tensor cannot be joined
-    because its micro-batch values would have to be reduced, so it is an error.
+    Non-tensor values are taken from the first micro-batch. Only per-sample tensors can be joined:
+    with ``sizes`` (the samples of each micro-batch), a tensor whose dim 0 does not follow them (a
+    sum over the batch, a value computed from the weights) is an error, since joining it would
+    silently give another value than the whole batch would; so is a 0-dim tensor.
     """
     first = chunks[0]
     if isinstance(first, torch.Tensor):
@@ -68,14 +71,23 @@ def gather(chunks: Sequence[Any], device: torch.device | str | None = None) -> A
                 "the pipelined module returned a 0-dim tensor; outputs must keep the batch on dim 0 so "
                 "the micro-batches can be joined. Reduce (e.g. compute the loss) outside the module."
             )
+        if sizes is not None and any(n is not None and c.shape[0] != n for c, n in zip(chunks, sizes)):
+            shapes = [tuple(c.shape) for c in chunks]
+            raise MicroBatchError(
+                f"the pipelined module returned a tensor that is not one row per sample: shapes {shapes} for "
+                f"micro-batches of {list(sizes)} samples (a sum over the batch, or a value computed from the "
+                "weights?). Joining those on dim 0 would not give what the whole batch gives. Return only "
+                "per-sample outputs and compute the rest outside the pipelined module (or pipeline a submodule "
+                "with module=...)."
+            )
         parts = [c if device is None else c.to(device) for c in chunks]
         return torch.cat(parts, dim=0)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(gather([c[i] for c in chunks], device) for i in range(len(first))))
+        return type(first)(*(gather([c[i] for c in chunks], device, sizes) for i in range(len(first))))
     if isinstance(first, (tuple, list)):
-        return type(first)(gather([c[i] for c in chunks], device) for i in range(len(first)))
+        return type(first)(gather([c[i] for c in chunks], device, sizes) for i in range(len(first)))
     if isinstance(first, dict):
-        return type(first)((k, gather([c[k] for c in chunks], device)) for k in first)
+        return type(first)((k, gather([c[k] for c in chunks], device, sizes)) for k in first)
     return first
 
 

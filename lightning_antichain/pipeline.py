@@ -133,14 +133,15 @@ class Pipeline(nn.Module):
         values = graph.bind(args, kwargs)
         micro_values = microbatch.scatter(values, self.chunks)
         stage_sets = [self._stages_for(v) for v in micro_values]
+        sizes = [microbatch.batch_size(v) for v in micro_values]
         micro_inputs = [flatten([v[i] for i in self._input_slots]) for v in micro_values]
         output_device = self.output_device or _first_device(args, kwargs) or self._devices[0]
         needs_grad = torch.is_grad_enabled()
         if not needs_grad:
             outputs, assigned = self._take_assigned(run_forward(self._pool, stage_sets, micro_inputs, None, 0))
-            leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device)
+            leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes)
             result = self._assemble(leaves, outputs[0][1])
-            self._assign(assigned, micro_values)
+            self._assign(assigned, sizes)
             return result
         stop = {"never": 0, "except_last": len(micro_inputs) - 1, "always": len(micro_inputs)}[self.checkpoint]
         if not self.training:
@@ -152,12 +153,12 @@ class Pipeline(nn.Module):
         self.last_busy_s = [0.0] * len(self._stages)
         deferral = deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext()
         with deferral:
-            options = (output_device, stop, outcome, self.last_busy_s, self._take_assigned)
+            options = (output_device, sizes, stop, outcome, self.last_busy_s, self._take_assigned)
             tensors = _PipelineFunction.apply((self._pool, stage_sets), micro_inputs, options, phony, *grad_inputs)
         it = iter(tensors)
         leaves = [next(it) if is_tensor else constant for is_tensor, constant in outcome.layout]
         result = self._assemble(leaves, outcome.spec)
-        self._assign(outcome.assigned, micro_values)
+        self._assign(outcome.assigned, sizes)
         return result
 
     # -- helpers -------------------------------------------------------------------------------
@@ -222,11 +223,10 @@ class Pipeline(nn.Module):
             taken.leaf_count = offsets[-1]
         return returned, taken
 
-    def _assign(self, assigned: _Assigned, micro_values: list[list[Any]]) -> None:
+    def _assign(self, assigned: _Assigned, sizes: list[int | None]) -> None:
         """Give the attributes ``forward`` assigns the values a whole-batch call would."""
         if assigned.values:
             assert self._graph is not None
-            sizes = [microbatch.batch_size(v) for v in micro_values]
             assign(self.module, self._graph.assignments, assigned.values, sizes)
 
     def _assemble(self, leaves: list[Any], spec: Any) -> Any:
@@ -261,11 +261,11 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
-        output_device, stop, outcome, busy, take_assigned = options
+        output_device, sizes, stop, outcome, busy, take_assigned = options
         pool, stage_sets = runtime
         state = PassState(busy=busy)
         outputs, outcome.assigned = take_assigned(run_forward(pool, stage_sets, micro_inputs, state, stop))
-        gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device)
+        gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes)
         outcome.spec = outputs[0][1]
         outcome.layout = [(isinstance(v, torch.Tensor), None if isinstance(v, torch.Tensor) else v) for v in gathered]
         tensors = tuple(v for v in gathered if isinstance(v, torch.Tensor))
