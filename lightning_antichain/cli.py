@@ -14,6 +14,7 @@ import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from .graph import load_cost_graph, save_cost_graph
@@ -22,13 +23,29 @@ from .trace import UntraceableModelError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; a user error is one line on stderr and exit status 2, as argparse's own."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_values_may_start_with_minus(sys.argv[1:] if argv is None else list(argv)))
     try:
         return args.run(args)
     except (InfeasiblePlanError, UntraceableModelError, ValueError, ImportError) as exc:
         print(f"lightning-antichain: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _values_may_start_with_minus(argv: list[str]) -> list[str]:
+    """``--input-shape -3,32,32`` as ``--input-shape=-3,32,32``, so the value reaches its own check
+    instead of argparse taking it for an option."""
+    joined: list[str] = []
+    for token in argv:
+        if joined and joined[-1] in _VALUED and token[:1] == "-" and token[1:2].isdigit():
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
+_VALUED = ("--input-shape", "--stages", "--batch-size", "--chunks", "--bandwidth", "--memory")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--bandwidth", type=float, help="link between stages in GB/s (default: free transfers)")
     plan.add_argument("--memory", type=float, help="memory per device in GB (default: unlimited)")
     plan.add_argument("--optimizer-multiplier", type=float, default=2.0, help="optimizer state per parameter byte")
-    plan.add_argument("--model-kwargs", type=json.loads, default={}, help="JSON keyword arguments for MODEL")
+    plan.add_argument("--model-kwargs", type=_json_object, default={}, help="JSON keyword arguments for MODEL")
     plan.add_argument("--method", choices=METHODS, default="antichain", help="planner (baselines for comparison)")
     plan.add_argument(
         "--fallback",
@@ -80,6 +97,58 @@ def _shape(text: str) -> tuple[int, ...]:
     return shape
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"num_classes\": 10}}', got {text!r}")
+    return value
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device; use cpu or cuda:N") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError(f"--device {device} asks for a GPU, but torch sees no CUDA device here; use --device cpu")
+        if (parsed.index or 0) >= count:
+            raise ValueError(f"--device {device}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    elif parsed.type != "cpu":
+        raise ValueError(f"--device {device!r}: profiling runs on cpu or cuda:N")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Fail before profiling, not after, on paths that cannot be read or written."""
+    if args.load_profile and not Path(args.load_profile).is_file():
+        raise ValueError(f"--load-profile {args.load_profile}: no such file")
+    for flag, path in (("--output", args.output), ("--save-profile", args.save_profile), ("--plot", args.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {path}: the directory {Path(path).resolve().parent} does not exist")
+
+
+def _build_model(path: str, kwargs: dict[str, Any]) -> Any:
+    from torch import nn
+
+    factory = load_model_factory(path)
+    try:
+        model = factory(**kwargs)
+    except TypeError as exc:
+        raise ValueError(
+            f"cannot build MODEL {path} with --model-kwargs {json.dumps(kwargs)}: {exc}. Pass its arguments as a "
+            "JSON object, e.g. --model-kwargs '{\"num_classes\": 10}'"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"MODEL {path} returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
 def load_model_factory(path: str) -> Callable[..., Any]:
     """The callable named by ``package.module.attr`` or ``package.module:attr``."""
     module_name, sep, attr = path.partition(":") if ":" in path else path.rpartition(".")
@@ -98,17 +167,25 @@ def load_model_factory(path: str) -> Callable[..., Any]:
 def _plan(args: argparse.Namespace) -> int:
     import torch
 
+    if args.stages < 1 or args.chunks < 1 or args.batch_size < 1:
+        raise ValueError("--stages, --chunks and --batch-size must be at least 1")
     if args.batch_size < args.chunks:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than --chunks {args.chunks}")
+    _check_device(args.device)
+    _check_paths(args)
     micro_batch = -(-args.batch_size // args.chunks)
     if args.load_profile:
-        graph = load_cost_graph(args.load_profile)
+        try:
+            graph = load_cost_graph(args.load_profile)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--load-profile {args.load_profile} is not a cost graph saved by --save-profile: "
+                             f"{type(exc).__name__}: {exc}") from None
     else:
         from .profiler import profile
 
         if args.input_shape is None:
             raise ValueError("--input-shape is required unless --load-profile is given")
-        model = load_model_factory(args.model)(**args.model_kwargs)
+        model = _build_model(args.model, args.model_kwargs)
         example = torch.randn(micro_batch, *args.input_shape)
         graph = profile(
             model,

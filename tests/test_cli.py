@@ -134,3 +134,46 @@ def test_bad_input_gets_a_clear_error(args, message):
     result = run_cli("plan", *args, check=False)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+RESNET = ["torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32", "--quiet"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["torch.nn.Linear", "--stages", "2", "--input-shape", "4"],
+         "cannot build MODEL torch.nn.Linear with --model-kwargs {}: "),
+        ([*RESNET, "--model-kwargs", '{"num_classes": "ten"}'], "cannot build MODEL torchvision.models.resnet18"),
+        ([*RESNET, "--model-kwargs", "[10]"], "expected a JSON object"),
+        ([*RESNET, "--model-kwargs", "{num_classes: 10}"], "not JSON"),
+        (["collections.OrderedDict", "--stages", "2", "--input-shape", "4"],
+         "returned a OrderedDict, not a torch.nn.Module"),
+        ([*RESNET, "--device", "gpu0"], "is not a device; use cpu or cuda:N"),
+        ([*RESNET, "--load-profile", "missing.json"], "--load-profile missing.json: no such file"),
+        ([*RESNET[:-1], "--output", "no/such/dir/plan.json"], "--output no/such/dir/plan.json: the directory"),
+        (["torchvision.models.resnet18", "--stages", "2", "--input-shape", "-3,32,32"], "dimensions must be positive"),
+    ],
+)
+def test_every_user_error_is_one_line_and_status_2(args, message):
+    result = run_cli("plan", *args, check=False)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
+    assert "profiling" not in result.stderr  # found before any profiling
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
+def test_a_gpu_device_without_a_gpu_is_one_line_and_status_2():
+    result = run_cli("plan", *RESNET, "--device", "cuda:0", check=False)
+    assert result.returncode == 2
+    assert "asks for a GPU, but torch sees no CUDA device here; use --device cpu" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_damaged_saved_profile_names_the_file(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text('{"format": "lightning-antichain/cost-graph/1", "nodes": null}')
+    result = run_cli("plan", *RESNET, "--load-profile", str(path), check=False)
+    assert result.returncode == 2
+    assert f"--load-profile {path} is not a cost graph saved by --save-profile" in result.stderr
