@@ -1,69 +1,112 @@
 """Split a batch into micro-batches and put the outputs back together.
 
 Any nesting of tuples, lists and dicts is handled. Tensors with at least one dimension are split on
-dim 0 (all of them must have the same batch size); scalars, 0-dim tensors and other values are
-handed unchanged to every micro-batch. Sizes differ by at most one sample (``torch.tensor_split``):
-10 samples in 4 chunks are 3, 3, 2, 2.
+their batch dim, dim 0 unless told otherwise (all of them must have the same batch size); scalars,
+0-dim tensors and other values are handed unchanged to every micro-batch. Sizes differ by at most
+one sample (``torch.tensor_split``): 10 samples in 4 chunks are 3, 3, 2, 2.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-
-from .trace import iter_tensors
 
 
 class MicroBatchError(ValueError):
     """The batch cannot be split as asked, or the outputs cannot be gathered."""
 
 
-def batch_size(value: Any) -> int | None:
-    """The common size of dim 0 of the tensors in ``value``; ``None`` if it holds no batched tensor."""
-    sizes = {t.shape[0] for t in _batched_tensors(value)}
+BatchDims = int | Sequence[Any] | Mapping[Any, Any]
+"""Where the batch is in a value: one dim for every tensor in it, or, for a tuple, list or dict, the
+same container holding the dims of its items (dict keys left out have dim 0)."""
+
+
+def batch_size(value: Any, dims: BatchDims = 0) -> int | None:
+    """The common batch size of the tensors in ``value``; ``None`` if it holds no batched tensor."""
+    sizes = {t.shape[d] for t, d in _batched(value, dims)}
     if len(sizes) > 1:
         raise MicroBatchError(
-            f"the tensors of one batch have different sizes on dim 0 ({sorted(sizes)}); every tensor "
-            "input is split on dim 0 into micro-batches, so they must agree. Pass per-batch constants "
-            "as Python values or 0-dim tensors."
+            f"the tensors of one batch have different batch sizes ({sorted(sizes)}); every tensor input is "
+            "split on its batch dim into micro-batches, so they must agree. Pass per-batch constants as Python "
+            "values or 0-dim tensors, and say where the batch is with batch_dim= if it is not dim 0."
         )
     return sizes.pop() if sizes else None
 
 
-def scatter(value: Any, chunks: int) -> list[Any]:
+def scatter(value: Any, chunks: int, dims: BatchDims = 0) -> list[Any]:
     """``value`` split into ``min(chunks, batch size)`` micro-batches of the same structure."""
     if chunks < 1:
         raise MicroBatchError(f"chunks must be at least 1, got {chunks}")
-    size = batch_size(value)
+    size = batch_size(value, dims)
     count = chunks if size is None else min(chunks, size)
     if size == 0:
         raise MicroBatchError("cannot pipeline an empty batch")
-    return [_take(value, i, count) for i in range(count)]
+    return [_take(value, i, count, dims) for i in range(count)]
 
 
-def _take(value: Any, index: int, count: int) -> Any:
+def _take(value: Any, index: int, count: int, dims: BatchDims) -> Any:
     if isinstance(value, torch.Tensor):
-        return torch.tensor_split(value, count)[index] if value.dim() > 0 else value
+        assert isinstance(dims, int)
+        return torch.tensor_split(value, count, dim=dims)[index] if _has_batch(value, dims) else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_take(v, index, count) for v in value))
+        return type(value)(*(_take(v, index, count, _item_dims(dims, i)) for i, v in enumerate(value)))
     if isinstance(value, (tuple, list)):
-        return type(value)(_take(v, index, count) for v in value)
+        return type(value)(_take(v, index, count, _item_dims(dims, i)) for i, v in enumerate(value))
     if isinstance(value, dict):
-        return type(value)((k, _take(v, index, count)) for k, v in value.items())
+        return type(value)((k, _take(v, index, count, _item_dims(dims, k))) for k, v in value.items())
     return value
 
 
+def _item_dims(dims: BatchDims, key: Any) -> BatchDims:
+    if isinstance(dims, int):
+        return dims
+    if isinstance(dims, Mapping):
+        return dims.get(key, 0)
+    return dims[key]
+
+
+def _has_batch(tensor: torch.Tensor, dim: int) -> bool:
+    """0-dim tensors are constants; a tensor with a batch dim past its last one is an error, since a
+    per-sample tensor (lengths, labels) would otherwise reach every micro-batch whole."""
+    if tensor.dim() == 0:
+        return False
+    if tensor.dim() <= dim:
+        raise MicroBatchError(
+            f"batch_dim={dim}, but an input of shape {tuple(tensor.shape)} has no dim {dim}. Give each input its "
+            "own batch dim, e.g. batch_dim={'x': 1, 'lengths': 0}, by forward's argument names."
+        )
+    return True
+
+
+def _batched(value: Any, dims: BatchDims) -> Iterator[tuple[torch.Tensor, int]]:
+    if isinstance(value, torch.Tensor):
+        assert isinstance(dims, int)
+        if _has_batch(value, dims):
+            yield value, dims
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            yield from _batched(v, _item_dims(dims, i))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _batched(v, _item_dims(dims, k))
+
+
 def gather(chunks: Sequence[Any], device: torch.device | str | None = None,
-           sizes: Sequence[int | None] | None = None) -> Any:
-    """The micro-batch outputs joined back on dim 0 (on ``device`` if given), structure kept.
+           sizes: Sequence[int | None] | None = None, prefer: int = 0, dims: Sequence[int | None] | None = None) -> Any:
+    """The micro-batch outputs joined back on their batch dim (on ``device`` if given), structure kept.
 
     Non-tensor values are taken from the first micro-batch. Only per-sample tensors can be joined:
-    with ``sizes`` (the samples of each micro-batch), a tensor whose dim 0 does not follow them (a
-    sum over the batch, a value computed from the weights) is an error, since joining it would
-    silently give another value than the whole batch would; so is a 0-dim tensor.
+    with ``sizes`` (the samples of each micro-batch), a tensor's batch dim is the one that follows
+    them (``prefer`` where several do, else dim 0), and a tensor with none (a sum over the batch, a
+    value computed from the weights) is an error, since joining it would silently give another
+    value than the whole batch would; so is a 0-dim tensor. ``dims`` fixes the batch dim of each
+    item of a list of outputs (``None``: none), for outputs where the sizes alone cannot tell.
     """
+    if dims is not None:
+        return [gather([c[i] for c in chunks], device, sizes, dim) if dim is not None else
+                gather([c[i] for c in chunks], device, sizes, prefer) for i, dim in enumerate(dims)]
     first = chunks[0]
     if isinstance(first, torch.Tensor):
         if first.dim() == 0:
@@ -71,7 +114,8 @@ def gather(chunks: Sequence[Any], device: torch.device | str | None = None,
                 "the pipelined module returned a 0-dim tensor; outputs must keep the batch on dim 0 so "
                 "the micro-batches can be joined. Reduce (e.g. compute the loss) outside the module."
             )
-        if sizes is not None and any(n is not None and c.shape[0] != n for c, n in zip(chunks, sizes)):
+        dim = 0 if sizes is None else output_batch_dim(chunks, sizes, prefer)
+        if dim is None:
             shapes = [tuple(c.shape) for c in chunks]
             raise MicroBatchError(
                 f"the pipelined module returned a tensor that is not one row per sample: shapes {shapes} for "
@@ -81,15 +125,33 @@ def gather(chunks: Sequence[Any], device: torch.device | str | None = None,
                 "with module=...)."
             )
         parts = [c if device is None else c.to(device) for c in chunks]
-        return torch.cat(parts, dim=0)
+        return torch.cat(parts, dim=dim)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(gather([c[i] for c in chunks], device, sizes) for i in range(len(first))))
+        return type(first)(*(gather([c[i] for c in chunks], device, sizes, prefer) for i in range(len(first))))
     if isinstance(first, (tuple, list)):
-        return type(first)(gather([c[i] for c in chunks], device, sizes) for i in range(len(first)))
+        return type(first)(gather([c[i] for c in chunks], device, sizes, prefer) for i in range(len(first)))
     if isinstance(first, dict):
-        return type(first)((k, gather([c[k] for c in chunks], device, sizes)) for k in first)
+        return type(first)((k, gather([c[k] for c in chunks], device, sizes, prefer)) for k in first)
     return first
 
 
-def _batched_tensors(value: Any) -> Iterator[torch.Tensor]:
-    return (t for t in iter_tensors(value) if t.dim() > 0)
+def output_batch_dim(chunks: Sequence[torch.Tensor], sizes: Sequence[int | None], prefer: int) -> int | None:
+    """The dim of an output that holds one entry per sample in every micro-batch (others equal)."""
+    candidates = batch_dim_candidates(chunks, sizes)
+    if not candidates:
+        return None
+    return prefer if prefer in candidates else candidates[0]
+
+
+def batch_dim_candidates(chunks: Sequence[torch.Tensor], sizes: Sequence[int | None]) -> list[int]:
+    """The dims of an output whose size follows the micro-batch sizes while the others stay put.
+    More than one (a [3, 3] output of 3-sample micro-batches) means the sizes cannot tell."""
+    known = [(c, n) for c, n in zip(chunks, sizes) if n is not None]
+    first = chunks[0]
+    if not known:
+        return [0] if first.dim() > 0 else []
+    return [
+        d for d in range(first.dim())
+        if all(c.dim() == first.dim() and c.shape[d] == n for c, n in known)
+        and all(c.shape[:d] + c.shape[d + 1:] == first.shape[:d] + first.shape[d + 1:] for c in chunks)
+    ]

@@ -11,8 +11,9 @@ where and in what order its operations run.
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,9 +23,11 @@ import torch.fx as fx
 from torch import nn
 
 from . import microbatch
+from .batch_dims import check_batch_dim, first_micro_batch, grown_by_one, placeholder_batch_dims
 from .batchnorm import deferred_batch_norm
 from .capture import NEEDS_EXAMPLE, UntraceableModelError, capture, capture_call
 from .capture.assignments import Output, assign
+from .capture.isolation import side_effects_undone
 from .engine import CHECKPOINT_MODES, PassState, run_backward, run_forward
 from .plan import Plan
 from .pytrees import flatten, unflatten
@@ -47,7 +50,10 @@ class Pipeline(nn.Module):
     ``deferred_batch_norm`` updates BatchNorm running statistics once per step from the whole batch
     instead of once per micro-batch (normalisation itself always uses micro-batch statistics).
     ``share_cpu_allocator`` lets worker threads share glibc's main malloc arena when a stage runs
-    on CPU (see :func:`lightning_antichain.worker.share_malloc_arena` for why).
+    on CPU (see :func:`lightning_antichain.worker.share_malloc_arena` for why). ``batch_dim`` is
+    the dim of the inputs that holds the samples, as DataParallel's ``dim`` (1 for a sequence-first
+    ``nn.GRU``), or a dict by ``forward``'s argument names for inputs that differ (others: 0). Each
+    output is joined on the dim that follows the micro-batch sizes (``batch_dim`` where several do).
     """
 
     def __init__(
@@ -62,6 +68,7 @@ class Pipeline(nn.Module):
         deferred_batch_norm: bool = False,
         share_cpu_allocator: bool = True,
         graph: OpGraph | None = None,
+        batch_dim: int | Mapping[str, int] = 0,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT_MODES:
@@ -74,6 +81,8 @@ class Pipeline(nn.Module):
             raise ValueError("graph= was captured from another module than the one given to Pipeline")
         self.module = module
         self.plan = plan
+        self.batch_dim = check_batch_dim(batch_dim)
+        _warn_if_sequence_first(module, self.batch_dim)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
@@ -85,6 +94,7 @@ class Pipeline(nn.Module):
         self._graph: OpGraph | None = None
         self._stages: list[StageModule] = []  # a plain list: stages share the module's parameters
         self._variants: dict[Hashable, list[StageModule]] = {}
+        self._grown: dict[Hashable, list[set[int]]] = {}  # output shapes -> dims that grow with the batch
         if share_cpu_allocator and any(d.type == "cpu" for d in self._devices):
             share_malloc_arena()
         self._pool = WorkerPool(plan.num_stages)
@@ -131,15 +141,16 @@ class Pipeline(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         graph = self._graph or self._capture_for(args, kwargs)
         values = graph.bind(args, kwargs)
-        micro_values = microbatch.scatter(values, self.chunks)
+        micro_values = microbatch.scatter(values, self.chunks, self._input_dims)
         stage_sets = [self._stages_for(v) for v in micro_values]
-        sizes = [microbatch.batch_size(v) for v in micro_values]
+        sizes = [microbatch.batch_size(v, self._input_dims) for v in micro_values]
         micro_inputs = [flatten([v[i] for i in self._input_slots]) for v in micro_values]
         output_device = self.output_device or _first_device(args, kwargs) or self._devices[0]
         needs_grad = torch.is_grad_enabled()
         if not needs_grad:
             outputs, assigned = self._take_assigned(run_forward(self._pool, stage_sets, micro_inputs, None, 0))
-            leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes)
+            dims = self._output_dims(outputs, micro_values[0], sizes)
+            leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, 0, dims)
             result = self._assemble(leaves, outputs[0][1])
             self._assign(assigned, sizes)
             return result
@@ -147,13 +158,16 @@ class Pipeline(nn.Module):
         if not self.training:
             stop = 0
         whole, _ = flatten([values[i] for i in self._input_slots])
+        leaf_dims = [self._input_dims[i] for i in self._input_slots for _ in flatten(values[i])[0]]
         grad_inputs = [v for v in whole if _is_grad_tensor(v)]
         phony = torch.empty(0, device=output_device, requires_grad=True)
         outcome = _Outcome()
         self.last_busy_s = [0.0] * len(self._stages)
         deferral = deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext()
         with deferral:
-            options = (output_device, sizes, stop, outcome, self.last_busy_s, self._take_assigned)
+            join = _Join(sizes, [d for v, d in zip(whole, leaf_dims) if _is_grad_tensor(v)],
+                         lambda outputs: self._output_dims(outputs, micro_values[0], sizes))
+            options = (output_device, join, stop, outcome, self.last_busy_s, self._take_assigned)
             tensors = _PipelineFunction.apply((self._pool, stage_sets), micro_inputs, options, phony, *grad_inputs)
         it = iter(tensors)
         leaves = [next(it) if is_tensor else constant for is_tensor, constant in outcome.layout]
@@ -175,11 +189,12 @@ class Pipeline(nn.Module):
         self._returned_slots = [i for i, n in enumerate(names) if n not in assigned or n in returned]
         self._assigned_slots = {n: i for i, n in enumerate(names) if n in assigned}
         self._output_names = tuple(names[i] for i in self._returned_slots)
+        self._input_dims = placeholder_batch_dims(graph, self.batch_dim)
         self._graph, self._stages = graph, stages
 
     def _capture_for(self, args: tuple, kwargs: dict) -> OpGraph:
         """Capture the module on the first micro-batch of this call, with the plan's frontend."""
-        first = microbatch.scatter((args, kwargs), self.chunks)[0]
+        first = first_micro_batch(self.module, args, kwargs, self.chunks, self.batch_dim)
         graph = capture_call(self.module, *first, leaf_modules=self.leaf_modules,
                              frontends=(self.plan.frontend or "fx",))
         self._use(graph)
@@ -223,6 +238,44 @@ class Pipeline(nn.Module):
             taken.leaf_count = offsets[-1]
         return returned, taken
 
+    def _output_dims(self, outputs: list[tuple[list[Any], Any]], first: list[Any], sizes: list[int | None]
+                     ) -> list[int | None]:
+        """The batch dim of each output leaf: the one dim that follows the micro-batch sizes, or, where
+        several do, the one that grows when the batch grows (learnt once per output shapes)."""
+        micro_leaves = [leaves for leaves, _ in outputs]
+        dims: list[int | None] = []
+        for i, value in enumerate(micro_leaves[0]):
+            if not isinstance(value, torch.Tensor):
+                dims.append(None)
+                continue
+            candidates = microbatch.batch_dim_candidates([leaves[i] for leaves in micro_leaves], sizes)
+            dims.append(candidates[0] if len(candidates) == 1 else None)
+            if len(candidates) > 1:
+                dims[-1] = self._grown_dim(i, candidates, micro_leaves[0], first)
+        return dims
+
+    def _grown_dim(self, index: int, candidates: list[int], leaves: list[Any], first: list[Any]) -> int:
+        key = tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in leaves)
+        if key not in self._grown:
+            grown = grown_by_one(first, self._input_dims)
+            stages = self._stages_for(grown)
+            with side_effects_undone(self.module), torch.no_grad():
+                (larger, _), = self._take_assigned(
+                    run_forward(self._pool, [stages], [flatten([grown[i] for i in self._input_slots])], None, 0))[0]
+            self._grown[key] = [
+                {d for d in range(a.dim()) if b.dim() == a.dim() and b.shape[d] == a.shape[d] + 1}
+                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else set()
+                for a, b in zip(leaves, larger)
+            ]
+        grew = sorted(self._grown[key][index] & set(candidates))
+        if len(grew) != 1:
+            raise microbatch.MicroBatchError(
+                f"an output of shape {tuple(leaves[index].shape)} grows in dims {grew} when the batch grows: it "
+                "relates samples to each other (a [batch, batch] similarity, say), so it cannot be joined from "
+                "micro-batches. Compute it outside the pipelined module, from per-sample outputs."
+            )
+        return grew[0]
+
     def _assign(self, assigned: _Assigned, sizes: list[int | None]) -> None:
         """Give the attributes ``forward`` assigns the values a whole-batch call would."""
         if assigned.values:
@@ -246,6 +299,16 @@ class _Outcome:
 
 
 @dataclass
+class _Join:
+    """How one call's micro-batches join: their sizes, the batch dims of the inputs that collect
+    gradients, and how to find the outputs' batch dims."""
+
+    sizes: list[int | None]
+    input_dims: list[int]
+    output_dims: Callable[[list[tuple[list[Any], Any]]], list[int | None]]
+
+
+@dataclass
 class _Assigned:
     """Per micro-batch, the output values kept only for attributes ``forward`` assigns (by node
     name); and which of the last stage's output leaves the caller gets (``None``: all of them), so
@@ -261,17 +324,20 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
-        output_device, sizes, stop, outcome, busy, take_assigned = options
+        output_device, join, stop, outcome, busy, take_assigned = options
         pool, stage_sets = runtime
         state = PassState(busy=busy)
         outputs, outcome.assigned = take_assigned(run_forward(pool, stage_sets, micro_inputs, state, stop))
-        gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes)
+        dims = join.output_dims(outputs)
+        gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, join.sizes, 0, dims)
         outcome.spec = outputs[0][1]
         outcome.layout = [(isinstance(v, torch.Tensor), None if isinstance(v, torch.Tensor) else v) for v in gathered]
         tensors = tuple(v for v in gathered if isinstance(v, torch.Tensor))
         ctx.pool, ctx.state = pool, state
-        ctx.sizes = [[leaves[i].shape[0] for leaves, _ in outputs] for i, v in enumerate(gathered)
-                     if isinstance(v, torch.Tensor)]
+        ctx.dims = [dims[i] for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)]
+        ctx.sizes = [[leaves[i].shape[d] for leaves, _ in outputs] for (i, v), d in
+                     zip([(i, v) for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)], ctx.dims)]
+        ctx.input_dims = join.input_dims
         ctx.count = len(micro_inputs)
         ctx.leaf_positions, ctx.leaf_count = outcome.assigned.leaf_positions, outcome.assigned.leaf_count
         ctx.is_tensor = [isinstance(v, torch.Tensor) for v in gathered]
@@ -284,23 +350,37 @@ class _PipelineFunction(torch.autograd.Function):
     def backward(ctx, *grads):  # noqa: ANN001
         count = ctx.count
         per_output: list[list[Any]] = []
-        it = iter(zip(grads, ctx.sizes))
+        it = iter(zip(grads, ctx.sizes, ctx.dims))
         for is_tensor in ctx.is_tensor:
-            grad, sizes = next(it) if is_tensor else (None, None)
-            per_output.append(list(torch.split(grad, sizes)) if grad is not None else [None] * count)
+            grad, sizes, dim = next(it) if is_tensor else (None, None, 0)
+            per_output.append(list(torch.split(grad, sizes, dim)) if grad is not None else [None] * count)
         output_grads = [tuple(g[m] for g in per_output) for m in range(count)]
         if ctx.leaf_positions is not None:  # leaves only kept for attributes get no gradient
             output_grads = [_spread(grads, ctx.leaf_positions, ctx.leaf_count) for grads in output_grads]
         input_grads = run_backward(ctx.pool, ctx.state, output_grads)
         ctx.state = None
         result: list[Any] = [None, None, None, None]
-        for slot, device in zip(ctx.grad_input_slots, ctx.input_devices):
+        for slot, device, dim in zip(ctx.grad_input_slots, ctx.input_devices, ctx.input_dims):
             parts = [input_grads[m][slot] for m in range(count)]
             if any(p is None for p in parts):
                 result.append(None)
             else:
-                result.append(torch.cat([p.to(device) for p in parts], dim=0))
+                result.append(torch.cat([p.to(device) for p in parts], dim=dim))
         return tuple(result)
+
+
+def _warn_if_sequence_first(module: nn.Module, batch_dim: Any) -> None:
+    """A sequence-first recurrent layer with the batch split on dim 0 is the likeliest silent mistake."""
+    if batch_dim != 0:
+        return
+    found = [name for name, m in module.named_modules() if isinstance(m, nn.RNNBase) and not m.batch_first]
+    if found:
+        warnings.warn(
+            f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} sequence-first (batch_first=False) and the "
+            "pipeline splits dim 0 of the inputs into micro-batches. If the inputs are [time, batch, ...], pass "
+            "batch_dim=1; if forward transposes them first, this is fine.",
+            stacklevel=3,
+        )
 
 
 def _spread(grads: tuple[Any, ...], positions: list[int], count: int) -> tuple[Any, ...]:

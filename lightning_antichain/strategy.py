@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from . import microbatch
+from .batch_dims import batch_size_of, check_batch_dim, first_micro_batch
 from .capture import OpGraph, capture_call
 from .capture.signature import FlatSignature, original_forward
 from .engine import CHECKPOINT_MODES
@@ -81,6 +81,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
         start_method: how replica processes start: ``"popen"`` (re-run the script, as Lightning's
             DDP) or ``"spawn"``/``"fork"`` (notebooks).
         process_group_backend: override the torch.distributed backend.
+        batch_dim: the dim of the inputs that holds the samples, as DataParallel's ``dim`` (1 for a
+            sequence-first ``nn.GRU``); or a dict by ``forward``'s argument names, others on dim 0.
     """
 
     strategy_name = "antichain_pipeline"
@@ -103,8 +105,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
         stages: int | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         process_group_backend: str | None = None,
+        batch_dim: int | dict[str, int] = 0,
     ) -> None:
         super().__init__()
+        self.batch_dim = check_batch_dim(batch_dim)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(
                 f"chunks is the number of micro-batches per batch, a whole number of at least 1; got {chunks!r}"
@@ -349,6 +353,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             output_device=self.root_device,
             leaf_modules=self.leaf_modules,
             deferred_batch_norm=self.deferred_batch_norm,
+            batch_dim=self.batch_dim,
         )
         self._optimizer_state_to_parameters()
 
@@ -433,7 +438,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._in_training_step and not self._checked_batch:
             self._checked_batch = True
-            size = microbatch.batch_size((args, kwargs))
+            size = batch_size_of(self._target(), args, kwargs, self.batch_dim)
             if size == 0:
                 raise ValueError(
                     "the first training batch is empty (0 samples). Check the DataLoader: the dataset's length, "
@@ -445,7 +450,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
                     "the batch size (a shorter last batch of an epoch is fine)"
                 )
         if self._pipeline is None:
-            self._build(*microbatch.scatter((args, kwargs), self.chunks)[0])
+            self._build(*first_micro_batch(self._target(), args, kwargs, self.chunks, self.batch_dim))
         assert self._pipeline is not None
         self._calls += 1
         return self._pipeline(*args, **kwargs)

@@ -6,9 +6,12 @@ per-sample outputs only; anything else must be refused, never joined silently.
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
+from lit_models import trainer
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_antichain as la
 from lightning_antichain.capture import capture
@@ -27,6 +30,8 @@ class Net(nn.Module):
             return h, self.net[0].weight.norm(dim=1)
         if self.extra == "sum":
             return h, (h**2).sum().reshape(1)
+        if self.extra == "similarity":
+            return h, h @ h.T
         return h, h.softmax(-1)
 
 
@@ -48,6 +53,16 @@ def test_an_output_that_is_not_per_sample_is_refused_not_joined(extra, shapes, g
             pipe(x)
 
 
+def test_an_output_relating_samples_to_each_other_is_refused():
+    torch.manual_seed(0)
+    model = Net("similarity").double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with _pipe(model, x, chunks=2) as pipe, pytest.raises(
+        MicroBatchError, match=r"an output of shape \(4, 4\) grows in dims \[0, 1\].*relates samples to each other"
+    ):
+        pipe(x)
+
+
 def test_per_sample_outputs_are_still_joined():
     torch.manual_seed(0)
     model = Net("softmax").double()
@@ -55,3 +70,103 @@ def test_per_sample_outputs_are_still_joined():
     with _pipe(model, x, chunks=3) as pipe:
         for got, expected in zip(pipe(x), model(x)):
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+
+
+class SequenceFirst(nn.Module):
+    """``nn.GRU`` with its default ``batch_first=False``: inputs are [time, batch, features]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(8, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        out, h_n = self.gru(x)
+        return self.head(out[-1]), out, h_n
+
+
+class WithLengths(SequenceFirst):
+    """Time-major ``x`` and batch-major ``lengths``: a batch dim per input."""
+
+    def forward(self, x, lengths):
+        out, h_n = self.gru(x)
+        return self.head(out[lengths - 1, torch.arange(out.shape[1])]), out, h_n
+
+
+@pytest.mark.parametrize("batch_dim", [1, {"x": 1}])
+def test_a_sequence_first_gru_is_split_on_the_batch_and_joined_per_output(batch_dim):
+    torch.manual_seed(0)
+    model = (SequenceFirst() if batch_dim == 1 else WithLengths()).double()
+    x = torch.randn(5, 12, 8, dtype=torch.float64)  # time 5, batch 12
+    call = {"x": x} if batch_dim == 1 else {"x": x, "lengths": torch.randint(1, 6, (12,))}
+    example = {k: v[:, :3] if k == "x" else v[:3] for k, v in call.items()}
+    graph = capture(model, example)
+    cost = la.profile(model, example, op_graph=graph, repeats=1, warmup=0, progress=False)
+    expected = model(**call)
+    sum(t.sum() for t in expected).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with la.Pipeline(model, la.partition(cost, 2, chunks=4), chunks=4, graph=graph, batch_dim=batch_dim) as pipe:
+        output = pipe(**call)
+        sum(t.sum() for t in output).backward()
+    for got, want in zip(output, expected):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference[n], rtol=1e-10, atol=1e-14, msg=n)
+
+
+def test_splitting_time_is_warned_about_and_a_bad_batch_dim_is_a_clear_error():
+    model = SequenceFirst().double()
+    x = torch.randn(5, 12, 8, dtype=torch.float64)
+    graph = capture(model, x[:, :3])
+    cost = la.profile(model, x[:, :3], op_graph=graph, repeats=1, warmup=0, progress=False)
+    with pytest.warns(UserWarning, match=r"gru is sequence-first \(batch_first=False\).*pass batch_dim=1"):
+        la.Pipeline(model, la.partition(cost, 2), graph=graph).close()
+    with pytest.raises(ValueError, match=r"batch_dim is the dim of the inputs that holds the samples.*got -1"):
+        la.Pipeline(model, la.partition(cost, 2), graph=graph, batch_dim=-1)
+    with pytest.raises(ValueError, match=r"batch_dim names \['lenghts'\], but SequenceFirst.forward\(\) takes \['x'\]"):
+        la.Pipeline(model, la.partition(cost, 2), graph=graph, batch_dim={"lenghts": 0})
+    model = WithLengths().double()
+    lengths = torch.ones(12, dtype=torch.long)
+    graph = capture(model, (x[:, :3], lengths[:3]))
+    cost = la.profile(model, (x[:, :3], lengths[:3]), op_graph=graph, repeats=1, warmup=0, progress=False)
+    with la.Pipeline(model, la.partition(cost, 2), graph=graph, batch_dim=1) as pipe, \
+            pytest.raises(MicroBatchError, match=r"batch_dim=1, but an input of shape \(12,\) has no dim 1"):
+        pipe(x, lengths)
+
+
+class SequenceModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = SequenceFirst()
+        self.losses: list[float] = []
+
+    def forward(self, x):
+        return self.net(x)[0]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x.transpose(0, 1)), y)  # [batch, time, f] -> [time, batch, f]
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_sequence_first_gru_trains_through_the_trainer_like_plain_lightning():
+    def run(devices):
+        torch.manual_seed(0)
+        model = SequenceModule()
+        x = torch.randn(96, 6, 8, generator=torch.Generator().manual_seed(1))
+        y = (x[:, -1, :3]).argmax(1)
+        strategy = "auto" if devices == 1 else la.AntichainPipelineStrategy(chunks=4, batch_dim=1,
+                                                                             use_profile_cache=False)
+        trainer(strategy=strategy, devices=devices, max_steps=10).fit(model, DataLoader(TensorDataset(x, y),
+                                                                                        batch_size=16))
+        return model.losses
+
+    plain = run(1)
+    assert len(plain) == 10
+    torch.testing.assert_close(torch.tensor(run(2)), torch.tensor(plain), rtol=1e-5, atol=0)
