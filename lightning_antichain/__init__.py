@@ -5,6 +5,8 @@ Profile a model (:func:`profile`), cut it into balanced stages over its antichai
 """
 
 from .antichain import StateSpace, build_state_space, enumerate_down_sets
+from .batch_dims import BatchDependenceError
+from .capture.assignments import AssignmentError
 from .graph import CostGraphError, load_cost_graph, save_cost_graph
 from .partition import CostModel, DeviceSpec, InfeasiblePlanError, partition, plan_from_balance
 from .pipeline import Pipeline
@@ -19,6 +21,8 @@ register()  # strategy="antichain_pipeline" works once the package is imported
 
 __all__ = [
     "AntichainPipelineStrategy",
+    "AssignmentError",
+    "BatchDependenceError",
     "CostGraphError",
     "CostModel",
     "DeviceSpec",

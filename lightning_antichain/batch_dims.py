@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from . import microbatch
+from .capture.isolation import attributes_restored, own_forward, side_effects_undone
 from .capture.signature import FlatSignature, FxSignature, original_forward
 from .trace import OpGraph
 
@@ -75,10 +76,62 @@ def batch_size_of(module: nn.Module, args: tuple, kwargs: dict, batch_dim: Batch
 
 def grown_by_one(values: list[Any], dims: list[int]) -> list[Any]:
     """``values`` with one more sample (the first, repeated) on each batched tensor's batch dim."""
-    return [pytree.tree_map(lambda t, d=d: _grow(t, d), v) for v, d in zip(values, dims)]
+    return microbatch.map_batched(values, dims, lambda t, d: torch.cat([t, t.narrow(d, 0, 1)], d))
 
 
-def _grow(value: Any, dim: int) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() > dim:
-        return torch.cat([value, value.narrow(dim, 0, 1)], dim)
-    return value
+class BatchDependenceError(ValueError):
+    """``forward`` on a batch is not its micro-batches' outputs joined: micro-batching would change it."""
+
+
+def check_micro_batchable(module: nn.Module, args: tuple, kwargs: dict, batch_dim: BatchDim) -> None:
+    """Refuse a ``forward`` whose result depends on the batch it is in (``x + torch.arange(x.shape[0])``,
+    ``x - x.mean(0)``).
+
+    It runs the module in eval mode, without gradients, on the example and on its two halves (on
+    the example twice over, for a single sample): each sample's output must not change. Eval mode
+    keeps dropout and BatchNorm's batch statistics out, which micro-batching changes by design.
+    Buffer updates, random draws and attributes assigned in forward are undone.
+    """
+    if isinstance(batch_dim, Mapping):
+        args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
+        dims: Any = (0, dict(batch_dim))
+    else:
+        dims = batch_dim
+    size = microbatch.batch_size((args, kwargs), dims)
+    if size is None:
+        return
+    call = (args, kwargs)
+    if size >= 2:
+        parts = microbatch.scatter(call, 2, dims)
+    else:
+        parts = [call, call]
+        call = microbatch.map_batched(call, dims, lambda t, d: torch.cat([t, t], d))
+    training = module.training
+    try:
+        module.train(False)
+        with own_forward(module), attributes_restored(module), side_effects_undone(module), torch.no_grad():
+            whole = module(*call[0], **call[1])
+            halves = [module(*a, **k) for a, k in parts]
+    finally:
+        module.train(training)
+    for leaves in zip(pytree.tree_leaves(whole), *(pytree.tree_leaves(h) for h in halves)):
+        whole_leaf, first, second = leaves
+        if not all(isinstance(t, torch.Tensor) for t in leaves) or not whole_leaf.is_floating_point():
+            continue
+        dim = next((d for d in range(first.dim()) if whole_leaf.dim() == first.dim()
+                    and whole_leaf.shape[d] == first.shape[d] + second.shape[d]), None)
+        if dim is None:
+            continue  # not per-sample: joining it is refused when the pipeline runs
+        joined = torch.cat([first, second], dim)
+        if joined.shape != whole_leaf.shape:
+            continue
+        scale = whole_leaf.abs().max().item() if whole_leaf.numel() else 0.0
+        error = (joined - whole_leaf).abs().max().item()
+        if error > 1e-3 * max(scale, 1e-6):
+            raise BatchDependenceError(
+                f"{type(module).__name__}.forward gives a sample another output when the batch around it changes "
+                f"(off by {error:.3g} on an output of shape {tuple(whole_leaf.shape)} when the batch is split in "
+                "two), so running it micro-batch by micro-batch would change the result. It reads the batch size "
+                "or mixes samples (x + torch.arange(x.shape[0]), a mean over dim 0). Make it per sample, or "
+                "pipeline a submodule that is (module=...)."
+            )

@@ -8,7 +8,7 @@ one sample (``torch.tensor_split``): 10 samples in 4 chunks are 3, 3, 2, 2.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,15 +47,20 @@ def scatter(value: Any, chunks: int, dims: BatchDims = 0) -> list[Any]:
 
 
 def _take(value: Any, index: int, count: int, dims: BatchDims) -> Any:
+    return map_batched(value, dims, lambda t, d: torch.tensor_split(t, count, dim=d)[index])
+
+
+def map_batched(value: Any, dims: BatchDims, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
+    """``value`` with ``fn(tensor, batch_dim)`` applied to every batched tensor, structure kept."""
     if isinstance(value, torch.Tensor):
         assert isinstance(dims, int)
-        return torch.tensor_split(value, count, dim=dims)[index] if _has_batch(value, dims) else value
+        return fn(value, dims) if _has_batch(value, dims) else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_take(v, index, count, _item_dims(dims, i)) for i, v in enumerate(value)))
+        return type(value)(*(map_batched(v, _item_dims(dims, i), fn) for i, v in enumerate(value)))
     if isinstance(value, (tuple, list)):
-        return type(value)(_take(v, index, count, _item_dims(dims, i)) for i, v in enumerate(value))
+        return type(value)(map_batched(v, _item_dims(dims, i), fn) for i, v in enumerate(value))
     if isinstance(value, dict):
-        return type(value)((k, _take(v, index, count, _item_dims(dims, k))) for k, v in value.items())
+        return type(value)((k, map_batched(v, _item_dims(dims, k), fn)) for k, v in value.items())
     return value
 
 

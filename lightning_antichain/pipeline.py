@@ -23,7 +23,13 @@ import torch.fx as fx
 from torch import nn
 
 from . import microbatch
-from .batch_dims import check_batch_dim, first_micro_batch, grown_by_one, placeholder_batch_dims
+from .batch_dims import (
+    check_batch_dim,
+    check_micro_batchable,
+    first_micro_batch,
+    grown_by_one,
+    placeholder_batch_dims,
+)
 from .batchnorm import deferred_batch_norm
 from .capture import NEEDS_EXAMPLE, UntraceableModelError, capture, capture_call
 from .capture.assignments import Output, assign
@@ -47,7 +53,10 @@ class Pipeline(nn.Module):
     anyway) or ``"always"``. ``devices`` overrides the plan's device per stage. Outputs are gathered
     on ``output_device`` (default: the device of the first input tensor, else the first stage's).
     A batch with fewer samples than ``chunks`` runs as that many micro-batches of one sample.
-    ``deferred_batch_norm`` updates BatchNorm running statistics once per step from the whole batch
+    When the Pipeline captures the module itself on the first call, it first checks that ``forward``
+    treats each sample on its own (:func:`lightning_antichain.batch_dims.check_micro_batchable`), as
+    the strategy always does. ``deferred_batch_norm`` updates BatchNorm running statistics once per
+    step from the whole batch
     instead of once per micro-batch (normalisation itself always uses micro-batch statistics).
     ``share_cpu_allocator`` lets worker threads share glibc's main malloc arena when a stage runs
     on CPU (see :func:`lightning_antichain.worker.share_malloc_arena` for why). ``batch_dim`` is
@@ -197,6 +206,7 @@ class Pipeline(nn.Module):
         first = first_micro_batch(self.module, args, kwargs, self.chunks, self.batch_dim)
         graph = capture_call(self.module, *first, leaf_modules=self.leaf_modules,
                              frontends=(self.plan.frontend or "fx",))
+        check_micro_batchable(self.module, *first, self.batch_dim)
         self._use(graph)
         return graph
 

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from .batch_dims import batch_size_of, check_batch_dim, first_micro_batch
+from .batch_dims import batch_size_of, check_batch_dim, check_micro_batchable, first_micro_batch
 from .capture import OpGraph, capture_call
 from .capture.signature import FlatSignature, original_forward
 from .engine import CHECKPOINT_MODES
@@ -365,6 +365,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
                 positional, keywords = FlatSignature.canonical(original_forward(target), positional, keywords)
             example_inputs: Any = keywords if keywords else positional
             graph = capture_call(target, positional, keywords, leaf_modules=self.leaf_modules, progress=True)
+            check_micro_batchable(target, positional, keywords, self.batch_dim)
             self._graph = graph
             key = profile_key(graph, target, example, self.root_device)
             cost = load_cached(self.profile_cache, key, graph) if self.use_profile_cache else None

@@ -170,3 +170,59 @@ def test_a_sequence_first_gru_trains_through_the_trainer_like_plain_lightning():
     plain = run(1)
     assert len(plain) == 10
     torch.testing.assert_close(torch.tensor(run(2)), torch.tensor(plain), rtol=1e-5, atol=0)
+
+
+class ReadsBatchSize(nn.Module):
+    def __init__(self, mix: bool = False) -> None:
+        super().__init__()
+        self.mix = mix
+        self.net = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        if self.mix:
+            return self.net(x - x.mean(0))  # centres each sample on the batch
+        return self.net(x + torch.arange(x.shape[0], dtype=x.dtype).unsqueeze(1))
+
+
+class BatchDependentModule(L.LightningModule):
+    def __init__(self, mix: bool) -> None:
+        super().__init__()
+        self.net = ReadsBatchSize(mix)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_forward_that_depends_on_the_batch_is_refused_before_training(mix):
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    model = BatchDependentModule(mix)
+    before = [p.detach().clone() for p in model.parameters()]
+    t = trainer(strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False), devices=2, max_steps=2)
+    with pytest.raises(la.BatchDependenceError, match=r"BatchDependentModule.forward gives a sample another output "
+                                                      r"when the batch around it changes.*module=\.\.\."):
+        t.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
+    for p, q in zip(before, model.parameters()):
+        assert torch.equal(p, q.detach().cpu())  # refused before any step
+    plain = ReadsBatchSize(mix)  # a Pipeline that captures on its first call checks too
+    graph = capture(plain, x[:4], frontends=("export",))
+    plan = la.partition(la.profile(plain, x[:4], op_graph=graph, progress=False), 2)
+    with la.Pipeline(plain, plan, chunks=4) as pipe, pytest.raises(la.BatchDependenceError, match="ReadsBatchSize"):
+        pipe(x)
+
+
+def test_indexing_with_arange_over_the_batch_is_per_sample_and_passes_the_check():
+    torch.manual_seed(0)
+    model = WithLengths().double()
+    x, lengths = torch.randn(5, 12, 8, dtype=torch.float64), torch.randint(1, 6, (12,))
+    cost = la.profile(model, {"x": x[:, :3], "lengths": lengths[:3]}, progress=False)
+    with la.Pipeline(model, la.partition(cost, 2, chunks=4), chunks=4, batch_dim={"x": 1}) as pipe:
+        for got, want in zip(pipe(x, lengths), model(x, lengths)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
