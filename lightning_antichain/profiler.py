@@ -13,15 +13,17 @@ import copy
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import networkx as nx
 import torch
 from torch import nn
 
+from .batch_dims import batch_size_of
 from .capture.devices import retarget_devices
 from .graph import GRAPH_FORMAT
+from .microbatch import MicroBatchError
 from .trace import OpGraph, RecordedCall, iter_tensors, map_tensors, split_inputs, trace
 
 
@@ -37,13 +39,15 @@ def profile(
     leaf_modules: Sequence[type | str] = (),
     progress: bool = True,
     name: str | None = None,
+    batch_dim: int | Mapping[str, int] = 0,
 ) -> nx.DiGraph:
     """Profile ``module`` on ``device`` and return its cost graph.
 
     ``example_inputs`` is one micro-batch, following Lightning's ``example_input_array`` convention
-    (a tensor, a tuple of positional arguments, or a dict of keyword arguments); its first dimension
-    is recorded as the micro-batch size the costs refer to. The module is copied to ``device`` for
-    measurement, so the caller's module, its device and its gradients are left untouched.
+    (a tensor, a tuple of positional arguments, or a dict of keyword arguments); its size on
+    ``batch_dim`` (as for :class:`Pipeline`) is recorded as the micro-batch size the costs refer to.
+    The module is copied to ``device`` for measurement, so the caller's module, its device and its
+    gradients are left untouched.
     Forward and backward times are medians of ``repeats`` runs after ``warmup`` runs; the runs go
     round-robin over all operations so that a passing slowdown of the machine spreads over many
     operations instead of biasing one. Progress is shown on stderr unless ``progress=False``.
@@ -109,7 +113,7 @@ def profile(
         model=name or type(module).__name__,
         device=str(device),
         device_name=_device_name(device),
-        micro_batch_size=_batch_size(example_inputs),
+        micro_batch_size=_micro_batch_size(module, args, kwargs, batch_dim),
         granularity=graph.granularity,
         frontend=graph.frontend if graph.granularity == "ops" else "children",
         refused=list(graph.refused),
@@ -205,9 +209,12 @@ def _nbytes(value: Any) -> int:
     return sum(t.numel() * t.element_size() for t in iter_tensors(value))
 
 
-def _batch_size(example_inputs: Any) -> int | None:
-    first = next(iter_tensors(example_inputs), None)
-    return int(first.shape[0]) if first is not None and first.dim() > 0 else None
+def _micro_batch_size(module: nn.Module, args: tuple, kwargs: dict, batch_dim: int | Mapping[str, int]) -> int | None:
+    """The example's samples, counted on ``batch_dim`` (``None`` where the tensors disagree)."""
+    try:
+        return batch_size_of(module, args, kwargs, batch_dim)
+    except MicroBatchError:
+        return None
 
 
 def _device_name(device: torch.device) -> str:

@@ -370,7 +370,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
             key = profile_key(graph, target, example, self.root_device)
             cost = load_cached(self.profile_cache, key, graph) if self.use_profile_cache else None
             if cost is None:
-                cost = profile(target, example_inputs, self.root_device, op_graph=graph, name=type(target).__name__)
+                cost = profile(target, example_inputs, self.root_device, op_graph=graph, name=type(target).__name__,
+                               batch_dim=self.batch_dim)
                 if self.use_profile_cache:
                     store(self.profile_cache, key, cost)
             else:
@@ -450,11 +451,30 @@ class AntichainPipelineStrategy(ParallelStrategy):
                     f"chunks={self.chunks} is larger than the batch of {size} samples; lower chunks or raise "
                     "the batch size (a shorter last batch of an epoch is fine)"
                 )
+            if size is not None:
+                self._plan_for_micro_batch(-(-size // self.chunks))
         if self._pipeline is None:
             self._build(*first_micro_batch(self._target(), args, kwargs, self.chunks, self.batch_dim))
         assert self._pipeline is not None
         self._calls += 1
         return self._pipeline(*args, **kwargs)
+
+    def _plan_for_micro_batch(self, micro: int) -> None:
+        """Plan again if the plan was made for micro-batches of another size than training's.
+
+        The example (``example_input_array``) or a sanity-check validation batch may arrive first
+        with another size; a plan made for it would predict the wrong times and, worse, check the
+        memory limits against activations of the wrong size.
+        """
+        planned = self.plan.micro_batch_size if self.plan is not None else None
+        if self.plan_path is not None or planned in (None, micro) or self._pipeline is None:
+            return
+        rank_zero_info(
+            f"lightning-antichain: the plan was made for micro-batches of {planned} samples, training runs "
+            f"micro-batches of {micro}; profiling and planning again"
+        )
+        self._pipeline.close()
+        self._pipeline, self.plan, self._graph = None, None, None
 
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self.log_stage_times and self._pipeline is not None and any(self._pipeline.last_busy_s):

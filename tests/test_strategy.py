@@ -227,7 +227,9 @@ def test_example_input_array_is_profiled_in_setup_and_the_summary_runs_through_t
         enable_model_summary=True,
     )
     t.fit(model, loader(), loader(64, seed=1))
-    assert t.strategy.plan.micro_batch_size == 2  # profiled on the example, before any batch
+    # the example (2 samples) was planned in setup, so the summary ran through a pipeline; training's
+    # micro-batches (16 / 4 chunks) were then planned again
+    assert t.strategy.plan.micro_batch_size == 4
     torch.testing.assert_close(torch.tensor(model.losses), torch.tensor(plain_run[0]), rtol=1e-5, atol=0)
     assert "forward" not in vars(model)  # the pipelined forward is gone after teardown
 
@@ -371,3 +373,20 @@ def test_fit_one_model_then_validate_another_plans_the_other():
     assert t.strategy.plan is not first_plan and t.strategy.plan.num_stages == 2
     assert {n for s in t.strategy.plan.stages for n in s.nodes} >= {"net_0", "net_1", "net_2"}
     torch.testing.assert_close(result[0]["val_loss"], expected[0]["val_loss"], rtol=1e-5, atol=0)
+
+
+class OneSampleExample(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.example_input_array = torch.randn(1, 16)
+
+
+@pytest.mark.parametrize("first", ["example", "sanity_check"])
+def test_the_plan_is_made_for_the_micro_batch_training_runs(first, caplog):
+    model = OneSampleExample() if first == "example" else TinyClassifier()
+    t = trainer(strategy=strategy(chunks=2), devices=2, max_steps=2, num_sanity_val_steps=1)
+    t.fit(model, loader(64, batch_size=64), loader(8, batch_size=8))  # validation batches of 8 come first
+    assert t.strategy.plan.micro_batch_size == 32
+    assert "2 micro-batches of 32" in t.strategy.plan.table()
+    assert "the plan was made for micro-batches of " in caplog.text
+    assert "training runs micro-batches of 32; profiling and planning again" in caplog.text
