@@ -184,8 +184,25 @@ class Untraceable(TinyClassifier):
 
 
 def test_untraceable_model_is_a_clear_error():
-    with pytest.raises(la.UntraceableModelError, match="control flow"):
+    with pytest.raises(la.UntraceableModelError, match="control flow") as info:
         fit(Untraceable(), strategy(), 2, max_steps=1, limit_val_batches=0)
+    message = str(info.value)
+    assert "leaf_modules=" in message and "module=" in message
+    assert "fallback" not in message  # the strategy has no such option
+
+
+class Asserting(TinyClassifier):
+    def forward(self, x):
+        assert x.dim() == 2, "expected [batch, features]"
+        return self.net(x)
+
+
+def test_an_assert_that_fx_cannot_trace_points_to_torch_assert():
+    from lightning_antichain.capture import capture
+
+    with pytest.raises(la.UntraceableModelError, match=r"fx: .*assert x.dim\(\) == 2.*torch._assert\(condition"):
+        capture(Asserting(), frontends=("fx",))
+    assert capture(Asserting(), torch.randn(2, 16)).frontend == "export"  # the chain takes it anyway
 
 
 class CallsSubmodule(TinyClassifier):

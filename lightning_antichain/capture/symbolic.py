@@ -60,5 +60,7 @@ def capture_symbolic(module: nn.Module, leaf_modules: Sequence[type | str] = ())
         else:
             cause = "code that needs real values or shapes"
         reason = f"{type(exc).__name__}: {first_line(exc)} ({cause}{', at ' + where if where else ''})"
+        if "(assert " in where:
+            reason += "; fx traces torch._assert(condition, message) where it cannot trace assert"
         raise FrontendRefused(reason, module_path=tracer.path[-1] if tracer.path else "", location=where) from exc
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
