@@ -58,20 +58,25 @@ def placeholder_batch_dims(graph: OpGraph, batch_dim: BatchDim) -> list[int]:
     return [batch_dim.get(name, 0) for name in names]
 
 
+def call_dims(module: nn.Module, args: tuple, kwargs: dict, batch_dim: BatchDim) -> tuple[tuple, dict, Any]:
+    """A call and the batch dims of its ``(args, kwargs)`` (see :data:`microbatch.BatchDims`): with
+    dims by argument name, the call is first put with every argument named."""
+    if isinstance(batch_dim, int):
+        return args, kwargs, batch_dim
+    args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
+    return args, kwargs, (0, dict(batch_dim))
+
+
 def first_micro_batch(module: nn.Module, args: tuple, kwargs: dict, chunks: int, batch_dim: BatchDim) -> tuple:
     """The first micro-batch of a call, as ``(args, kwargs)``, split on the batch dims."""
-    if isinstance(batch_dim, int):
-        return microbatch.scatter((args, kwargs), chunks, batch_dim)[0]
-    args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
-    return microbatch.scatter((args, kwargs), chunks, (0, dict(batch_dim)))[0]
+    args, kwargs, dims = call_dims(module, args, kwargs, batch_dim)
+    return microbatch.scatter((args, kwargs), chunks, dims)[0]
 
 
 def batch_size_of(module: nn.Module, args: tuple, kwargs: dict, batch_dim: BatchDim) -> int | None:
     """The number of samples in a call."""
-    if isinstance(batch_dim, int):
-        return microbatch.batch_size((args, kwargs), batch_dim)
-    args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
-    return microbatch.batch_size((args, kwargs), (0, dict(batch_dim)))
+    args, kwargs, dims = call_dims(module, args, kwargs, batch_dim)
+    return microbatch.batch_size((args, kwargs), dims)
 
 
 def grown_by_one(values: list[Any], dims: list[int]) -> list[Any]:
@@ -92,11 +97,7 @@ def check_micro_batchable(module: nn.Module, args: tuple, kwargs: dict, batch_di
     keeps dropout and BatchNorm's batch statistics out, which micro-batching changes by design.
     Buffer updates, random draws and attributes assigned in forward are undone.
     """
-    if isinstance(batch_dim, Mapping):
-        args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
-        dims: Any = (0, dict(batch_dim))
-    else:
-        dims = batch_dim
+    args, kwargs, dims = call_dims(module, args, kwargs, batch_dim)
     size = microbatch.batch_size((args, kwargs), dims)
     if size is None:
         return

@@ -99,53 +99,56 @@ def _batched(value: Any, dims: BatchDims) -> Iterator[tuple[torch.Tensor, int]]:
 
 
 def gather(chunks: Sequence[Any], device: torch.device | str | None = None,
-           sizes: Sequence[int | None] | None = None, prefer: int = 0, dims: Sequence[int | None] | None = None) -> Any:
+           sizes: Sequence[int | None] | None = None, dims: Sequence[int | None] | None = None) -> Any:
     """The micro-batch outputs joined back on their batch dim (on ``device`` if given), structure kept.
 
     Non-tensor values are taken from the first micro-batch. Only per-sample tensors can be joined:
     with ``sizes`` (the samples of each micro-batch), a tensor's batch dim is the one that follows
-    them (``prefer`` where several do, else dim 0), and a tensor with none (a sum over the batch, a
-    value computed from the weights) is an error, since joining it would silently give another
-    value than the whole batch would; so is a 0-dim tensor. ``dims`` fixes the batch dim of each
-    item of a list of outputs (``None``: none), for outputs where the sizes alone cannot tell.
+    them (dim 0 where several do), and a tensor with none (a sum over the batch, a value computed
+    from the weights) is an error, since joining it would silently give another value than the
+    whole batch would; so is a 0-dim tensor. ``dims`` gives the batch dim of each item of a list of
+    outputs where the caller has found it (``None``: it has none), for outputs the sizes cannot tell.
     """
     if dims is not None:
-        return [gather([c[i] for c in chunks], device, sizes, dim) if dim is not None else
-                gather([c[i] for c in chunks], device, sizes, prefer) for i, dim in enumerate(dims)]
+        return [_join([c[i] for c in chunks], device, sizes, dim) if isinstance(chunks[0][i], torch.Tensor)
+                else chunks[0][i] for i, dim in enumerate(dims)]
     first = chunks[0]
     if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            raise MicroBatchError(
-                "the pipelined module returned a 0-dim tensor; outputs must keep the batch on dim 0 so "
-                "the micro-batches can be joined. Reduce (e.g. compute the loss) outside the module."
-            )
-        dim = 0 if sizes is None else output_batch_dim(chunks, sizes, prefer)
-        if dim is None:
-            shapes = [tuple(c.shape) for c in chunks]
-            raise MicroBatchError(
-                f"the pipelined module returned a tensor that is not one row per sample: shapes {shapes} for "
-                f"micro-batches of {list(sizes)} samples (a sum over the batch, or a value computed from the "
-                "weights?). Joining those on dim 0 would not give what the whole batch gives. Return only "
-                "per-sample outputs and compute the rest outside the pipelined module (or pipeline a submodule "
-                "with module=...)."
-            )
-        parts = [c if device is None else c.to(device) for c in chunks]
-        return torch.cat(parts, dim=dim)
+        return _join(chunks, device, sizes, 0 if sizes is None else output_batch_dim(chunks, sizes))
     if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(gather([c[i] for c in chunks], device, sizes, prefer) for i in range(len(first))))
+        return type(first)(*(gather([c[i] for c in chunks], device, sizes) for i in range(len(first))))
     if isinstance(first, (tuple, list)):
-        return type(first)(gather([c[i] for c in chunks], device, sizes, prefer) for i in range(len(first)))
+        return type(first)(gather([c[i] for c in chunks], device, sizes) for i in range(len(first)))
     if isinstance(first, dict):
-        return type(first)((k, gather([c[k] for c in chunks], device, sizes, prefer)) for k in first)
+        return type(first)((k, gather([c[k] for c in chunks], device, sizes)) for k in first)
     return first
 
 
-def output_batch_dim(chunks: Sequence[torch.Tensor], sizes: Sequence[int | None], prefer: int) -> int | None:
+def _join(chunks: Sequence[torch.Tensor], device: torch.device | str | None, sizes: Sequence[int | None] | None,
+          dim: int | None) -> torch.Tensor:
+    if chunks[0].dim() == 0:
+        raise MicroBatchError(
+            "the pipelined module returned a 0-dim tensor; outputs must keep the batch on dim 0 so "
+            "the micro-batches can be joined. Reduce (e.g. compute the loss) outside the module."
+        )
+    if dim is None:
+        shapes = [tuple(c.shape) for c in chunks]
+        raise MicroBatchError(
+            f"the pipelined module returned a tensor that is not one row per sample: shapes {shapes} for "
+            f"micro-batches of {list(sizes or [])} samples (a sum over the batch, or a value computed from the "
+            "weights?). Joining those on dim 0 would not give what the whole batch gives. Return only "
+            "per-sample outputs and compute the rest outside the pipelined module (or pipeline a submodule "
+            "with module=...)."
+        )
+    return torch.cat([c if device is None else c.to(device) for c in chunks], dim=dim)
+
+
+def output_batch_dim(chunks: Sequence[torch.Tensor], sizes: Sequence[int | None]) -> int | None:
     """The dim of an output that holds one entry per sample in every micro-batch (others equal)."""
     candidates = batch_dim_candidates(chunks, sizes)
     if not candidates:
         return None
-    return prefer if prefer in candidates else candidates[0]
+    return 0 if 0 in candidates else candidates[0]
 
 
 def batch_dim_candidates(chunks: Sequence[torch.Tensor], sizes: Sequence[int | None]) -> list[int]:

@@ -159,15 +159,16 @@ class Pipeline(nn.Module):
         if not needs_grad:
             outputs, assigned = self._take_assigned(run_forward(self._pool, stage_sets, micro_inputs, None, 0))
             dims = self._output_dims(outputs, micro_values[0], sizes)
-            leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, 0, dims)
+            leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
             result = self._assemble(leaves, outputs[0][1])
             self._assign(assigned, sizes)
             return result
         stop = {"never": 0, "except_last": len(micro_inputs) - 1, "always": len(micro_inputs)}[self.checkpoint]
         if not self.training:
             stop = 0
-        whole, _ = flatten([values[i] for i in self._input_slots])
-        leaf_dims = [self._input_dims[i] for i in self._input_slots for _ in flatten(values[i])[0]]
+        per_slot = [flatten(values[i])[0] for i in self._input_slots]
+        whole = [leaf for leaves in per_slot for leaf in leaves]
+        leaf_dims = [self._input_dims[i] for i, leaves in zip(self._input_slots, per_slot) for _ in leaves]
         grad_inputs = [v for v in whole if _is_grad_tensor(v)]
         phony = torch.empty(0, device=output_device, requires_grad=True)
         outcome = _Outcome()
@@ -339,7 +340,7 @@ class _PipelineFunction(torch.autograd.Function):
         state = PassState(busy=busy)
         outputs, outcome.assigned = take_assigned(run_forward(pool, stage_sets, micro_inputs, state, stop))
         dims = join.output_dims(outputs)
-        gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, join.sizes, 0, dims)
+        gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, join.sizes, dims)
         outcome.spec = outputs[0][1]
         outcome.layout = [(isinstance(v, torch.Tensor), None if isinstance(v, torch.Tensor) else v) for v in gathered]
         tensors = tuple(v for v in gathered if isinstance(v, torch.Tensor))

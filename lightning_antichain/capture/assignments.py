@@ -25,6 +25,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .isolation import plain_attributes
 from .signature import original_forward
 
 
@@ -145,7 +146,8 @@ def _attributes(module: nn.Module, buffers: bool) -> dict[nn.Module, dict[str, A
 
 
 def _plain(module: nn.Module, buffers: bool) -> dict[str, Any]:
-    found = {k: v for k, v in vars(module).items() if k not in ("_parameters", "_buffers", "_modules", "forward")}
+    found = plain_attributes(module)
+    found.pop("forward", None)  # the recording wrapper, or the strategy's pipelined forward
     if buffers:
         found.update(module._buffers)
     return found

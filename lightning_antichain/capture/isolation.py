@@ -35,12 +35,12 @@ def own_forward(module: nn.Module) -> Iterator[None]:
 def attributes_restored(module: nn.Module) -> Iterator[None]:
     """Undo the plain attributes and buffer replacements that ``forward`` makes on any submodule
     inside this block (values changed in place are :func:`side_effects_undone`'s business)."""
-    before = {m: (_plain_attributes(m), dict(m._buffers)) for m in module.modules()}
+    before = {m: (plain_attributes(m), dict(m._buffers)) for m in module.modules()}
     try:
         yield
     finally:
         for m, (attributes, buffers) in before.items():
-            for key in set(_plain_attributes(m)) - set(attributes):
+            for key in set(plain_attributes(m)) - set(attributes):
                 delattr(m, key)
             for key, value in attributes.items():
                 if m.__dict__.get(key, value) is not value:
@@ -50,7 +50,8 @@ def attributes_restored(module: nn.Module) -> Iterator[None]:
             m._buffers.update(buffers)
 
 
-def _plain_attributes(module: nn.Module) -> dict[str, Any]:
+def plain_attributes(module: nn.Module) -> dict[str, Any]:
+    """The instance attributes of ``module`` other than its parameters, buffers and children."""
     return {k: v for k, v in vars(module).items() if k not in ("_parameters", "_buffers", "_modules")}
 
 
