@@ -56,7 +56,8 @@ def profile(
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     device = torch.device(device)
     started = time.perf_counter()
-    graph = op_graph or trace(module, example_inputs, fallback=fallback, leaf_modules=leaf_modules)
+    graph = op_graph or trace(module, example_inputs, fallback=fallback, leaf_modules=leaf_modules,
+                                   batch_dim=batch_dim)
     work_module = copy.deepcopy(graph.graph_module if graph.graph_module is not None else module)
     work_module.to(device).train()
     if graph.graph_module is not None:

@@ -12,7 +12,7 @@ Two granularities exist:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ def trace(
     fallback: str | None = "children",
     leaf_modules: Sequence[type | str] = (),
     frontends: Sequence[str] = FRONTENDS,
+    batch_dim: int | Mapping[str, int] = 0,
 ) -> OpGraph:
     """Build the :class:`OpGraph` of ``module``.
 
@@ -62,7 +63,8 @@ def trace(
         raise ValueError(f"fallback must be None or 'children', got {fallback!r}")
     if granularity == "ops":
         try:
-            return capture(module, example_inputs, leaf_modules=leaf_modules, frontends=frontends)
+            return capture(module, example_inputs, leaf_modules=leaf_modules, frontends=frontends,
+                           batch_dim=batch_dim)
         except UntraceableModelError as exc:
             if fallback is None:
                 raise

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,8 +31,8 @@ from .isolation import attributes_restored, own_forward
 from .leaves import capture_with_leaves
 from .opgraph import OpGraph, OpNode, RecordedCall, op_graph
 from .settle import settle
-from .signature import SignatureMismatchError
-from .symbolic import capture_symbolic
+from .signature import SignatureMismatchError, original_forward
+from .symbolic import capture_symbolic, constant_arguments, constants_specialization
 
 FRONTENDS = ("fx", "export", "concrete", "leaves")
 NEEDS_EXAMPLE = ("export", "concrete")
@@ -58,6 +58,7 @@ def capture(
     leaf_modules: Sequence[type | str] = (),
     frontends: Sequence[str] = FRONTENDS,
     progress: bool = False,
+    batch_dim: int | Mapping[str, int] = 0,
 ) -> OpGraph:
     """The graph of operations of ``module``, from the first frontend of ``frontends`` that succeeds.
 
@@ -65,12 +66,13 @@ def capture(
     tensor, a tuple of positional arguments, or a dict of keyword arguments); export and concrete
     capture need it. ``leaf_modules`` (classes or dotted paths) are kept whole by fx and by the leaf
     frontend. Raises :class:`UntraceableModelError` with every frontend's reason when none succeeds.
-    ``progress`` reports each frontend tried on stderr.
+    ``progress`` reports each frontend tried on stderr. ``batch_dim`` (as for the Pipeline) is the
+    dim torch.export keeps symbolic.
     """
     from ..trace import split_inputs
 
     call = None if example_inputs is None else split_inputs(example_inputs)
-    return _capture(module, call, leaf_modules, frontends, progress)
+    return _capture(module, call, leaf_modules, frontends, progress, batch_dim)
 
 
 def capture_call(
@@ -81,9 +83,10 @@ def capture_call(
     leaf_modules: Sequence[type | str] = (),
     frontends: Sequence[str] = FRONTENDS,
     progress: bool = False,
+    batch_dim: int | Mapping[str, int] = 0,
 ) -> OpGraph:
     """:func:`capture` for an example given as a call's positional and keyword arguments."""
-    return _capture(module, (args, kwargs), leaf_modules, frontends, progress)
+    return _capture(module, (args, kwargs), leaf_modules, frontends, progress, batch_dim)
 
 
 def _capture(
@@ -92,6 +95,7 @@ def _capture(
     leaf_modules: Sequence[type | str],
     frontends: Sequence[str],
     progress: bool = False,
+    batch_dim: int | Mapping[str, int] = 0,
 ) -> OpGraph:
     unknown = [f for f in frontends if f not in FRONTENDS]
     if unknown or not frontends:
@@ -108,12 +112,12 @@ def _capture(
         try:
             # gradients on, as in training: whether an assigned attribute needs them is recorded
             with own_forward(module), attributes_restored(module), torch.enable_grad():
-                graph = _capture_with(frontend, module, call, leaf_modules)
+                again = functools.partial(_capture_with, frontend, module, call, leaf_modules, batch_dim)
+                graph = again()
                 warm_start = None
                 if graph.assignments:
                     assert call is not None
-                    graph, warm_start = settle(module, call, graph,
-                                               functools.partial(_capture_with, frontend, module, call, leaf_modules))
+                    graph, warm_start = settle(module, call, graph, again)
         except FrontendRefused as exc:
             refused.append(f"{frontend}: {exc.reason}")
             _report(progress, f"capturing {name}: {frontend} refused ({exc.reason[:120]})")
@@ -136,15 +140,21 @@ def _report(enabled: bool, line: str) -> None:
 
 
 def _capture_with(
-    frontend: str, module: nn.Module, call: tuple[tuple, dict] | None, leaf_modules: Sequence[type | str]
+    frontend: str, module: nn.Module, call: tuple[tuple, dict] | None, leaf_modules: Sequence[type | str],
+    batch_dim: int | Mapping[str, int] = 0,
 ) -> OpGraph:
     from ..trace import iter_tensors
 
     if frontend == "fx":
         before = snapshot(module)
-        graph_module = capture_symbolic(module, leaf_modules)
+        constants = None if call is None else constant_arguments(original_forward(module), *call)
+        graph_module = capture_symbolic(module, leaf_modules, constants)
         _refuse_assignments(module, before)
-        return op_graph(module, graph_module, "fx")
+        specialization = None
+        if constants:
+            again = functools.partial(_capture_again, module, leaf_modules, frontend, batch_dim)
+            specialization = constants_specialization(graph_module, constants, again)
+        return op_graph(module, graph_module, "fx", specialization=specialization)
     if frontend == "leaves":
         before = snapshot(module)
         graph_module, made = capture_with_leaves(module, leaf_modules)
@@ -154,14 +164,22 @@ def _capture_with(
         return graph
     assert call is not None
     args, kwargs = call
-    capture_fn = capture_exported if frontend == "export" else capture_concrete
-    graph_module, signature, specialization, assignments = capture_fn(module, args, kwargs)
-    specialization.recapture = lambda a, k: _capture(module, (a, k), leaf_modules, (frontend,), False)
+    if frontend == "export":
+        graph_module, signature, specialization, assignments = capture_exported(module, args, kwargs, batch_dim)
+    else:
+        graph_module, signature, specialization, assignments = capture_concrete(module, args, kwargs)
+    specialization.recapture = functools.partial(_capture_again, module, leaf_modules, frontend, batch_dim)
     graph = op_graph(module, graph_module, frontend, signature, specialization)
     graph.assignments = assignments
     first = next(iter_tensors((args, kwargs)), None)
     graph.capture_device = str(first.device) if first is not None else None
     return graph
+
+
+def _capture_again(module: nn.Module, leaf_modules: Sequence[type | str], frontend: str,
+                   batch_dim: int | Mapping[str, int], args: tuple, kwargs: dict) -> OpGraph:
+    """The same frontend on another call, for inputs a graph was not captured for."""
+    return _capture(module, (args, kwargs), leaf_modules, (frontend,), False, batch_dim)
 
 
 def _refuse_assignments(module: nn.Module, before: dict) -> None:

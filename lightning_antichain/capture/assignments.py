@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..microbatch import batch_dim_candidates
 from .isolation import plain_attributes
 from .signature import original_forward
 
@@ -148,6 +149,11 @@ def _attributes(module: nn.Module, buffers: bool) -> dict[nn.Module, dict[str, A
 def _plain(module: nn.Module, buffers: bool) -> dict[str, Any]:
     found = plain_attributes(module)
     found.pop("forward", None)  # the recording wrapper, or the strategy's pipelined forward
+    if isinstance(module, nn.RNNBase):
+        # torch's own view of the weights, rebuilt in forward whenever they were swapped (as capture
+        # swaps them): not state of the model, and rebuilt again by the next plain call
+        found.pop("_flat_weights", None)
+        found.pop("_flat_weight_refs", None)
     if buffers:
         found.update(module._buffers)
     return found
@@ -167,10 +173,10 @@ def _changed(module: nn.Module, before: dict[nn.Module, dict[str, Any]], buffers
 
 
 def per_sample(node: fx.Node, inputs: set[str]) -> bool:
-    """Whether the value differs with the batch: it reads a batch input's values, or its dim 0 is
-    the graph's symbolic batch size. Reads of sizes alone (``x.size(1)``) do not count."""
+    """Whether the value differs with the batch: it reads a batch input's values, or one of its dims
+    is the graph's symbolic batch size. Reads of sizes alone (``x.size(1)``) do not count."""
     value = node.meta.get("val")
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(value.shape[0], torch.SymInt):
+    if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape):
         return True
     seen: set[fx.Node] = set()
     stack = [node]
@@ -192,13 +198,19 @@ def _is_size(node: fx.Node) -> bool:
     return isinstance(value, (int, torch.SymInt)) or "sym_size" in str(node.target)
 
 
+DimOf = Callable[[str, list[torch.Tensor]], "int | None"]
+"""The batch dim of an output's per-micro-batch values (by node name); ``None``: it has none."""
+
+
 def assign(module: nn.Module, assignments: Sequence[Assignment], per_micro: Sequence[dict[str, Any]],
-           sizes: Sequence[int | None]) -> None:
+           sizes: Sequence[int | None], dim_of: DimOf | None = None) -> None:
     """Give each attribute the value a whole-batch call would: the per-micro-batch values of the
-    graph's outputs (``per_micro``, by node name) joined on dim 0 where they are per-sample, the
-    common value where they are not. Raises :class:`AssignmentError` where neither holds."""
+    graph's outputs (``per_micro``, by node name) joined on their batch dim (``dim_of``; by default
+    the one dim that follows ``sizes``) where they are per-sample, the common value where they are
+    not. Raises :class:`AssignmentError` where neither holds."""
+    dim_of = dim_of or _only_following_dim(sizes)
     for assignment in assignments:
-        leaves = [_joined(assignment, leaf, [values[leaf.node] for values in per_micro], sizes)
+        leaves = [_joined(assignment, leaf, [values[leaf.node] for values in per_micro], sizes, dim_of)
                   if isinstance(leaf, Output) else leaf for leaf in assignment.leaves]
         owner = module.get_submodule(assignment.owner)
         value = pytree.tree_unflatten(leaves, assignment.spec)
@@ -210,7 +222,15 @@ def assign(module: nn.Module, assignments: Sequence[Assignment], per_micro: Sequ
             setattr(owner, assignment.name, value)
 
 
-def _joined(assignment: Assignment, leaf: Output, values: list[Any], sizes: Sequence[int | None]) -> Any:
+def _only_following_dim(sizes: Sequence[int | None]) -> DimOf:
+    def dim_of(name: str, values: list[torch.Tensor]) -> int | None:
+        candidates = batch_dim_candidates(values, sizes)
+        return candidates[0] if len(candidates) == 1 else None
+    return dim_of
+
+
+def _joined(assignment: Assignment, leaf: Output, values: list[Any], sizes: Sequence[int | None],
+            dim_of: DimOf) -> Any:
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if torch.is_grad_enabled() and (leaf.requires_grad or any(t.requires_grad for t in tensors)):
         raise AssignmentError(
@@ -222,9 +242,10 @@ def _joined(assignment: Assignment, leaf: Output, values: list[Any], sizes: Sequ
     if len(values) == 1:
         return values[0]
     if leaf.per_sample:
-        if all(v.dim() > 0 and v.shape[0] == n for v, n in zip(tensors, sizes)) and len(tensors) == len(values):
+        dim = dim_of(leaf.node, tensors) if len(tensors) == len(values) else None
+        if dim is not None:
             device = tensors[-1].device
-            return torch.cat([t.to(device) for t in tensors])
+            return torch.cat([t.to(device) for t in tensors], dim)
         shapes = [tuple(t.shape) for t in tensors]
         raise AssignmentError(
             f"forward assigns self.{assignment.path} a value computed from the batch, but not one row per sample "

@@ -2,21 +2,22 @@
 
 It runs ``forward`` with fake tensors, so shape-dependent Python (``b, t = idx.size()``,
 ``assert t <= block_size``, ``torch.arange(t)``) is fine, and it captures Hugging Face models and timm's
-Swin. It keeps dim 0 of every batched input symbolic where the code allows (``Dim.AUTO``), and
-reasons about sizes without assuming they differ from 1, so one graph serves every micro-batch size
-in the range export proves (usually all of them). It refuses control flow
-on tensor values, since fake tensors have none: ``nn.Transformer`` comparing a mask to a causal
+Swin. It keeps the batch dim (dim 0 unless told) of every batched input symbolic where the code
+allows (``Dim.AUTO``), and reasons about sizes without assuming they differ from 1, so one graph
+serves every micro-batch size in the range export proves (usually all of them). It refuses control
+flow on tensor values, since fake tensors have none: ``nn.Transformer`` comparing a mask to a causal
 one, ``if x.sum() > 0``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import io
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,13 +36,14 @@ from .specialization import BatchRange, Specialization, input_key
 
 
 def capture_exported(
-    module: nn.Module, args: tuple, kwargs: dict
+    module: nn.Module, args: tuple, kwargs: dict, batch_dim: int | Mapping[str, int] = 0
 ) -> tuple[fx.GraphModule, FlatSignature, Specialization, tuple[Assignment, ...]]:
     """The exported graph of ``module`` on ``args, kwargs``, over the user's own parameters, and
-    the attributes its ``forward`` assigns."""
+    the attributes its ``forward`` assigns. ``batch_dim`` (as for the Pipeline) is the dim kept
+    symbolic."""
     args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
-    shapes = _dynamic_batch(module, args, kwargs)
+    shapes = _dynamic_batch(module, args, kwargs, batch_dim)
     try:
         # size-oblivious: prove the graph for every batch size, 1 included, instead of assuming >= 2
         with _quiet("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export"), \
@@ -87,22 +89,26 @@ def capture_exported(
     user, extra = output[:out_spec.num_leaves], output[out_spec.num_leaves:]
     flat = FlatSignature(original_forward(module), in_spec, out_spec, user, owner_name(module))
     specialization = Specialization(input_key(leaves, ranges), ranges,
-                                    lambda a, k: capture_exported(module, a, k)[:3])
+                                    lambda a, k: capture_exported(module, a, k, batch_dim)[:3])
     assignments = assignments_of(recording, extra, {p.name for p in placeholders})
     return graph_module, flat, specialization, assignments
 
 
-def _dynamic_batch(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """Export's ``dynamic_shapes``: dim 0 of every batched tensor left to export (``Dim.AUTO``),
-    keyed by ``forward``'s parameter names as export binds them (``*args`` get a tuple)."""
+def _dynamic_batch(module: nn.Module, args: tuple, kwargs: dict, batch_dim: int | Mapping[str, int]
+                   ) -> dict[str, Any] | None:
+    """Export's ``dynamic_shapes``: the batch dim of every batched tensor left to export
+    (``Dim.AUTO``), keyed by ``forward``'s parameter names as export binds them (``*args`` get a
+    tuple)."""
     try:
         bound = inspect.signature(original_forward(module)).bind(*args, **kwargs)
     except (TypeError, ValueError):
         return None
-    return {
-        name: pytree.tree_map(lambda v: {0: Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() > 0 else None, value)
-        for name, value in bound.arguments.items()
-    }
+
+    def dynamic(name: str, value: Any) -> Any:
+        dim = batch_dim if isinstance(batch_dim, int) else batch_dim.get(name, 0)
+        return {dim: Dim.AUTO} if isinstance(value, torch.Tensor) and value.dim() > dim else None
+
+    return {name: pytree.tree_map(functools.partial(dynamic, name), value) for name, value in bound.arguments.items()}
 
 
 @contextlib.contextmanager
@@ -150,13 +156,16 @@ def _write_back_mutations(graph: fx.Graph, signature: Any, state: dict[str, str]
 
 def _batch_range(placeholder: fx.Node, ranges: dict[Any, Any]) -> BatchRange | None:
     value = placeholder.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.dim() == 0 or not isinstance(value.shape[0], torch.SymInt):
+    if not isinstance(value, torch.Tensor):
         return None
-    bounds = ranges.get(value.shape[0].node.expr)
+    dim = next((d for d, size in enumerate(value.shape) if isinstance(size, torch.SymInt)), None)
+    if dim is None:
+        return None
+    bounds = ranges.get(value.shape[dim].node.expr)
     if bounds is None:
         return None
     lower, upper = int(bounds.lower), bounds.upper
     try:
-        return lower, int(upper)
+        return dim, lower, int(upper)
     except (TypeError, ValueError, AttributeError):  # sympy's infinities
-        return lower, None
+        return dim, lower, None

@@ -15,21 +15,24 @@ from typing import Any
 
 import torch
 
-BatchRange = tuple[int, int | None]
+BatchRange = tuple[int, int, int | None]
+"""The symbolic dim of an input, and the smallest and largest size (``None``: unbounded) it holds for."""
 
 
 def input_key(values: Sequence[Any], batch_ranges: Sequence[BatchRange | None]) -> Hashable:
     """What a graph captured for ``values`` depends on: shapes, dtypes, devices, constants.
 
-    A tensor whose dim 0 is dynamic in the graph (``batch_ranges[i]``) is described without its
+    A tensor whose batch dim is dynamic in the graph (``batch_ranges[i]``) is described without its
     batch size while that size lies in the range.
     """
     key: list[Hashable] = []
     for value, batch in zip(values, batch_ranges):
         if isinstance(value, torch.Tensor):
             shape: list[Any] = list(value.shape)
-            if batch is not None and shape and batch[0] <= shape[0] and (batch[1] is None or shape[0] <= batch[1]):
-                shape[0] = "batch"
+            if batch is not None:
+                dim, lower, upper = batch
+                if dim < len(shape) and lower <= shape[dim] and (upper is None or shape[dim] <= upper):
+                    shape[dim] = "batch"
             key.append(("tensor", str(value.dtype), value.device.type, tuple(shape)))
         else:
             try:
@@ -44,15 +47,19 @@ def input_key(values: Sequence[Any], batch_ranges: Sequence[BatchRange | None]) 
 class Specialization:
     """The inputs a graph was captured for, and how to capture it again for others.
 
-    ``batch_ranges[i]`` is the range of dim-0 sizes the graph holds for at placeholder i (``None``:
-    the exact size only). ``recapture(args, kwargs)`` runs the same frontend on other inputs.
+    ``batch_ranges[i]`` is the batch dim of placeholder i and the range of its sizes the graph holds
+    for (``None``: the exact shape only). ``recapture(args, kwargs)`` runs the same frontend on other inputs.
     """
 
     key: Hashable
     batch_ranges: tuple[BatchRange | None, ...]
     recapture: Callable[[tuple, dict], Any]
+    #: what the graph depends on, where it is not :func:`input_key` (fx: only its constant arguments)
+    describe: Callable[[Sequence[Any]], Hashable] | None = None
 
     def key_of(self, values: Sequence[Any]) -> Hashable:
+        if self.describe is not None:
+            return self.describe(values)
         return input_key(values, self.batch_ranges)
 
     def holds_for(self, values: Sequence[Any]) -> bool:

@@ -7,13 +7,16 @@ real shapes (``assert t <= block_size``, ``torch.ones(t, t)``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from .errors import FrontendRefused, first_line, location_of
+from .specialization import Specialization
 
 
 class LeafTracer(fx.Tracer):
@@ -48,11 +51,35 @@ class LeafTracer(fx.Tracer):
         return result
 
 
-def capture_symbolic(module: nn.Module, leaf_modules: Sequence[type | str] = ()) -> fx.GraphModule:
-    """The fx trace of ``module``; raises :class:`FrontendRefused` naming the cause and the line."""
+def constant_arguments(forward: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call that fx should take as constants: those left at a default that is
+    not a tensor, and those passed as ``None`` or a bool. Traced as placeholders, ``if mask is None``
+    would take the other branch and ``if flag:`` could not be traced."""
+    try:
+        signature = inspect.signature(forward)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}
+    constants = {}
+    for name, parameter in signature.parameters.items():
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        if name in bound.arguments:
+            value = bound.arguments[name]
+            if value is None or isinstance(value, bool):
+                constants[name] = value
+        elif parameter.default is not inspect.Parameter.empty and not isinstance(parameter.default, torch.Tensor):
+            constants[name] = parameter.default
+    return constants
+
+
+def capture_symbolic(module: nn.Module, leaf_modules: Sequence[type | str] = (),
+                     constants: dict[str, Any] | None = None) -> fx.GraphModule:
+    """The fx trace of ``module``, with ``constants`` (by argument name) baked in and guarded;
+    raises :class:`FrontendRefused` naming the cause and the line."""
     tracer = LeafTracer(leaf_modules)
     try:
-        graph = tracer.trace(module)
+        graph = tracer.trace(module, concrete_args=constants or None)
     except Exception as exc:  # fx raises TraceError, TypeError, NotImplementedError, AssertionError, ...
         where = location_of(exc)
         if isinstance(exc, fx.proxy.TraceError):
@@ -63,4 +90,56 @@ def capture_symbolic(module: nn.Module, leaf_modules: Sequence[type | str] = ())
         if "(assert " in where:
             reason += "; fx traces torch._assert(condition, message) where it cannot trace assert"
         raise FrontendRefused(reason, module_path=tracer.path[-1] if tracer.path else "", location=where) from exc
+    if constants:
+        _restore_parameters(graph, inspect.signature(type(module).forward))
+        _drop_guards(graph)
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+def _restore_parameters(graph: fx.Graph, signature: inspect.Signature) -> None:
+    """fx renames a constant argument's placeholder (``lengths_1``) and makes the traced value its
+    default; calls bind by ``forward``'s own names and defaults, so put those back."""
+    parameters = [p for p in signature.parameters.values()][1:]  # without self
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(parameters) != len(placeholders):
+        return
+    for node, parameter in zip(placeholders, parameters):
+        if parameter.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        node.target = parameter.name
+        node.args = () if parameter.default is inspect.Parameter.empty else (parameter.default,)
+
+
+def _drop_guards(graph: fx.Graph) -> None:
+    """Remove fx's asserts on constant arguments: the runtime checks them before a call instead
+    (:func:`constants_specialization`), and traces again where they differ."""
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and not node.users and any(
+                isinstance(a, str) and "has been specialized to have value" in a for a in node.args):
+            guarded = node.args[0]
+            graph.erase_node(node)
+            if isinstance(guarded, fx.Node) and guarded.op == "call_function" and not guarded.users:
+                graph.erase_node(guarded)  # the ``flag == False`` the assert read
+
+
+def constants_specialization(graph_module: fx.GraphModule, constants: dict[str, Any],
+                             recapture: Callable[[tuple, dict], Any]) -> Specialization:
+    """What an fx graph traced with ``constants`` holds for: calls with the same constants (a call
+    with others, a mask where there was none, is traced again)."""
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    slots = [i for i, n in enumerate(placeholders) if n.target in constants]
+
+    def describe(values: Sequence[Any]) -> Hashable:
+        return tuple(_describe(values[i]) for i in slots)
+
+    return Specialization(tuple(_describe(constants[placeholders[i].target]) for i in slots), (), recapture, describe)
+
+
+def _describe(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    try:
+        hash(value)
+        return type(value).__name__, value
+    except TypeError:
+        return type(value).__name__, repr(value)
