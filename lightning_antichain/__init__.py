@@ -5,13 +5,14 @@ Profile a model (:func:`profile`), cut it into balanced stages over its antichai
 """
 
 from .antichain import StateSpace, build_state_space, enumerate_down_sets
-from .batch_dims import BatchDependenceError
+from .batch_dims import BatchDependenceError, check_micro_batchable
 from .capture.assignments import AssignmentError
 from .graph import CostGraphError, load_cost_graph, save_cost_graph
 from .partition import CostModel, DeviceSpec, InfeasiblePlanError, partition, plan_from_balance
 from .pipeline import Pipeline
 from .plan import Plan, Stage
 from .profiler import profile
+from .split import PlanMismatchError
 from .strategy import AntichainPipelineStrategy, register
 from .trace import OpGraph, UntraceableModelError, trace
 
@@ -30,10 +31,12 @@ __all__ = [
     "OpGraph",
     "Pipeline",
     "Plan",
+    "PlanMismatchError",
     "Stage",
     "StateSpace",
     "UntraceableModelError",
     "build_state_space",
+    "check_micro_batchable",
     "enumerate_down_sets",
     "load_cost_graph",
     "partition",

@@ -8,7 +8,7 @@ the wrong thing. ``batch_dim=1`` says so for every input; ``{"x": 1, "lengths": 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -90,31 +90,40 @@ class BatchDependenceError(ValueError):
 
 def check_micro_batchable(module: nn.Module, args: tuple, kwargs: dict, batch_dim: BatchDim) -> None:
     """Refuse a ``forward`` whose result depends on the batch it is in (``x + torch.arange(x.shape[0])``,
-    ``x - x.mean(0)``).
-
-    It runs the module in eval mode, without gradients, on the example and on its two halves (on
-    the example twice over, for a single sample): each sample's output must not change. Eval mode
-    keeps dropout and BatchNorm's batch statistics out, which micro-batching changes by design.
-    Buffer updates, random draws and attributes assigned in forward are undone.
-    """
+    ``x - x.mean(0)``), by running ``module`` itself as :func:`check_per_sample` says."""
     args, kwargs, dims = call_dims(module, args, kwargs, batch_dim)
-    size = microbatch.batch_size((args, kwargs), dims)
+    with own_forward(module):
+        check_per_sample(module, (args, kwargs), dims, lambda call: module(*call[0], **call[1]))
+
+
+def check_per_sample(module: nn.Module, call: Any, dims: Any, run: Callable[[Any], Any]) -> None:
+    """Refuse a ``forward`` whose result depends on the batch it is in.
+
+    ``run(call)`` computes ``module``'s outputs on ``call``, a value holding the batch on ``dims``
+    (see :data:`microbatch.BatchDims`). It runs in eval mode, without gradients, on ``call`` and on
+    its two halves (on ``call`` twice over, for a single sample): each sample's output must not
+    change. Eval mode keeps dropout and BatchNorm's batch statistics out, which micro-batching
+    changes by design. Buffer updates, random draws and attributes assigned in forward are undone.
+    Models whose batch dependence is intended (a mixture of experts with a capacity per batch) turn
+    the check off with ``check_batch=False``.
+    """
+    size = microbatch.batch_size(call, dims)
     if size is None:
         return
-    call = (args, kwargs)
     if size >= 2:
         parts = microbatch.scatter(call, 2, dims)
     else:
         parts = [call, call]
         call = microbatch.map_batched(call, dims, lambda t, d: torch.cat([t, t], d))
-    training = module.training
+    modes = {m: m.training for m in module.modules()}  # submodules may differ (a frozen BatchNorm)
     try:
         module.train(False)
-        with own_forward(module), attributes_restored(module), side_effects_undone(module), torch.no_grad():
-            whole = module(*call[0], **call[1])
-            halves = [module(*a, **k) for a, k in parts]
+        with attributes_restored(module), side_effects_undone(module), torch.no_grad():
+            whole = run(call)
+            halves = [run(part) for part in parts]
     finally:
-        module.train(training)
+        for m, training in modes.items():
+            m.training = training
     for leaves in zip(pytree.tree_leaves(whole), *(pytree.tree_leaves(h) for h in halves)):
         whole_leaf, first, second = leaves
         if not all(isinstance(t, torch.Tensor) for t in leaves) or not whole_leaf.is_floating_point():
@@ -123,7 +132,7 @@ def check_micro_batchable(module: nn.Module, args: tuple, kwargs: dict, batch_di
                     and whole_leaf.shape[d] == first.shape[d] + second.shape[d]), None)
         if dim is None:
             continue  # not per-sample: joining it is refused when the pipeline runs
-        joined = torch.cat([first, second], dim)
+        joined = torch.cat([first, second.to(first.device)], dim).to(whole_leaf.device)
         if joined.shape != whole_leaf.shape:
             continue
         scale = whole_leaf.abs().max().item() if whole_leaf.numel() else 0.0
@@ -133,6 +142,7 @@ def check_micro_batchable(module: nn.Module, args: tuple, kwargs: dict, batch_di
                 f"{type(module).__name__}.forward gives a sample another output when the batch around it changes "
                 f"(off by {error:.3g} on an output of shape {tuple(whole_leaf.shape)} when the batch is split in "
                 "two), so running it micro-batch by micro-batch would change the result. It reads the batch size "
-                "or mixes samples (x + torch.arange(x.shape[0]), a mean over dim 0). Make it per sample, or "
-                "pipeline a submodule that is (module=...)."
+                "or mixes samples (x + torch.arange(x.shape[0]), a mean over dim 0). Make it per sample, pipeline "
+                "a submodule that is (module=...), or, if the model means it (a mixture of experts with a "
+                "capacity per batch), pass check_batch=False and accept that micro-batches change its result."
             )

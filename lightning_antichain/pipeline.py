@@ -25,7 +25,7 @@ from torch import nn
 from . import microbatch
 from .batch_dims import (
     check_batch_dim,
-    check_micro_batchable,
+    check_per_sample,
     first_micro_batch,
     grown_by_one,
     placeholder_batch_dims,
@@ -33,7 +33,7 @@ from .batch_dims import (
 from .batchnorm import deferred_batch_norm
 from .capture import NEEDS_EXAMPLE, UntraceableModelError, capture, capture_call
 from .capture.assignments import Output, assign
-from .capture.isolation import side_effects_undone
+from .capture.isolation import own_forward, side_effects_undone
 from .engine import CHECKPOINT_MODES, PassState, run_backward, run_forward
 from .plan import Plan
 from .pytrees import flatten, unflatten
@@ -53,9 +53,12 @@ class Pipeline(nn.Module):
     anyway) or ``"always"``. ``devices`` overrides the plan's device per stage. Outputs are gathered
     on ``output_device`` (default: the device of the first input tensor, else the first stage's).
     A batch with fewer samples than ``chunks`` runs as that many micro-batches of one sample.
-    When the Pipeline captures the module itself on the first call, it first checks that ``forward``
-    treats each sample on its own (:func:`lightning_antichain.batch_dims.check_micro_batchable`), as
-    the strategy always does. ``deferred_batch_norm`` updates BatchNorm running statistics once per
+    On the first call it checks that ``forward`` treats each sample on its own
+    (:func:`lightning_antichain.batch_dims.check_per_sample`), as the strategy does before
+    profiling; ``check_batch=False`` skips that where the dependence is meant (a mixture of experts
+    with a capacity per batch). With stages on several devices and a ``graph`` from torch.export or
+    concrete capture, call :func:`lightning_antichain.check_micro_batchable` on the
+    module before placing it instead. ``deferred_batch_norm`` updates BatchNorm running statistics once per
     step from the whole batch
     instead of once per micro-batch (normalisation itself always uses micro-batch statistics).
     ``share_cpu_allocator`` lets worker threads share glibc's main malloc arena when a stage runs
@@ -78,6 +81,7 @@ class Pipeline(nn.Module):
         share_cpu_allocator: bool = True,
         graph: OpGraph | None = None,
         batch_dim: int | Mapping[str, int] = 0,
+        check_batch: bool = True,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT_MODES:
@@ -91,6 +95,7 @@ class Pipeline(nn.Module):
         self.module = module
         self.plan = plan
         self.batch_dim = check_batch_dim(batch_dim)
+        self.check_batch = check_batch
         _warn_if_sequence_first(module, self.batch_dim)
         self.chunks = chunks
         self.checkpoint = checkpoint
@@ -103,7 +108,7 @@ class Pipeline(nn.Module):
         self._graph: OpGraph | None = None
         self._stages: list[StageModule] = []  # a plain list: stages share the module's parameters
         self._variants: dict[Hashable, list[StageModule]] = {}
-        self._grown: dict[Hashable, list[set[int]]] = {}  # output shapes -> dims that grow with the batch
+        self._grown: dict[Hashable, Any] = {}  # input shapes -> shapes of one run with a sample more
         if share_cpu_allocator and any(d.type == "cpu" for d in self._devices):
             share_malloc_arena()
         self._pool = WorkerPool(plan.num_stages)
@@ -150,6 +155,8 @@ class Pipeline(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         graph = self._graph or self._capture_for(args, kwargs)
         values = graph.bind(args, kwargs)
+        if self.check_batch:
+            self._check_per_sample(values)
         micro_values = microbatch.scatter(values, self.chunks, self._input_dims)
         stage_sets = [self._stages_for(v) for v in micro_values]
         sizes = [microbatch.batch_size(v, self._input_dims) for v in micro_values]
@@ -161,7 +168,7 @@ class Pipeline(nn.Module):
             dims = self._output_dims(outputs, micro_values[0], sizes)
             leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
             result = self._assemble(leaves, outputs[0][1])
-            self._assign(assigned, sizes)
+            self._assign(assigned, micro_values[0], sizes)
             return result
         stop = {"never": 0, "except_last": len(micro_inputs) - 1, "always": len(micro_inputs)}[self.checkpoint]
         if not self.training:
@@ -182,7 +189,7 @@ class Pipeline(nn.Module):
         it = iter(tensors)
         leaves = [next(it) if is_tensor else constant for is_tensor, constant in outcome.layout]
         result = self._assemble(leaves, outcome.spec)
-        self._assign(outcome.assigned, sizes)
+        self._assign(outcome.assigned, micro_values[0], sizes)
         return result
 
     # -- helpers -------------------------------------------------------------------------------
@@ -206,10 +213,35 @@ class Pipeline(nn.Module):
         """Capture the module on the first micro-batch of this call, with the plan's frontend."""
         first = first_micro_batch(self.module, args, kwargs, self.chunks, self.batch_dim)
         graph = capture_call(self.module, *first, leaf_modules=self.leaf_modules,
-                             frontends=(self.plan.frontend or "fx",))
-        check_micro_batchable(self.module, *first, self.batch_dim)
+                             frontends=(self.plan.frontend or "fx",), batch_dim=self.batch_dim)
         self._use(graph)
         return graph
+
+    def _check_per_sample(self, values: list[Any]) -> None:
+        """Refuse, before the first step, a ``forward`` that micro-batching would change. The stages
+        run the check where they call the user's modules (fx), the module itself where the stages
+        share one device. An exported graph across devices is left to the caller: its training
+        graph bakes in the batch statistics that eval mode keeps out of the check."""
+        assert self._graph is not None
+        first = microbatch.scatter(values, self.chunks, self._input_dims)[0]
+        signature = self._graph.signature
+
+        def eager(call: list[Any]) -> Any:
+            args, kwargs = signature.unbind(call)
+            return self.module(*args, **kwargs)
+
+        def staged(call: list[Any]) -> list[Any]:
+            stages = self._stages_for(call)
+            outputs, _ = self._take_assigned(
+                run_forward(self._pool, [stages], [flatten([call[i] for i in self._input_slots])], None, 0))
+            return outputs[0][0]
+
+        self.check_batch = False
+        if self._graph.frontend in ("fx", "leaves"):
+            check_per_sample(self.module, first, self._input_dims, staged)
+        elif len(set(self._devices)) == 1:
+            with own_forward(self.module):
+                check_per_sample(self.module, first, self._input_dims, eager)
 
     def _stages_for(self, values: list[Any]) -> list[StageModule]:
         """The stage modules for one micro-batch: captured again if the graph does not hold for it."""
@@ -252,7 +284,7 @@ class Pipeline(nn.Module):
     def _output_dims(self, outputs: list[tuple[list[Any], Any]], first: list[Any], sizes: list[int | None]
                      ) -> list[int | None]:
         """The batch dim of each output leaf: the one dim that follows the micro-batch sizes, or, where
-        several do, the one that grows when the batch grows (learnt once per output shapes)."""
+        several do, the one that grows when the batch grows."""
         micro_leaves = [leaves for leaves, _ in outputs]
         dims: list[int | None] = []
         for i, value in enumerate(micro_leaves[0]):
@@ -260,38 +292,58 @@ class Pipeline(nn.Module):
                 dims.append(None)
                 continue
             candidates = microbatch.batch_dim_candidates([leaves[i] for leaves in micro_leaves], sizes)
-            dims.append(candidates[0] if len(candidates) == 1 else None)
-            if len(candidates) > 1:
-                dims[-1] = self._grown_dim(i, candidates, micro_leaves[0], first)
+            if len(candidates) <= 1:
+                dims.append(candidates[0] if candidates else None)
+                continue
+            grew = self._grown_dims(value, self._grown_run(first)[0][i], candidates)
+            if len(grew) != 1:
+                raise microbatch.MicroBatchError(
+                    f"an output of shape {tuple(value.shape)} grows in dims {grew} when the batch grows: it "
+                    "relates samples to each other (a [batch, batch] similarity, say), so it cannot be joined from "
+                    "micro-batches. Compute it outside the pipelined module, from per-sample outputs."
+                )
+            dims.append(grew[0])
         return dims
 
-    def _grown_dim(self, index: int, candidates: list[int], leaves: list[Any], first: list[Any]) -> int:
-        key = tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in leaves)
+    def _assigned_dim(self, name: str, values: list[torch.Tensor], first: list[Any], sizes: list[int | None]
+                      ) -> int | None:
+        """The batch dim of a per-sample value ``forward`` assigns to an attribute, as for outputs."""
+        candidates = microbatch.batch_dim_candidates(values, sizes)
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        grew = self._grown_dims(values[0], self._grown_run(first)[1].get(name), candidates)
+        return grew[0] if len(grew) == 1 else None
+
+    def _grown_run(self, first: list[Any]) -> tuple[list[tuple[int, ...] | None], dict[str, tuple[int, ...] | None]]:
+        """The shapes of the output leaves and of the assigned values when the first micro-batch has
+        one more sample (run once per input shapes, side effects undone)."""
+        key = tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in flatten(first)[0])
         if key not in self._grown:
             grown = grown_by_one(first, self._input_dims)
             stages = self._stages_for(grown)
             with side_effects_undone(self.module), torch.no_grad():
-                (larger, _), = self._take_assigned(
-                    run_forward(self._pool, [stages], [flatten([grown[i] for i in self._input_slots])], None, 0))[0]
-            self._grown[key] = [
-                {d for d in range(a.dim()) if b.dim() == a.dim() and b.shape[d] == a.shape[d] + 1}
-                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else set()
-                for a, b in zip(leaves, larger)
-            ]
-        grew = sorted(self._grown[key][index] & set(candidates))
-        if len(grew) != 1:
-            raise microbatch.MicroBatchError(
-                f"an output of shape {tuple(leaves[index].shape)} grows in dims {grew} when the batch grows: it "
-                "relates samples to each other (a [batch, batch] similarity, say), so it cannot be joined from "
-                "micro-batches. Compute it outside the pipelined module, from per-sample outputs."
-            )
-        return grew[0]
+                outputs, taken = self._take_assigned(
+                    run_forward(self._pool, [stages], [flatten([grown[i] for i in self._input_slots])], None, 0))
 
-    def _assign(self, assigned: _Assigned, sizes: list[int | None]) -> None:
+            def shape(value: Any) -> tuple[int, ...] | None:
+                return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+            self._grown[key] = ([shape(v) for v in outputs[0][0]],
+                                {n: shape(v) for n, v in (taken.values[0] if taken.values else {}).items()})
+        return self._grown[key]
+
+    @staticmethod
+    def _grown_dims(value: torch.Tensor, larger: tuple[int, ...] | None, candidates: list[int]) -> list[int]:
+        """The candidate dims that grew by a sample."""
+        return [d for d in candidates
+                if larger is not None and len(larger) == value.dim() and larger[d] == value.shape[d] + 1]
+
+    def _assign(self, assigned: _Assigned, first: list[Any], sizes: list[int | None]) -> None:
         """Give the attributes ``forward`` assigns the values a whole-batch call would."""
         if assigned.values:
             assert self._graph is not None
-            assign(self.module, self._graph.assignments, assigned.values, sizes)
+            assign(self.module, self._graph.assignments, assigned.values, sizes,
+                   lambda name, values: self._assigned_dim(name, values, first, sizes))
 
     def _assemble(self, leaves: list[Any], spec: Any) -> Any:
         assert self._graph is not None and self._graph.signature is not None

@@ -83,6 +83,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
         process_group_backend: override the torch.distributed backend.
         batch_dim: the dim of the inputs that holds the samples, as DataParallel's ``dim`` (1 for a
             sequence-first ``nn.GRU``); or a dict by ``forward``'s argument names, others on dim 0.
+        check_batch: before the first step, refuse a ``forward`` whose result for a sample depends
+            on the rest of its batch (micro-batching would change it). Turn off only where that is
+            meant, e.g. a mixture of experts with a capacity per batch.
     """
 
     strategy_name = "antichain_pipeline"
@@ -106,9 +109,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         process_group_backend: str | None = None,
         batch_dim: int | dict[str, int] = 0,
+        check_batch: bool = True,
     ) -> None:
         super().__init__()
         self.batch_dim = check_batch_dim(batch_dim)
+        self.check_batch = check_batch
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(
                 f"chunks is the number of micro-batches per batch, a whole number of at least 1; got {chunks!r}"
@@ -343,10 +348,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
             self.plan = plan
             self._planned_for = weakref.ref(target)
             rank_zero_info(self.plan.table())
+        graph = self._graph if self._graph is not None and self._graph.module is target else None
         self._pipeline = Pipeline(
             target,
             self.plan,
-            graph=self._graph if self._graph is not None and self._graph.module is target else None,
+            graph=graph,
             chunks=self.chunks,
             checkpoint=self.checkpoint,
             devices=devices,
@@ -354,6 +360,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             leaf_modules=self.leaf_modules,
             deferred_batch_norm=self.deferred_batch_norm,
             batch_dim=self.batch_dim,
+            check_batch=self.check_batch and graph is None,  # planning checked it already
         )
         self._optimizer_state_to_parameters()
 
@@ -364,8 +371,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
             if keywords and positional:  # keyword form: name the positional arguments too
                 positional, keywords = FlatSignature.canonical(original_forward(target), positional, keywords)
             example_inputs: Any = keywords if keywords else positional
-            graph = capture_call(target, positional, keywords, leaf_modules=self.leaf_modules, progress=True)
-            check_micro_batchable(target, positional, keywords, self.batch_dim)
+            graph = capture_call(target, positional, keywords, leaf_modules=self.leaf_modules, progress=True,
+                                 batch_dim=self.batch_dim)
+            if self.check_batch:
+                check_micro_batchable(target, positional, keywords, self.batch_dim)
             self._graph = graph
             key = profile_key(graph, target, example, self.root_device)
             cost = load_cached(self.profile_cache, key, graph) if self.use_profile_cache else None

@@ -226,3 +226,107 @@ def test_indexing_with_arange_over_the_batch_is_per_sample_and_passes_the_check(
     with la.Pipeline(model, la.partition(cost, 2, chunks=4), chunks=4, batch_dim={"x": 1}) as pipe:
         for got, want in zip(pipe(x, lengths), model(x, lengths)):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_pipeline_checks_the_batch_on_its_first_call_whatever_graph_it_was_given(frontend):
+    x = torch.randn(16, 16)
+    model = ReadsBatchSize()
+    graph = capture(model, x[:4], frontends=(frontend,))
+    plan = la.partition(la.profile(model, x[:4], op_graph=graph, progress=False), 2)
+    with la.Pipeline(model, plan, chunks=4, graph=graph) as pipe, pytest.raises(la.BatchDependenceError):
+        pipe(x)
+    with la.Pipeline(model, plan, chunks=4, graph=graph, check_batch=False) as pipe:
+        assert pipe(x).shape == (16, 4)  # meant: the model is run micro-batch by micro-batch, as asked
+
+
+def test_the_strategy_trains_an_intended_batch_dependence_with_check_batch_off():
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    model = BatchDependentModule(mix=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, check_batch=False)
+    trainer(strategy=strategy, devices=2, max_steps=2).fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
+    assert any(not torch.equal(p, q.detach().cpu()) for p, q in zip(before, model.parameters()))
+
+
+def test_the_check_leaves_every_submodule_in_its_own_mode():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    model[1].eval()  # frozen statistics, a common fine-tuning set-up
+    la.check_micro_batchable(model, (torch.randn(8, 4),), {}, 0)
+    assert model.training and model[0].training and not model[1].training
+
+
+class KeepsHidden(nn.Module):
+    """Sequence-first, and keeps its last output as an attribute, [time, batch, features]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(8, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        out, _ = self.gru(x)
+        self.last = out.detach()
+        return self.head(out)
+
+
+@pytest.mark.parametrize("frontend", ["export", "concrete"])
+def test_assigned_attributes_are_joined_on_their_batch_dim(frontend):
+    torch.manual_seed(0)
+    model = KeepsHidden().double()
+    x = torch.randn(4, 8, 8, dtype=torch.float64)  # time 4, batch 8: micro-batches of 4 make [4, 4, 6]
+    graph = capture(model, x[:, :4], frontends=(frontend,), batch_dim=1)
+    plan = la.partition(la.profile(model, x[:, :4], op_graph=graph, progress=False, batch_dim=1), 2)
+    with la.Pipeline(model, plan, chunks=2, graph=graph, batch_dim=1) as pipe:
+        got = pipe(x)
+        got_last = model.last
+    want = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(got_last, model.last, rtol=1e-12, atol=0)
+
+
+def test_export_keeps_the_given_batch_dim_symbolic():
+    model = KeepsHidden()
+    x = torch.randn(5, 4, 8)
+    graph = capture(model, x, frontends=("export",), batch_dim=1)
+    (dim, lower, _), = [r for r in graph.specialization.batch_ranges if r is not None]
+    assert dim == 1 and lower <= 1
+    values = graph.bind((torch.randn(5, 3, 8),), {})
+    assert graph.specialization.holds_for(values)  # another batch size: the same graph
+    assert not graph.specialization.holds_for(graph.bind((torch.randn(6, 4, 8),), {}))  # another length: not
+    assert all(leaf.per_sample for a in graph.assignments for leaf in a.leaves if hasattr(leaf, "per_sample"))
+
+
+class OptionalScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x, scale=None, double=False):
+        h = self.a(x)
+        if scale is not None:
+            h = h * scale
+        if double:
+            h = h * 2
+        return self.b(h)
+
+
+def test_fx_takes_absent_optional_arguments_as_the_constants_they_are():
+    torch.manual_seed(0)
+    model = OptionalScale().double()
+    x, scale = torch.randn(8, 4, dtype=torch.float64), torch.rand(8, 1, dtype=torch.float64)
+    graph = capture(model, x[:4])
+    assert graph.frontend == "fx"  # traced as placeholders, `scale is not None` took the wrong branch
+    plan = la.partition(la.profile(model, x[:4], op_graph=graph, progress=False), 2)
+    with la.Pipeline(model, plan, chunks=2, graph=graph) as pipe:
+        torch.testing.assert_close(pipe(x), model(x), rtol=1e-12, atol=0)
+        with pytest.raises(la.PlanMismatchError, match="captured OptionalScale again"):
+            pipe(x, scale)  # another branch: another graph than the one planned, never the planned one run
+    graph = capture(model, {"x": x[:4], "scale": scale[:4], "double": True})
+    plan = la.partition(la.profile(model, {"x": x[:4], "scale": scale[:4], "double": True}, op_graph=graph,
+                                   progress=False), 2)
+    with la.Pipeline(model, plan, chunks=2, graph=graph) as pipe:
+        torch.testing.assert_close(pipe(x, scale, double=True), model(x, scale, double=True), rtol=1e-12, atol=0)
+        with pytest.raises(la.PlanMismatchError):
+            pipe(x, scale)  # double=False is another graph too
