@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .graph import load_cost_graph, save_cost_graph
-from .partition import METHODS, InfeasiblePlanError, partition
+from .partition import METHODS, InfeasiblePlanError
 from .trace import UntraceableModelError
 
 
@@ -60,8 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch-size", type=int, default=32, help="samples per training step")
     plan.add_argument("--chunks", type=int, default=1, help="micro-batches per step (default 1)")
     plan.add_argument("--device", default="cpu", help="device to profile on: cpu or cuda:N")
-    plan.add_argument("--bandwidth", type=float, help="link between stages in GB/s (default: free transfers)")
-    plan.add_argument("--memory", type=float, help="memory per device in GB (default: unlimited)")
+    plan.add_argument("--bandwidth", type=float,
+                      help="link between stages in GB/s (default: 16 between GPUs, free between CPU devices)")
+    plan.add_argument("--memory", type=float,
+                      help="memory per device in GB (default: 90%% of each GPU's, unlimited on CPU)")
     plan.add_argument("--optimizer-multiplier", type=float, default=2.0, help="optimizer state per parameter byte")
     plan.add_argument("--model-kwargs", type=_json_object, default={}, help="JSON keyword arguments for MODEL")
     plan.add_argument("--method", choices=METHODS, default="antichain", help="planner (baselines for comparison)")
@@ -72,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
         help="what to do when torch.fx cannot trace the model",
     )
     plan.add_argument("--load-profile", help="plan from a saved cost graph instead of profiling")
+    plan.add_argument("--profile-cache", help="directory of cached profiles (default ~/.cache/lightning-antichain)")
+    plan.add_argument("--no-profile-cache", action="store_true", help="profile anew and cache nothing")
     plan.add_argument("--save-profile", help="save the cost graph as JSON for later --load-profile")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     plan.add_argument("--output", help="save the plan as JSON to this file")
@@ -167,6 +171,8 @@ def load_model_factory(path: str) -> Callable[..., Any]:
 def _plan(args: argparse.Namespace) -> int:
     import torch
 
+    from .planning import plan_model
+
     if args.stages < 1 or args.chunks < 1 or args.batch_size < 1:
         raise ValueError("--stages, --chunks and --batch-size must be at least 1")
     if args.batch_size < args.chunks:
@@ -174,39 +180,39 @@ def _plan(args: argparse.Namespace) -> int:
     _check_device(args.device)
     _check_paths(args)
     micro_batch = -(-args.batch_size // args.chunks)
+    cost = None
     if args.load_profile:
         try:
-            graph = load_cost_graph(args.load_profile)
+            cost = load_cost_graph(args.load_profile)
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--load-profile {args.load_profile} is not a cost graph saved by --save-profile: "
                              f"{type(exc).__name__}: {exc}") from None
+        model, example = None, None
     else:
-        from .profiler import profile
-
         if args.input_shape is None:
             raise ValueError("--input-shape is required unless --load-profile is given")
         model = _build_model(args.model, args.model_kwargs)
         example = torch.randn(micro_batch, *args.input_shape)
-        graph = profile(
-            model,
-            example,
-            device=args.device,
-            fallback=None if args.fallback == "none" else "children",
-            progress=not args.quiet,
-            name=args.model,
-        )
-    if args.save_profile:
-        save_cost_graph(graph, args.save_profile)
-    plan = partition(
-        graph,
-        args.stages,
+    planned = plan_model(
+        model,
+        (example,),
+        {},
+        _stage_devices(args.device, args.stages),
         chunks=args.chunks,
         method=args.method,
-        devices=_stage_devices(args.device, args.stages),
         bandwidth_gbps=args.bandwidth,
         memory_gb=args.memory,
         optimizer_multiplier=args.optimizer_multiplier,
+        fallback=None if args.fallback == "none" else "children",
+        profile_cache=args.profile_cache,
+        use_profile_cache=not args.no_profile_cache,
+        progress=not args.quiet,
+        name=args.model,
+        cost=cost,
     )
+    plan = planned.plan
+    if args.save_profile:
+        save_cost_graph(planned.cost, args.save_profile)
     if args.output:
         plan.save(args.output)
     if args.plot:

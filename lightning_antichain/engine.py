@@ -1,7 +1,8 @@
 """Run micro-batches through the stages of a plan, forward and backward, one worker thread per stage.
 
 Forward: the batch is split into micro-batches; stage k's worker takes micro-batch m from stage
-k-1 as soon as it is ready, so all stages work at once (the GPipe fill-drain schedule). Each stage
+k-1 as soon as it is ready, so all stages work at once. Each worker runs its stage's tasks in the
+order the :class:`~lightning_antichain.schedule.Schedule` lists them (GPipe's fill-drain). Each stage
 keeps the autograd graph of its own micro-batches, rooted at detached copies of its inputs.
 
 Backward: the gathered output is produced by one autograd Function. When the caller's loss is
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .schedule import Schedule, Task, gpipe
 from .split import StageModule
 from .transfer import arrive, ship
 from .worker import WorkerPool
@@ -73,9 +75,12 @@ class PassState:
     unless the graph was captured again for a micro-batch of another shape.
     """
 
-    saved: list[list[_Saved]] = field(default_factory=list)
+    saved: list[dict[int, _Saved]] = field(default_factory=list)  # per stage, by micro-batch
     busy: list[float] = field(default_factory=list)  # seconds each stage worked, forward + backward
     stage_sets: list[Sequence[StageModule]] = field(default_factory=list)
+    schedule: Schedule | None = None
+    #: the tasks each stage ran, in the order it ran them
+    ran: list[list[Task]] = field(default_factory=list)
 
 
 def _wants_grad(value: Any) -> bool:
@@ -178,30 +183,37 @@ def run_forward(
     micro_batches: list[tuple[list[Any], Any]],
     state: PassState | None,
     checkpoint_stop: int,
+    schedule: Schedule | None = None,
 ) -> list[tuple[list[Any], Any]]:
     """Forward every micro-batch through every stage; returns the last stage's output leaves and spec.
 
     ``micro_batches[m]`` is the flattened first-stage input of micro-batch m (leaves and spec), and
-    ``stage_sets[m]`` the stage modules it runs with. With ``state`` given, autograd graphs (or, for
-    micro-batches below ``checkpoint_stop``, just the inputs and RNG state for recomputation) are
-    kept in it for :func:`run_backward`.
+    ``stage_sets[m]`` the stage modules it runs with. Each stage runs its forwards in the order of
+    ``schedule`` (default: GPipe's). With ``state`` given, autograd graphs (or, for micro-batches
+    below ``checkpoint_stop``, just the inputs and RNG state for recomputation) are kept in it for
+    :func:`run_backward`, which follows the same schedule.
     """
     stages = stage_sets[0]
+    schedule = schedule or gpipe(len(stages), len(micro_batches))
     first: queue.Queue = queue.Queue()
     last: queue.Queue = queue.Queue()
-    for m, (leaves, spec) in enumerate(micro_batches):
+    for m in schedule.micro_batches(0, "forward"):
+        leaves, spec = micro_batches[m]
         first.put((m, leaves, spec, None, tuple(_wants_grad(v) for v in leaves)))
     if state is not None:
-        state.saved = [[] for _ in stages]
+        state.saved = [{} for _ in stages]
         state.busy[:] = [0.0] * len(stages)
         state.stage_sets = stage_sets
+        state.schedule = schedule
+        state.ran[:] = [[] for _ in stages]
 
     def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
         device = stages[k].device
         target = stages[k + 1].device if k + 1 < len(stages) else None
-        for _ in micro_batches:
-            item = inbox.get()
-            if item is ABORT or abort.is_set():
+        arrived: dict[int, Any] = {}
+        for m in schedule.micro_batches(k, "forward"):
+            item = _next(m, inbox, arrived, abort)
+            if item is ABORT:
                 outbox.put(ABORT)
                 return
             m, values, spec, event, flags = item
@@ -215,21 +227,33 @@ def run_forward(
                     with torch.no_grad():
                         outputs, out_spec = stage(leaves, spec)
                     out_flags = _recompute_flags(stage, leaves, outputs)
-                    state.saved[k].append(_Saved(leaves, None, rng, spec))
+                    state.saved[k][m] = _Saved(leaves, None, rng, spec)
                 else:
                     outputs, out_spec = stage(leaves, spec)
                     out_flags = tuple(_wants_grad(v) for v in outputs)
                     if state is not None:
-                        state.saved[k].append(_Saved(leaves, tuple(outputs), None, spec))
+                        state.saved[k][m] = _Saved(leaves, tuple(outputs), None, spec)
                 shipped, event = ship(outputs, device, target or device, target and stages[k].copy_stream)
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "forward", exc)) from exc
             if state is not None:
                 state.busy[k] += time.perf_counter() - started
+                state.ran[k].append(Task("forward", k, m))
             outbox.put((m, shipped, out_spec, event, out_flags))
 
     _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
     return _collect(last, len(micro_batches), width=2)
+
+
+def _next(m: int, inbox: queue.Queue, arrived: dict[int, Any], abort: threading.Event) -> Any:
+    """Micro-batch ``m``'s item from ``inbox``, keeping any that arrive before it (``ABORT`` if the
+    pass was given up)."""
+    while m not in arrived:
+        item = inbox.get()
+        if item is ABORT or abort.is_set():
+            return ABORT
+        arrived[item[0]] = item
+    return arrived.pop(m)
 
 
 def _collect(last: queue.Queue, count: int, width: int = 1) -> list[Any]:
@@ -272,23 +296,26 @@ def run_backward(
     state: PassState,
     output_grads: list[tuple[Any, ...]],
 ) -> list[tuple[Any, ...]]:
-    """Backward every micro-batch, last to first, through every stage, last to first.
+    """Backward every micro-batch through every stage, last to first, each stage in the order of
+    the forward pass's schedule (GPipe: micro-batches last to first).
 
     ``output_grads[m]`` holds the gradients of the last stage's output leaves for micro-batch m
     (``None`` where a leaf got none). Returns the gradients of stage 0's input leaves per micro-batch.
     """
     stages = state.stage_sets[0]
+    schedule = state.schedule or gpipe(len(stages), len(output_grads))
     count = len(output_grads)
     first: queue.Queue = queue.Queue()
     last: queue.Queue = queue.Queue()
-    for m in reversed(range(count)):
+    for m in schedule.micro_batches(len(stages) - 1, "backward"):
         first.put((m, output_grads[m], None))
 
     def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
         target = stages[k - 1].device if k > 0 else None
-        for _ in range(count):
-            item = inbox.get()
-            if item is ABORT or abort.is_set():
+        arrived: dict[int, Any] = {}
+        for m in schedule.micro_batches(k, "backward"):
+            item = _next(m, inbox, arrived, abort)
+            if item is ABORT:
                 outbox.put(ABORT)
                 return
             m, grads, event = item
@@ -317,6 +344,7 @@ def run_backward(
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "backward", exc)) from exc
             state.busy[k] += time.perf_counter() - started
+            state.ran[k].append(Task("backward", k, m))
             outbox.put((m, shipped, event))
 
     _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), grad=False)

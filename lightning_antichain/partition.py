@@ -30,7 +30,7 @@ import numpy as np
 
 from .antichain import DEFAULT_MAX_STATES, StateSpace, build_state_space
 from .graph import node_compute, normalize_cost_graph, ordered_nodes, total_compute
-from .plan import Plan, Stage, gpipe_step_time
+from .plan import Plan, Stage
 
 METHODS = ("antichain", "uniform", "parameters", "blocks")
 
@@ -432,20 +432,14 @@ def _make_plan(
     total = total_compute(graph)
     largest = max(node_compute(graph, v) for v in graph.nodes)
     lower_bound = max(total / sum(s.speed for s in specs), largest / max(s.speed for s in specs))
-    half_transfer = [s.transfer_s / 2 for s in stages]
-    step = gpipe_step_time(
-        [s.forward_s + t for s, t in zip(stages, half_transfer, strict=False)],
-        [s.backward_s + t for s, t in zip(stages, half_transfer, strict=False)],
-        model.chunks,
-    )
     meta = graph.graph
-    return Plan(
+    plan = Plan(
         stages=stages,
         method=method,
         chunks=model.chunks,
         bottleneck_s=max(s.time_s for s in stages),
         lower_bound_s=lower_bound,
-        predicted_step_s=step,
+        predicted_step_s=0.0,
         total_compute_s=total,
         micro_batch_size=meta.get("micro_batch_size"),
         bandwidth_gbps=None if math.isinf(model.bandwidth) else model.bandwidth / 1e9,
@@ -461,6 +455,8 @@ def _make_plan(
         refused=list(meta.get("refused") or []),
         profiled_on=meta.get("device_name") or meta.get("device"),
     )
+    plan.predicted_step_s = max(t.end for t in plan.timeline())
+    return plan
 
 
 def _baseline(graph: nx.DiGraph, free: list[Any], stages: int, method: str) -> list[list[Any]]:

@@ -37,6 +37,7 @@ from .capture.isolation import own_forward, side_effects_undone
 from .engine import CHECKPOINT_MODES, PassState, run_backward, run_forward
 from .plan import Plan
 from .pytrees import flatten, unflatten
+from .schedule import Task, make_schedule
 from .split import PlanMismatchError, StageModule, place_stages, split_stages
 from .trace import OpGraph, iter_tensors
 from .worker import WorkerPool, share_malloc_arena
@@ -115,6 +116,8 @@ class Pipeline(nn.Module):
         #: seconds each stage worked in the last training step (forward and backward; on CUDA the
         #: time to issue the work, not to run it)
         self.last_busy_s: list[float] = [0.0] * plan.num_stages
+        #: the tasks each stage ran in the last training step, in the order it ran them
+        self.last_ran: list[list[Task]] = []
         weakref.finalize(self, self._pool.shutdown)
         frontend = plan.frontend or "fx"
         if frontend == "children":
@@ -164,7 +167,9 @@ class Pipeline(nn.Module):
         output_device = self.output_device or _first_device(args, kwargs) or self._devices[0]
         needs_grad = torch.is_grad_enabled()
         if not needs_grad:
-            outputs, assigned = self._take_assigned(run_forward(self._pool, stage_sets, micro_inputs, None, 0))
+            schedule = make_schedule(self.plan.schedule, len(self._stages), len(micro_inputs))
+            outputs, assigned = self._take_assigned(
+                run_forward(self._pool, stage_sets, micro_inputs, None, 0, schedule))
             dims = self._output_dims(outputs, micro_values[0], sizes)
             leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
             result = self._assemble(leaves, outputs[0][1])
@@ -184,7 +189,9 @@ class Pipeline(nn.Module):
         with deferral:
             join = _Join(sizes, [d for v, d in zip(whole, leaf_dims) if _is_grad_tensor(v)],
                          lambda outputs: self._output_dims(outputs, micro_values[0], sizes))
-            options = (output_device, join, stop, outcome, self.last_busy_s, self._take_assigned)
+            schedule = make_schedule(self.plan.schedule, len(self._stages), len(micro_inputs))
+            options = (output_device, join, stop, outcome, (self.last_busy_s, self.last_ran, schedule),
+                       self._take_assigned)
             tensors = _PipelineFunction.apply((self._pool, stage_sets), micro_inputs, options, phony, *grad_inputs)
         it = iter(tensors)
         leaves = [next(it) if is_tensor else constant for is_tensor, constant in outcome.layout]
@@ -387,10 +394,10 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
-        output_device, join, stop, outcome, busy, take_assigned = options
+        output_device, join, stop, outcome, (busy, ran, schedule), take_assigned = options
         pool, stage_sets = runtime
-        state = PassState(busy=busy)
-        outputs, outcome.assigned = take_assigned(run_forward(pool, stage_sets, micro_inputs, state, stop))
+        state = PassState(busy=busy, ran=ran)
+        outputs, outcome.assigned = take_assigned(run_forward(pool, stage_sets, micro_inputs, state, stop, schedule))
         dims = join.output_dims(outputs)
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, join.sizes, dims)
         outcome.spec = outputs[0][1]

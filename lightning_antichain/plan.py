@@ -12,6 +12,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .schedule import Timed, make_schedule, stage_durations, timeline
+
 PLAN_FORMAT = "lightning-antichain/plan/1"
 
 
@@ -61,8 +63,9 @@ class Plan:
 
     ``bottleneck_s`` is the slowest stage's time per micro-batch; ``lower_bound_s`` is
     ``max(total compute / total device speed, slowest single operation)``, which no split can beat;
-    ``predicted_step_s`` is one step of ``chunks`` micro-batches under the GPipe schedule, fill
-    and drain included. ``compression`` says what the planner simplified to stay fast.
+    ``predicted_step_s`` is one step of ``chunks`` micro-batches under ``schedule`` (see
+    :mod:`lightning_antichain.schedule`), fill and drain included. ``compression`` says what the
+    planner simplified to stay fast.
     ``frontend`` names the capture frontend whose graph was planned, and ``refused`` why the
     frontends before it could not capture the model.
     """
@@ -87,6 +90,7 @@ class Plan:
     profiled_on: str | None = None
     frontend: str | None = None
     refused: list[str] = field(default_factory=list)
+    schedule: str = "gpipe"
 
     @property
     def num_stages(self) -> int:
@@ -182,6 +186,13 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
+    def timeline(self) -> list[Timed]:
+        """The predicted start and end of every task of one step (:func:`schedule.timeline`), each
+        stage's transfer split evenly between its forward and its backward."""
+        forward = [s.forward_s + s.transfer_s / 2 for s in self.stages]
+        backward = [s.backward_s + s.transfer_s / 2 for s in self.stages]
+        return timeline(make_schedule(self.schedule, self.num_stages, self.chunks), stage_durations(forward, backward))
+
 
 def _span(nodes: list[str]) -> str:
     if not nodes:
@@ -193,41 +204,3 @@ def _json_number(value: Any) -> Any:
     if isinstance(value, float) and math.isinf(value):
         return None
     return float(value)
-
-
-Task = tuple[str, int, int, float, float]
-
-
-def gpipe_schedule(forward: list[float], backward: list[float], chunks: int) -> list[Task]:
-    """The GPipe timeline: ``(phase, stage, micro_batch, start, end)`` for every task.
-
-    Stage k handles micro-batch m once it has finished m-1 and stage k-1 has handed m over (a flow
-    shop); the backward runs the stages in reverse, micro-batches last to first, once the last
-    forward is done.
-    """
-    k = len(forward)
-    tasks = []
-    done = [0.0] * k
-    for m in range(chunks):
-        ready = 0.0
-        for s in range(k):
-            start = max(done[s], ready)
-            done[s] = ready = start + forward[s]
-            tasks.append(("forward", s, m, start, done[s]))
-    back = [done[-1]] * k
-    for m in reversed(range(chunks)):
-        ready = done[-1]
-        for s in reversed(range(k)):
-            start = max(back[s], ready)
-            back[s] = ready = start + backward[s]
-            tasks.append(("backward", s, m, start, back[s]))
-    return tasks
-
-
-def gpipe_step_time(forward: list[float], backward: list[float], chunks: int) -> float:
-    """Makespan of one GPipe step (see :func:`gpipe_schedule`).
-
-    >>> gpipe_step_time([1.0, 1.0], [2.0, 2.0], chunks=4)  # (M + K - 1) * (f + b)
-    15.0
-    """
-    return max(end for *_, end in gpipe_schedule(forward, backward, chunks))

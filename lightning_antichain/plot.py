@@ -6,8 +6,9 @@ Needs matplotlib (``pip install "lightning-antichain[plot]"``).
 from __future__ import annotations
 
 import os
+from dataclasses import astuple
 
-from .plan import Plan, gpipe_schedule
+from .plan import Plan
 
 
 def plot_plan(plan: Plan, path: str | os.PathLike[str], title: str | None = None) -> None:
@@ -43,11 +44,8 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str], title: str | None = None
     loads.set_xlim(0, 1.6 * ms * max(max(s.time_s for s in stages), plan.lower_bound_s))
     loads.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.02 * len(stages)), ncol=4, fontsize=8)
 
-    half = [s.transfer_s / 2 for s in stages]
-    schedule = gpipe_schedule(
-        [s.forward_s + t for s, t in zip(stages, half)], [s.backward_s + t for s, t in zip(stages, half)], plan.chunks
-    )
-    for phase, stage, micro, start, end in schedule:
+    for timed in plan.timeline():
+        (phase, stage, micro), start, end = astuple(timed.task), timed.start, timed.end
         color = "#4c72b0" if phase == "forward" else "#dd8452"
         timeline.barh(stage, ms * (end - start), left=ms * start, color=color, edgecolor="white", linewidth=0.6)
         if ms * (end - start) > 0.04 * ms * plan.predicted_step_s:
@@ -56,7 +54,8 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str], title: str | None = None
     timeline.set_yticks(list(y), names)
     timeline.invert_yaxis()
     timeline.set_xlabel("ms")
-    timeline.set_title(f"predicted GPipe step: {plan.chunks} micro-batches, {ms * plan.predicted_step_s:.1f} ms")
+    step_ms = ms * plan.predicted_step_s
+    timeline.set_title(f"predicted {plan.schedule} step: {plan.chunks} micro-batches, {step_ms:.1f} ms")
     timeline.text(
         0.0,
         -0.25 - 0.02 * len(stages),

@@ -34,16 +34,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from .batch_dims import batch_size_of, check_batch_dim, check_micro_batchable, first_micro_batch
-from .capture import OpGraph, capture_call
+from .batch_dims import batch_size_of, check_batch_dim, first_micro_batch
+from .capture import OpGraph
 from .capture.signature import FlatSignature, original_forward
 from .engine import CHECKPOINT_MODES
-from .memory import device_memory_gb, optimizer_multiplier
-from .partition import partition, plan_from_balance
+from .memory import optimizer_multiplier
 from .pipeline import Pipeline
 from .plan import Plan
-from .profile_cache import default_cache_dir, load_cached, profile_key, store
-from .profiler import profile
+from .planning import plan_model
+from .profile_cache import default_cache_dir
 from .replicas import average_gradients
 from .trace import map_tensors, split_inputs
 
@@ -370,55 +369,28 @@ class AntichainPipelineStrategy(ParallelStrategy):
             positional, keywords = example
             if keywords and positional:  # keyword form: name the positional arguments too
                 positional, keywords = FlatSignature.canonical(original_forward(target), positional, keywords)
-            example_inputs: Any = keywords if keywords else positional
-            graph = capture_call(target, positional, keywords, leaf_modules=self.leaf_modules, progress=True,
-                                 batch_dim=self.batch_dim)
-            if self.check_batch:
-                check_micro_batchable(target, positional, keywords, self.batch_dim)
-            self._graph = graph
-            key = profile_key(graph, target, example, self.root_device)
-            cost = load_cached(self.profile_cache, key, graph) if self.use_profile_cache else None
-            if cost is None:
-                cost = profile(target, example_inputs, self.root_device, op_graph=graph, name=type(target).__name__,
-                               batch_dim=self.batch_dim)
-                if self.use_profile_cache:
-                    store(self.profile_cache, key, cost)
-            else:
-                rank_zero_info(f"lightning-antichain: using the cached profile {key} from {self.profile_cache}")
-        names = [str(d) for d in devices]
-        if self.balance is not None:
-            return plan_from_balance(
-                cost,
-                self.balance,
+            planned = plan_model(
+                target, positional, keywords, devices,
                 chunks=self.chunks,
-                devices=names,
-                bandwidth_gbps=self._bandwidth(devices),
+                balance=self.balance,
+                batch_dim=self.batch_dim,
+                check_batch=self.check_batch,
+                leaf_modules=self.leaf_modules,
+                bandwidth_gbps=self.bandwidth_gbps,
+                memory_gb=self.memory_gb,
                 optimizer_multiplier=self._optimizer_multiplier(),
+                profile_cache=self.profile_cache,
+                use_profile_cache=self.use_profile_cache,
             )
-        return partition(
-            cost,
-            len(devices),
-            chunks=self.chunks,
-            devices=names,
-            bandwidth_gbps=self._bandwidth(devices),
-            memory_gb=self._memory_gb(devices),
-            optimizer_multiplier=self._optimizer_multiplier(),
-        )
-
-    def _memory_gb(self, devices: list[torch.device]) -> list[float | None] | float | None:
-        if self.memory_gb is not None:
-            return self.memory_gb
-        return [device_memory_gb(d) for d in devices]
+        self._graph = planned.graph
+        if planned.cached_from is not None:
+            rank_zero_info(f"lightning-antichain: using the cached profile {planned.cached_from}")
+        return planned.plan
 
     def _optimizer_multiplier(self) -> float:
         if self.optimizer_multiplier is not None:
             return self.optimizer_multiplier
         return optimizer_multiplier(self.optimizers) if self.optimizers else 2.0
-
-    def _bandwidth(self, devices: list[torch.device]) -> float | None:
-        if self.bandwidth_gbps is not None:
-            return self.bandwidth_gbps
-        return 16.0 if any(d.type == "cuda" for d in devices) else None
 
     def _optimizer_state_to_parameters(self) -> None:
         """Optimizer state lives with its parameter: Lightning's default would move it all to the root."""

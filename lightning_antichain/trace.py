@@ -68,17 +68,22 @@ def trace(
         except UntraceableModelError as exc:
             if fallback is None:
                 raise
-            if example_inputs is None:
-                raise UntraceableModelError(
-                    f"{exc}\nThe 'children' fallback needs example inputs to observe the data flow."
-                ) from exc
-            graph = _trace_children(module, example_inputs)
-            graph.note = "fell back to top-level children (planning only): no capture frontend succeeded"
-            graph.refused = exc.refused
-            return graph
+            return children_instead(module, example_inputs, exc)
     if example_inputs is None:
         raise ValueError("granularity='children' needs example_inputs to observe the data flow")
     return _trace_children(module, example_inputs)
+
+
+def children_instead(module: nn.Module, example_inputs: Any, refusal: UntraceableModelError) -> OpGraph:
+    """The planning-only graph of ``module``'s top-level children, for a model no frontend captured."""
+    if example_inputs is None:
+        raise UntraceableModelError(
+            f"{refusal}\nThe 'children' fallback needs example inputs to observe the data flow."
+        ) from refusal
+    graph = _trace_children(module, example_inputs)
+    graph.note = "fell back to top-level children (planning only): no capture frontend succeeded"
+    graph.refused = refusal.refused
+    return graph
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:

@@ -4,10 +4,10 @@ import doctest
 
 import pytest
 
-from lightning_antichain import antichain, graph, plan
+from lightning_antichain import antichain, graph, schedule
 
 
-@pytest.mark.parametrize("module", [antichain, graph, plan])
+@pytest.mark.parametrize("module", [antichain, graph, schedule])
 def test_docstring_examples(module):
     failures, tried = doctest.testmod(module)
     assert tried > 0 and failures == 0

@@ -1,0 +1,126 @@
+"""The pipeline schedule as data: which tasks each stage runs, and in which order.
+
+As torchgpipe keeps its ``clock_cycles`` apart from running them, a :class:`Schedule` lists each
+stage's tasks (the forward or the backward of one micro-batch) in the order the stage runs them.
+Three parts read the same list: the engine runs it, the planner predicts a step by simulating it
+(:func:`timeline`), and the plot draws that simulation. GPipe's fill-drain (:func:`gpipe`) is the
+one schedule today; 1F1B or a deferred weight-gradient schedule would be another list here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Phase = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """The forward or backward of micro-batch ``micro_batch`` on stage ``stage``."""
+
+    phase: Phase
+    stage: int
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Every stage's tasks in the order it runs them (``order[k]`` for stage k)."""
+
+    name: str
+    chunks: int
+    order: tuple[tuple[Task, ...], ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.order)
+
+    def micro_batches(self, stage: int, phase: Phase) -> list[int]:
+        """The micro-batches stage ``stage`` runs in ``phase``, in its order."""
+        return [t.micro_batch for t in self.order[stage] if t.phase == phase]
+
+
+def gpipe(stages: int, chunks: int) -> Schedule:
+    """GPipe's fill-drain: every stage runs the forwards of micro-batches 0 .. M-1, then, once the
+    loss of the whole batch has its gradient, their backwards M-1 .. 0."""
+    if stages < 1 or chunks < 1:
+        raise ValueError(f"a schedule needs at least one stage and one micro-batch, got {stages} and {chunks}")
+    forwards = [[Task("forward", k, m) for m in range(chunks)] for k in range(stages)]
+    backwards = [[Task("backward", k, m) for m in reversed(range(chunks))] for k in range(stages)]
+    return Schedule("gpipe", chunks, tuple(tuple(f + b) for f, b in zip(forwards, backwards)))
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe}
+
+
+def make_schedule(name: str, stages: int, chunks: int) -> Schedule:
+    """The schedule called ``name`` (see :data:`SCHEDULES`) for ``stages`` and ``chunks``."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; known: {sorted(SCHEDULES)}")
+    return SCHEDULES[name](stages, chunks)
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A task with its predicted start and end, in seconds from the start of the step."""
+
+    task: Task
+    start: float
+    end: float
+
+
+def timeline(schedule: Schedule, duration: Callable[[Task], float]) -> list[Timed]:
+    """When each task runs, if each takes ``duration(task)`` seconds.
+
+    A task starts once its stage has finished the task before it in the stage's order and its input
+    is there: a forward needs the previous stage's forward of the same micro-batch, a backward the
+    next stage's backward of it. The last stage's backwards need every forward of the last stage,
+    since the loss is computed on the joined output of the whole batch.
+    """
+    last = schedule.stages - 1
+    end: dict[Task, float] = {}
+    position = [0] * schedule.stages
+    free = [0.0] * schedule.stages
+    timed: list[Timed] = []
+    all_forwards = [Task("forward", last, m) for m in range(schedule.chunks)]
+    while len(end) < sum(len(tasks) for tasks in schedule.order):
+        progressed = False
+        for k, tasks in enumerate(schedule.order):
+            while position[k] < len(tasks):
+                task = tasks[position[k]]
+                inputs = _inputs(task, last, all_forwards)
+                if any(t not in end for t in inputs):
+                    break
+                start = max([free[k], *(end[t] for t in inputs)])
+                free[k] = end[task] = start + duration(task)
+                timed.append(Timed(task, start, end[task]))
+                position[k] += 1
+                progressed = True
+        if not progressed:
+            waiting = [tasks[position[k]] for k, tasks in enumerate(schedule.order) if position[k] < len(tasks)]
+            raise ValueError(f"schedule {schedule.name!r} deadlocks: every stage waits ({waiting})")
+    return timed
+
+
+def _inputs(task: Task, last: int, all_forwards: list[Task]) -> list[Task]:
+    if task.phase == "forward":
+        return [Task("forward", task.stage - 1, task.micro_batch)] if task.stage > 0 else []
+    if task.stage == last:
+        return all_forwards
+    return [Task("backward", task.stage + 1, task.micro_batch)]
+
+
+def stage_durations(forward: Sequence[float], backward: Sequence[float]) -> Callable[[Task], float]:
+    """Every micro-batch taking ``forward[k]`` and ``backward[k]`` seconds on stage k."""
+    return lambda task: (forward if task.phase == "forward" else backward)[task.stage]
+
+
+def step_time(schedule: Schedule, forward: Sequence[float], backward: Sequence[float]) -> float:
+    """The predicted length of one step: the end of the last task of :func:`timeline`.
+
+    >>> step_time(gpipe(2, 4), [1.0, 1.0], [2.0, 2.0])  # (M + K - 1) * (f + b)
+    15.0
+    """
+    return max(t.end for t in timeline(schedule, stage_durations(forward, backward)))

@@ -1,0 +1,94 @@
+"""The schedule as data: the engine runs the order it lists, and the prediction simulates it."""
+
+import pytest
+import torch
+from models import LongSkip
+
+import lightning_antichain as la
+from lightning_antichain import schedule
+from lightning_antichain.schedule import Schedule, Task, gpipe, step_time, timeline
+
+
+def test_gpipe_runs_forwards_in_order_then_backwards_in_reverse_on_every_stage():
+    plan = gpipe(3, 4)
+    assert plan.stages == 3
+    for k in range(3):
+        assert plan.micro_batches(k, "forward") == [0, 1, 2, 3]
+        assert plan.micro_batches(k, "backward") == [3, 2, 1, 0]
+        assert [t.phase for t in plan.order[k]] == ["forward"] * 4 + ["backward"] * 4
+
+
+@pytest.mark.parametrize(("stages", "chunks"), [(1, 1), (2, 4), (4, 8), (3, 1)])
+def test_uniform_stages_take_the_gpipe_makespan(stages, chunks):
+    assert step_time(gpipe(stages, chunks), [1.0] * stages, [2.0] * stages) == pytest.approx(
+        (chunks + stages - 1) * 3.0)
+
+
+def test_the_timeline_keeps_every_dependency_and_every_stage_busy_with_one_task_at_a_time():
+    forward, backward = [1.0, 3.0, 2.0], [2.0, 5.0, 1.0]
+    timed = {t.task: t for t in timeline(gpipe(3, 5), schedule.stage_durations(forward, backward))}
+    assert len(timed) == 3 * 5 * 2
+    for task, t in timed.items():
+        k, m = task.stage, task.micro_batch
+        if task.phase == "forward" and k > 0:
+            assert t.start >= timed[Task("forward", k - 1, m)].end
+        if task.phase == "backward" and k < 2:
+            assert t.start >= timed[Task("backward", k + 1, m)].end
+        if task.phase == "backward" and k == 2:
+            assert t.start >= max(timed[Task("forward", 2, j)].end for j in range(5))
+    for k in range(3):
+        spans = sorted((t.start, t.end) for task, t in timed.items() if task.stage == k)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
+
+
+def test_a_schedule_that_waits_on_itself_is_refused():
+    order = (  # stage 0 wants a backward before its last forward, which that backward needs
+        (Task("forward", 0, 0), Task("backward", 0, 0), Task("forward", 0, 1), Task("backward", 0, 1)),
+        (Task("forward", 1, 0), Task("forward", 1, 1), Task("backward", 1, 1), Task("backward", 1, 0)),
+    )
+    with pytest.raises(ValueError, match="deadlocks"):
+        timeline(Schedule("bad", 2, order), lambda task: 1.0)
+    with pytest.raises(ValueError, match="unknown schedule 'nope'"):
+        schedule.make_schedule("nope", 2, 2)
+
+
+def reversed_forwards(stages, chunks):
+    """Forwards last micro-batch first, backwards first first: not GPipe, and not queue order."""
+    forwards = [tuple(Task("forward", k, m) for m in reversed(range(chunks))) for k in range(stages)]
+    backwards = [tuple(Task("backward", k, m) for m in range(chunks)) for k in range(stages)]
+    return Schedule("reversed", chunks, tuple(f + b for f, b in zip(forwards, backwards)))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "reversed"])
+def test_the_engine_runs_each_stage_in_the_order_the_schedule_lists(name, monkeypatch):
+    monkeypatch.setitem(schedule.SCHEDULES, "reversed", reversed_forwards)
+    torch.manual_seed(0)
+    model = LongSkip().double()
+    x = torch.randn(10, 12, dtype=torch.float64)
+    cost = la.profile(model, x[:2], repeats=1, warmup=0, progress=False)
+    plan = la.partition(cost, 3, chunks=5)
+    plan.schedule = name
+    expected = model(x)
+    expected.square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with la.Pipeline(model, plan, chunks=5) as pipe:
+        output = pipe(x)
+        output.square().sum().backward()
+        ran = [list(tasks) for tasks in pipe.last_ran]
+    assert ran == [list(tasks) for tasks in schedule.make_schedule(name, 3, 5).order]
+    torch.testing.assert_close(output, expected, rtol=1e-12, atol=0)
+    for p, g in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=0)
+
+
+def test_the_plan_predicts_its_step_from_the_schedule_it_names(monkeypatch):
+    monkeypatch.setitem(schedule.SCHEDULES, "reversed", reversed_forwards)
+    cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
+    plan = la.partition(cost, 3, chunks=4)
+    forward = [s.forward_s + s.transfer_s / 2 for s in plan.stages]
+    backward = [s.backward_s + s.transfer_s / 2 for s in plan.stages]
+    assert plan.predicted_step_s == pytest.approx(step_time(gpipe(3, 4), forward, backward))
+    assert max(t.end for t in plan.timeline()) == pytest.approx(plan.predicted_step_s)
+    plan.schedule = "reversed"
+    assert {t.task for t in plan.timeline()} == {t for tasks in reversed_forwards(3, 4).order for t in tasks}
