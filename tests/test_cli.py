@@ -177,3 +177,32 @@ def test_a_damaged_saved_profile_names_the_file(tmp_path):
     result = run_cli("plan", *RESNET, "--load-profile", str(path), check=False)
     assert result.returncode == 2
     assert f"--load-profile {path} is not a cost graph saved by --save-profile" in result.stderr
+
+
+def test_the_cli_and_the_library_take_one_planning_path_with_the_same_defaults(tmp_path):
+    import torch
+    import torchvision
+
+    from lightning_antichain import load_cost_graph, planning
+
+    profile = tmp_path / "cost.json"
+    run_cli("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32", "--batch-size", "8",
+            "--chunks", "4", "--quiet", "--save-profile", str(profile), "--no-profile-cache")
+    result = run_cli("plan", "torchvision.models.resnet18", "--stages", "3", "--chunks", "4", "--load-profile",
+                     str(profile), "--json")
+    from_cli = json.loads(result.stdout)
+    planned = planning.plan_model(None, (), {}, ["cpu"] * 3, chunks=4, cost=load_cost_graph(profile))
+    from_library = json.loads(planned.plan.to_json())
+    for plan in (from_cli, from_library):
+        plan.pop("solve_s")
+    assert from_cli == from_library
+    assert planning.default_bandwidth_gbps([torch.device("cpu")]) is None
+    assert planning.default_memory_gb([torch.device("cpu")] * 2) == [None, None]
+    # the profile the CLI cached is the one the library finds for the same module and micro-batch
+    cache = tmp_path / "cache"
+    run_cli("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32", "--batch-size", "8",
+            "--chunks", "4", "--quiet", "--profile-cache", str(cache))
+    model = torchvision.models.resnet18()
+    again = planning.plan_model(model, (torch.randn(2, 3, 32, 32),), {}, ["cpu", "cpu"], chunks=4,
+                                profile_cache=cache, progress=False)
+    assert again.cached_from is not None and again.cached_from.parent == cache
