@@ -58,10 +58,10 @@ class Pipeline(nn.Module):
     (:func:`lightning_antichain.batch_dims.check_per_sample`), as the strategy does before
     profiling; ``check_batch=False`` skips that where the dependence is meant (a mixture of experts
     with a capacity per batch). With stages on several devices and a ``graph`` from torch.export or
-    concrete capture, call :func:`lightning_antichain.check_micro_batchable` on the
-    module before placing it instead. ``deferred_batch_norm`` updates BatchNorm running statistics once per
-    step from the whole batch
-    instead of once per micro-batch (normalisation itself always uses micro-batch statistics).
+    concrete capture, call :func:`lightning_antichain.check_micro_batchable` on the module before
+    placing it instead. ``deferred_batch_norm`` updates BatchNorm running statistics once per step
+    from the whole batch instead of once per micro-batch (normalisation itself always uses
+    micro-batch statistics).
     ``share_cpu_allocator`` lets worker threads share glibc's main malloc arena when a stage runs
     on CPU (see :func:`lightning_antichain.worker.share_malloc_arena` for why). ``batch_dim`` is
     the dim of the inputs that holds the samples, as DataParallel's ``dim`` (1 for a sequence-first
@@ -165,9 +165,8 @@ class Pipeline(nn.Module):
         sizes = [microbatch.batch_size(v, self._input_dims) for v in micro_values]
         micro_inputs = [flatten([v[i] for i in self._input_slots]) for v in micro_values]
         output_device = self.output_device or _first_device(args, kwargs) or self._devices[0]
-        needs_grad = torch.is_grad_enabled()
-        if not needs_grad:
-            schedule = make_schedule(self.plan.schedule, len(self._stages), len(micro_inputs))
+        schedule = make_schedule(self.plan.schedule, len(self._stages), len(micro_inputs))
+        if not torch.is_grad_enabled():
             outputs, assigned = self._take_assigned(
                 run_forward(self._pool, stage_sets, micro_inputs, None, 0, schedule))
             dims = self._output_dims(outputs, micro_values[0], sizes)
@@ -189,7 +188,6 @@ class Pipeline(nn.Module):
         with deferral:
             join = _Join(sizes, [d for v, d in zip(whole, leaf_dims) if _is_grad_tensor(v)],
                          lambda outputs: self._output_dims(outputs, micro_values[0], sizes))
-            schedule = make_schedule(self.plan.schedule, len(self._stages), len(micro_inputs))
             options = (output_device, join, stop, outcome, (self.last_busy_s, self.last_ran, schedule),
                        self._take_assigned)
             tensors = _PipelineFunction.apply((self._pool, stage_sets), micro_inputs, options, phony, *grad_inputs)
@@ -238,9 +236,7 @@ class Pipeline(nn.Module):
             return self.module(*args, **kwargs)
 
         def staged(call: list[Any]) -> list[Any]:
-            stages = self._stages_for(call)
-            outputs, _ = self._take_assigned(
-                run_forward(self._pool, [stages], [flatten([call[i] for i in self._input_slots])], None, 0))
+            outputs, _ = self._run_whole(call)
             return outputs[0][0]
 
         self.check_batch = False
@@ -321,16 +317,18 @@ class Pipeline(nn.Module):
         grew = self._grown_dims(values[0], self._grown_run(first)[1].get(name), candidates)
         return grew[0] if len(grew) == 1 else None
 
+    def _run_whole(self, values: list[Any]) -> tuple[list[tuple[list[Any], Any]], _Assigned]:
+        """One forward of ``values`` through the stages as a single micro-batch, outside any step."""
+        leaves = flatten([values[i] for i in self._input_slots])
+        return self._take_assigned(run_forward(self._pool, [self._stages_for(values)], [leaves], None, 0))
+
     def _grown_run(self, first: list[Any]) -> tuple[list[tuple[int, ...] | None], dict[str, tuple[int, ...] | None]]:
         """The shapes of the output leaves and of the assigned values when the first micro-batch has
         one more sample (run once per input shapes, side effects undone)."""
         key = tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in flatten(first)[0])
         if key not in self._grown:
-            grown = grown_by_one(first, self._input_dims)
-            stages = self._stages_for(grown)
             with side_effects_undone(self.module), torch.no_grad():
-                outputs, taken = self._take_assigned(
-                    run_forward(self._pool, [stages], [flatten([grown[i] for i in self._input_slots])], None, 0))
+                outputs, taken = self._run_whole(grown_by_one(first, self._input_dims))
 
             def shape(value: Any) -> tuple[int, ...] | None:
                 return tuple(value.shape) if isinstance(value, torch.Tensor) else None

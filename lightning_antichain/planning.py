@@ -22,7 +22,7 @@ from .capture import OpGraph, UntraceableModelError, capture_call
 from .memory import device_memory_gb
 from .partition import partition, plan_from_balance
 from .plan import Plan
-from .profile_cache import default_cache_dir, load_cached, profile_key, store
+from .profile_cache import cache_file, default_cache_dir, load_cached, profile_key, store
 from .profiler import profile
 from .trace import children_instead
 
@@ -97,7 +97,7 @@ def plan_model(
         key = profile_key(graph, module, (args, kwargs), devices[0])
         cost = load_cached(directory, key, graph) if use_profile_cache else None
         if cost is not None:
-            cached_from = directory / f"{key}.json"
+            cached_from = cache_file(directory, key)
         else:
             example: Any = kwargs if kwargs else args
             cost = profile(module, example, devices[0], op_graph=graph, name=name or type(module).__name__,

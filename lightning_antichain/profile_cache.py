@@ -55,9 +55,14 @@ def profile_key(graph: OpGraph, module: nn.Module, example: Any, device: torch.d
     return digest.hexdigest()[:32]
 
 
+def cache_file(directory: Path, key: str) -> Path:
+    """Where the cost graph of ``key`` is cached in ``directory``."""
+    return directory / f"{key}.json"
+
+
 def load_cached(directory: Path, key: str, graph: OpGraph | None = None) -> nx.DiGraph | None:
     """The cached cost graph of ``key``, if there is one and it describes ``graph`` exactly."""
-    path = directory / f"{key}.json"
+    path = cache_file(directory, key)
     if not path.exists():
         return None
     try:
@@ -98,7 +103,7 @@ def mismatch(cost: nx.DiGraph, graph: OpGraph, data: dict[str, Any]) -> str | No
 
 def store(directory: Path, key: str, graph: nx.DiGraph) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{key}.json"
+    path = cache_file(directory, key)
     tmp = path.with_suffix(".tmp")
     save_cost_graph(graph, tmp)
     tmp.replace(path)

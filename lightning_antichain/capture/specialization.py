@@ -35,12 +35,17 @@ def input_key(values: Sequence[Any], batch_ranges: Sequence[BatchRange | None]) 
                     shape[dim] = "batch"
             key.append(("tensor", str(value.dtype), value.device.type, tuple(shape)))
         else:
-            try:
-                hash(value)
-                key.append(("constant", type(value).__name__, value))
-            except TypeError:
-                key.append(("constant", type(value).__name__, repr(value)))
+            key.append(constant_key(value))
     return tuple(key)
+
+
+def constant_key(value: Any) -> Hashable:
+    """A non-tensor argument as a graph depends on it: its type and value (``repr`` if unhashable)."""
+    try:
+        hash(value)
+        return "constant", type(value).__name__, value
+    except TypeError:
+        return "constant", type(value).__name__, repr(value)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import FrontendRefused, first_line, location_of
-from .specialization import Specialization
+from .specialization import Specialization, constant_key
 
 
 class LeafTracer(fx.Tracer):
@@ -96,10 +96,14 @@ def capture_symbolic(module: nn.Module, leaf_modules: Sequence[type | str] = (),
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
+def _describe(value: Any) -> Hashable:
+    return "tensor" if isinstance(value, torch.Tensor) else constant_key(value)
+
+
 def _restore_parameters(graph: fx.Graph, signature: inspect.Signature) -> None:
     """fx renames a constant argument's placeholder (``lengths_1``) and makes the traced value its
     default; calls bind by ``forward``'s own names and defaults, so put those back."""
-    parameters = [p for p in signature.parameters.values()][1:]  # without self
+    parameters = list(signature.parameters.values())[1:]  # without self
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(parameters) != len(placeholders):
         return
@@ -134,12 +138,3 @@ def constants_specialization(graph_module: fx.GraphModule, constants: dict[str, 
 
     return Specialization(tuple(_describe(constants[placeholders[i].target]) for i in slots), (), recapture, describe)
 
-
-def _describe(value: Any) -> Hashable:
-    if isinstance(value, torch.Tensor):
-        return "tensor"
-    try:
-        hash(value)
-        return type(value).__name__, value
-    except TypeError:
-        return type(value).__name__, repr(value)
