@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--stages", type=int, required=True, help="number of pipeline stages (devices)")
     plan.add_argument("--input-shape", type=_shape, help="shape of one sample, e.g. 3,32,32")
     plan.add_argument("--batch-size", type=int, default=32, help="samples per training step")
-    plan.add_argument("--chunks", type=int, default=1, help="micro-batches per step (default 1)")
+    plan.add_argument("--chunks", type=_chunks, default=1,
+                      help='micro-batches per step (default 1), or "auto" for the count with the best predicted step')
     plan.add_argument("--device", default="cpu", help="device to profile on: cpu or cuda:N")
     plan.add_argument("--bandwidth", type=float,
                       help="link between stages in GB/s (default: 16 between GPUs, free between CPU devices)")
@@ -89,6 +90,15 @@ def _stage_devices(device: str, stages: int) -> list[str]:
     """One device per stage of the kind profiled: cuda:0..K-1 for GPUs, the same CPU otherwise."""
     kind = device.split(":")[0]
     return [f"{kind}:{k}" for k in range(stages)] if kind == "cuda" else [device] * stages
+
+
+def _chunks(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected a whole number or "auto", got {text!r}') from None
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -173,13 +183,17 @@ def _plan(args: argparse.Namespace) -> int:
 
     from .planning import plan_model
 
-    if args.stages < 1 or args.chunks < 1 or args.batch_size < 1:
+    auto = args.chunks == "auto"
+    if args.stages < 1 or (not auto and args.chunks < 1) or args.batch_size < 1:
         raise ValueError("--stages, --chunks and --batch-size must be at least 1")
-    if args.batch_size < args.chunks:
+    if not auto and args.batch_size < args.chunks:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than --chunks {args.chunks}")
+    if auto and args.load_profile:
+        raise ValueError("--chunks auto profiles the model at each candidate micro-batch size; it cannot plan "
+                         "from --load-profile. Give --chunks as a number.")
     _check_device(args.device)
     _check_paths(args)
-    micro_batch = -(-args.batch_size // args.chunks)
+    micro_batch = args.batch_size if auto else -(-args.batch_size // args.chunks)
     cost = None
     if args.load_profile:
         try:

@@ -33,8 +33,6 @@ from .split import StageModule
 from .transfer import arrive, ship
 from .worker import WorkerPool
 
-CHECKPOINT_MODES = ("never", "except_last", "always")
-
 
 class PipelineStageError(RuntimeError):
     """A stage raised; used on Python < 3.11 where exceptions cannot carry notes."""

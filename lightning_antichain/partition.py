@@ -30,7 +30,7 @@ import numpy as np
 
 from .antichain import DEFAULT_MAX_STATES, StateSpace, build_state_space
 from .graph import node_compute, normalize_cost_graph, ordered_nodes, total_compute
-from .plan import Plan, Stage
+from .plan import CHECKPOINT_MODES, Plan, Stage
 
 METHODS = ("antichain", "uniform", "parameters", "blocks")
 
@@ -60,13 +60,22 @@ class CostModel:
     chunks: int = 1
     bandwidth: float = math.inf
     optimizer_multiplier: float = 2.0
+    checkpoint: str = "never"
 
     def transfer_s(self, nbytes: float | np.ndarray) -> Any:
         """Seconds to ship ``nbytes`` forward and its gradient back."""
         return 2.0 * nbytes / self.bandwidth
 
-    def memory_bytes(self, params: Any, buffers: Any, activations: Any) -> Any:
-        return params * (2.0 + self.optimizer_multiplier) + buffers + activations * self.chunks
+    def memory_bytes(self, params: Any, buffers: Any, activations: Any, inputs: Any) -> Any:
+        """A stage's peak: parameters with their gradients and optimizer state, buffers, and what it
+        holds for backward. Without recomputation that is every micro-batch's ``activations``; with
+        it, the stage ``inputs`` of the micro-batches it recomputes and one micro-batch's activations
+        while it does (``checkpoint`` ``"except_last"`` keeps the last micro-batch's activations)."""
+        recomputed = {"never": 0, "except_last": self.chunks - 1, "always": self.chunks}[self.checkpoint]
+        # GPipe runs the last micro-batch's backward first, so one micro-batch's activations are
+        # alive at a time once recomputation starts
+        held = activations * self.chunks if recomputed == 0 else inputs * recomputed + activations
+        return params * (2.0 + self.optimizer_multiplier) + buffers + held
 
 
 def partition(
@@ -82,6 +91,7 @@ def partition(
     optimizer_multiplier: float = 2.0,
     max_states: int = DEFAULT_MAX_STATES,
     colocate_tied: bool | None = None,
+    checkpoint: str = "never",
 ) -> Plan:
     """Split the profiled model into ``stages`` pipeline stages and predict what it will cost.
 
@@ -91,7 +101,9 @@ def partition(
     transfers are free. ``chunks`` is the number of micro-batches per step; the cost graph's times
     are per micro-batch. ``colocate_tied`` keeps operations that use the same parameter (tied
     weights) in one stage; by default it does so when the stages are on different devices, since
-    a parameter lives on one device. Raises :class:`InfeasiblePlanError` when no split fits.
+    a parameter lives on one device. ``checkpoint`` is the runtime's recompute mode, which sets the
+    activations a stage holds (see :meth:`CostModel.memory_bytes`). Raises
+    :class:`InfeasiblePlanError` when no split fits.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -103,7 +115,7 @@ def partition(
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
     if bandwidth <= 0:
         raise ValueError(f"bandwidth_gbps must be positive, got {bandwidth_gbps}")
-    model = CostModel(chunks, bandwidth, optimizer_multiplier)
+    model = CostModel(chunks, bandwidth, optimizer_multiplier, _checked_mode(checkpoint))
     free = [v for v in ordered_nodes(graph) if not graph.nodes[v]["pinned"]]
     if len(free) < stages:
         raise InfeasiblePlanError(
@@ -147,6 +159,7 @@ def plan_from_balance(
     devices: Sequence[str | DeviceSpec] | None = None,
     bandwidth_gbps: float | None = None,
     optimizer_multiplier: float = 2.0,
+    checkpoint: str = "never",
 ) -> Plan:
     """A plan that puts ``balance[k]`` consecutive operations (in execution order) on stage k.
 
@@ -162,7 +175,7 @@ def plan_from_balance(
         )
     specs = _device_specs(len(balance), devices, None, None)
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
-    model = CostModel(chunks, bandwidth, optimizer_multiplier)
+    model = CostModel(chunks, bandwidth, optimizer_multiplier, _checked_mode(checkpoint))
     bounds = np.cumsum([0, *balance])
     stage_sets = [free[bounds[k] : bounds[k + 1]] for k in range(len(balance))]
     stage_sets[0] = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]] + stage_sets[0]
@@ -175,6 +188,12 @@ def plan_from_balance(
             )
     built = evaluate_stages(graph, stage_sets, specs, model)
     return _make_plan(graph, built, specs, model, "balance", time.perf_counter() - started, len(free) + 1, [])
+
+
+def _checked_mode(checkpoint: str) -> str:
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+    return checkpoint
 
 
 def _device_specs(
@@ -219,8 +238,9 @@ def stage_costs(space: StateSpace, spec: DeviceSpec, model: CostModel) -> np.nda
 
 def _stage_memory(space: StateSpace, model: CostModel) -> np.ndarray:
     diff = lambda a: a[:, None] - a[None, :]  # noqa: E731
-    activations = diff(space.activation_bytes) + space.cut_bytes[None, :]
-    return model.memory_bytes(diff(space.param_bytes), diff(space.buffer_bytes), activations)
+    inputs = np.broadcast_to(space.cut_bytes[None, :], (len(space), len(space)))
+    activations = diff(space.activation_bytes) + inputs
+    return model.memory_bytes(diff(space.param_bytes), diff(space.buffer_bytes), activations, inputs)
 
 
 def solve_bottleneck(
@@ -354,7 +374,7 @@ def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
 def _memory_of(graph: nx.DiGraph, nodes: list[Any], model: CostModel) -> float:
     attr = lambda key: sum(graph.nodes[v][key] for v in nodes)  # noqa: E731
     inputs = sum(graph.nodes[p]["output_bytes"] for v in nodes for p in graph.predecessors(v) if p not in nodes)
-    return model.memory_bytes(attr("param_bytes"), attr("buffer_bytes"), attr("output_bytes") + inputs)
+    return model.memory_bytes(attr("param_bytes"), attr("buffer_bytes"), attr("output_bytes") + inputs, inputs)
 
 
 def evaluate_stages(
@@ -399,7 +419,8 @@ def evaluate_stages(
                 forward_s=sum_attr("forward_s") / spec.speed,
                 backward_s=sum_attr("backward_s") / spec.speed,
                 transfer_s=float(model.transfer_s(in_bytes + out_bytes)),
-                memory_bytes=int(model.memory_bytes(sum_attr("param_bytes"), sum_attr("buffer_bytes"), activations)),
+                memory_bytes=int(model.memory_bytes(sum_attr("param_bytes"), sum_attr("buffer_bytes"), activations,
+                                                    in_bytes)),
                 param_bytes=int(sum_attr("param_bytes")),
                 buffer_bytes=int(sum_attr("buffer_bytes")),
                 activation_bytes=int(activations),
@@ -444,6 +465,7 @@ def _make_plan(
         micro_batch_size=meta.get("micro_batch_size"),
         bandwidth_gbps=None if math.isinf(model.bandwidth) else model.bandwidth / 1e9,
         optimizer_multiplier=model.optimizer_multiplier,
+        checkpoint=model.checkpoint,
         num_nodes=sum(1 for v in graph.nodes if not graph.nodes[v]["pinned"]),
         num_states=num_states,
         solve_s=solve_s,
@@ -454,8 +476,13 @@ def _make_plan(
         frontend=meta.get("frontend"),
         refused=list(meta.get("refused") or []),
         profiled_on=meta.get("device_name") or meta.get("device"),
+        task_overhead_s=float(meta.get("task_overhead_s") or 0.0),
+        step_overhead_s=float(meta.get("step_overhead_s") or 0.0),
+        optimizer_step_s=float(meta.get("optimizer_step_s") or 0.0),
+        parallel_capacity=meta.get("parallel_capacity"),
+        cpu_cores=meta.get("cpu_cores"),
     )
-    plan.predicted_step_s = max(t.end for t in plan.timeline())
+    plan.predicted_step_s = plan.predict_step()
     return plan
 
 

@@ -34,8 +34,8 @@ from .batchnorm import deferred_batch_norm
 from .capture import NEEDS_EXAMPLE, UntraceableModelError, capture, capture_call
 from .capture.assignments import Output, assign
 from .capture.isolation import own_forward, side_effects_undone
-from .engine import CHECKPOINT_MODES, PassState, run_backward, run_forward
-from .plan import Plan
+from .engine import PassState, run_backward, run_forward
+from .plan import CHECKPOINT_MODES, Plan, check_chunks
 from .pytrees import flatten, unflatten
 from .schedule import Task, make_schedule
 from .split import PlanMismatchError, StageModule, place_stages, split_stages
@@ -44,7 +44,9 @@ from .worker import WorkerPool, share_malloc_arena
 
 
 class Pipeline(nn.Module):
-    """Run ``module`` as the stages of ``plan``, ``chunks`` micro-batches at a time.
+    """Run ``module`` as the stages of ``plan``, ``chunks`` micro-batches at a time (``"auto"``:
+    as many as the plan was made for, which :func:`~lightning_antichain.planning.plan_model` with
+    ``chunks="auto"`` chooses).
 
     ``graph`` is the captured graph the plan was made for (see :func:`lightning_antichain.capture`):
     pass the one that was profiled, so the graph that runs is the graph that was planned. Without it,
@@ -73,7 +75,7 @@ class Pipeline(nn.Module):
         self,
         module: nn.Module,
         plan: Plan,
-        chunks: int = 8,
+        chunks: int | str = "auto",
         checkpoint: str = "never",
         devices: Sequence[str | torch.device] | None = None,
         output_device: str | torch.device | None = None,
@@ -87,10 +89,7 @@ class Pipeline(nn.Module):
         super().__init__()
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(
-                f"chunks is the number of micro-batches per batch, a whole number of at least 1; got {chunks!r}"
-            )
+        chunks = plan.chunks if chunks == "auto" else check_chunks(chunks)
         if graph is not None and graph.module is not module:
             raise ValueError("graph= was captured from another module than the one given to Pipeline")
         self.module = module

@@ -15,6 +15,20 @@ from typing import Any
 from .schedule import Timed, make_schedule, stage_durations, timeline
 
 PLAN_FORMAT = "lightning-antichain/plan/1"
+CHECKPOINT_MODES = ("never", "except_last", "always")
+"""Activation recomputation: none, every micro-batch but the last, or every one."""
+
+
+def check_chunks(chunks: object, auto: bool = False) -> int | str:
+    """``chunks`` if it is a micro-batch count (or, where ``auto``, ``"auto"``); else a clear error."""
+    if auto and chunks == "auto":
+        return "auto"
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        also = ', or "auto" to let the planner choose' if auto else ""
+        raise ValueError(
+            f"chunks is the number of micro-batches per batch, a whole number of at least 1{also}; got {chunks!r}"
+        )
+    return chunks
 
 
 @dataclass
@@ -23,8 +37,9 @@ class Stage:
 
     ``compute_s`` is forward plus backward of one micro-batch on this device; ``transfer_s`` ships
     the stage's input cut in and its output cut out, forward and the gradients back.
-    ``memory_bytes`` counts parameters, their gradients and optimizer state, buffers, and the
-    activations of ``chunks`` micro-batches held for backward.
+    ``memory_bytes`` counts parameters, their gradients and optimizer state, buffers, and what the
+    plan's ``checkpoint`` mode holds for backward: the activations of ``chunks`` micro-batches, or
+    the stage inputs of those it recomputes and one micro-batch's activations.
     """
 
     index: int
@@ -64,10 +79,15 @@ class Plan:
     ``bottleneck_s`` is the slowest stage's time per micro-batch; ``lower_bound_s`` is
     ``max(total compute / total device speed, slowest single operation)``, which no split can beat;
     ``predicted_step_s`` is one step of ``chunks`` micro-batches under ``schedule`` (see
-    :mod:`lightning_antichain.schedule`), fill and drain included. ``compression`` says what the
+    :mod:`lightning_antichain.schedule`), fill and drain included, with what the runtime adds: each
+    task's ``task_overhead_s``, each step's ``step_overhead_s`` and ``optimizer_step_s``, and, for
+    CPU stages that run at once, the slowdown that the profile's ``parallel_capacity`` (two at once
+    against one alone) implies on a machine of ``cpu_cores`` cores. ``compression`` says what the
     planner simplified to stay fast.
     ``frontend`` names the capture frontend whose graph was planned, and ``refused`` why the
-    frontends before it could not capture the model.
+    frontends before it could not capture the model. ``candidates`` lists, for a plan made with
+    ``chunks="auto"`` for batches of ``batch_size``, every micro-batch count weighed, with its
+    predicted step and peak stage memory.
     """
 
     stages: list[Stage]
@@ -80,6 +100,7 @@ class Plan:
     micro_batch_size: int | None = None
     bandwidth_gbps: float | None = None
     optimizer_multiplier: float = 2.0
+    checkpoint: str = "never"
     num_nodes: int = 0
     num_states: int = 0
     solve_s: float = 0.0
@@ -91,6 +112,13 @@ class Plan:
     frontend: str | None = None
     refused: list[str] = field(default_factory=list)
     schedule: str = "gpipe"
+    task_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    optimizer_step_s: float = 0.0
+    parallel_capacity: float | None = None
+    cpu_cores: int | None = None
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    batch_size: int | None = None
 
     @property
     def num_stages(self) -> int:
@@ -179,6 +207,23 @@ class Plan:
             + ("" if self.profile_s is None else f", profiled in {self.profile_s:.1f} s")
             + ("" if self.frontend is None else f"; captured by {self.frontend}"),
         ]
+        costs = [f"runtime {1e3 * self.task_overhead_s:.2f} ms per task, {1e3 * self.step_overhead_s:.2f} ms per step"]
+        if self.optimizer_step_s:
+            costs.append(f"optimizer step {1e3 * self.optimizer_step_s:.1f} ms")
+        if self.parallel_capacity is not None:
+            costs.append(f"two CPU stages at once do {self.parallel_capacity:.2f}x the work of one")
+        lines.append("included: " + ", ".join(costs))
+        if self.candidates:
+            lines.append(f"chunks=auto for batches of {self.batch_size}: chose {self.chunks}")
+            for row in self.candidates:
+                if row.get("fails"):
+                    step = f"cannot run: {row['fails']}"
+                elif not row["fits"]:
+                    step = "does not fit in memory"
+                else:
+                    step = (f"predicted step {1e3 * row['predicted_step_s']:.1f} ms, "
+                            f"peak {row['peak_memory_bytes'] / 1e6:.1f} MB")
+                lines.append(f"  chunks {row['chunks']:>3} (micro-batches of {row['micro_batch_size']}): {step}")
         lines += [f"capture: {reason}" for reason in self.refused]
         lines += [f"note: {c}" for c in self.compression]
         return "\n".join(lines)
@@ -189,9 +234,27 @@ class Plan:
     def timeline(self) -> list[Timed]:
         """The predicted start and end of every task of one step (:func:`schedule.timeline`), each
         stage's transfer split evenly between its forward and its backward."""
-        forward = [s.forward_s + s.transfer_s / 2 for s in self.stages]
-        backward = [s.backward_s + s.transfer_s / 2 for s in self.stages]
-        return timeline(make_schedule(self.schedule, self.num_stages, self.chunks), stage_durations(forward, backward))
+        forward = [s.forward_s + s.transfer_s / 2 + self.task_overhead_s for s in self.stages]
+        backward = [s.backward_s + s.transfer_s / 2 + self.task_overhead_s for s in self.stages]
+        return timeline(
+            make_schedule(self.schedule, self.num_stages, self.chunks),
+            stage_durations(forward, backward),
+            capacity=self.capacity(),
+            shared=[s.device.startswith("cpu") for s in self.stages],
+        )
+
+    def capacity(self) -> list[float]:
+        """Work done by 1, 2, ... CPU stages running at once, in units of one alone: each stage
+        beyond the first adds what the second added in the profile, while there are cores for it."""
+        if self.parallel_capacity is None:
+            return [float(n) for n in range(1, self.num_stages + 1)]
+        cores = self.cpu_cores or self.num_stages
+        extra = self.parallel_capacity - 1.0
+        return [1.0 + extra * (min(n, cores) - 1) for n in range(1, self.num_stages + 1)]
+
+    def predict_step(self) -> float:
+        """Seconds of one training step: the end of :meth:`timeline` plus the per-step costs."""
+        return max(t.end for t in self.timeline()) + self.step_overhead_s + self.optimizer_step_s
 
 
 def _span(nodes: list[str]) -> str:

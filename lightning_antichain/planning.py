@@ -17,10 +17,11 @@ import networkx as nx
 import torch
 from torch import nn
 
-from .batch_dims import check_micro_batchable
+from .batch_dims import batch_size_of, check_micro_batchable, first_micro_batch
 from .capture import OpGraph, UntraceableModelError, capture_call
 from .memory import device_memory_gb
-from .partition import partition, plan_from_balance
+from .overhead import optimizer_step_s
+from .partition import InfeasiblePlanError, partition, plan_from_balance
 from .plan import Plan
 from .profile_cache import cache_file, default_cache_dir, load_cached, profile_key, store
 from .profiler import profile
@@ -51,13 +52,25 @@ def default_memory_gb(devices: Sequence[torch.device]) -> list[float | None]:
     return [device_memory_gb(d) for d in devices]
 
 
+AUTO = "auto"
+"""``chunks="auto"``: the micro-batch count with the best predicted step that fits in memory."""
+
+
+def chunk_candidates(batch_size: int, stages: int) -> list[int]:
+    """The counts ``chunks="auto"`` weighs: powers of two up to the batch size, and up to 8 per stage
+    (at least 16), past which a step's overhead per micro-batch outweighs the bubble it saves."""
+    limit = min(batch_size, max(16, 8 * stages))
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
 def plan_model(
     module: nn.Module | None,
     args: tuple,
     kwargs: dict,
     devices: Sequence[str | torch.device],
     *,
-    chunks: int,
+    chunks: int | str,
+    checkpoint: str = "never",
     balance: Sequence[int] | None = None,
     method: str = "antichain",
     batch_dim: int | Mapping[str, int] = 0,
@@ -66,6 +79,7 @@ def plan_model(
     bandwidth_gbps: float | None = None,
     memory_gb: float | Sequence[float | None] | None = None,
     optimizer_multiplier: float = 2.0,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
     fallback: str | None = None,
     profile_cache: str | Path | None = None,
     use_profile_cache: bool = True,
@@ -82,9 +96,20 @@ def plan_model(
     ``balance`` fixes the operations per stage instead of planning. ``fallback="children"`` plans
     a model no frontend can capture at its top-level children (for a look at the plan only: such a
     plan cannot run). ``bandwidth_gbps`` and ``memory_gb`` default to
-    :func:`default_bandwidth_gbps` and :func:`default_memory_gb`.
+    :func:`default_bandwidth_gbps` and :func:`default_memory_gb`. ``optimizers`` are timed (on
+    copies of their parameters) so that the predicted step includes their ``step()``.
+
+    With ``chunks="auto"``, ``args, kwargs`` is a whole batch: each count of
+    :func:`chunk_candidates` is profiled at its own micro-batch size and planned, and the plan with
+    the shortest predicted step whose stages fit ``memory_gb`` (under ``checkpoint``) is returned,
+    listing every candidate in ``plan.candidates``.
     """
     devices = [torch.device(d) for d in devices]
+    if chunks == AUTO:
+        if module is None or cost is not None:
+            raise ValueError('chunks="auto" profiles the model at each candidate micro-batch size; give the '
+                             "module and a whole batch, not a saved cost graph, or give chunks as a number")
+        return _plan_auto(module, args, kwargs, devices, locals())
     graph = None
     cached_from = None
     if cost is None:
@@ -93,26 +118,97 @@ def plan_model(
         graph = _capture(module, args, kwargs, leaf_modules, batch_dim, fallback, progress)
         if check_batch and graph.granularity == "ops":
             check_micro_batchable(module, args, kwargs, batch_dim)
-        directory = Path(profile_cache) if profile_cache else default_cache_dir()
-        key = profile_key(graph, module, (args, kwargs), devices[0])
-        cost = load_cached(directory, key, graph) if use_profile_cache else None
-        if cost is not None:
-            cached_from = cache_file(directory, key)
-        else:
-            example: Any = kwargs if kwargs else args
-            cost = profile(module, example, devices[0], op_graph=graph, name=name or type(module).__name__,
-                           batch_dim=batch_dim, progress=progress)
-            if use_profile_cache:
-                store(directory, key, cost)
+        cost, cached_from = _profiled(module, graph, args, kwargs, devices[0], batch_dim, profile_cache,
+                                      use_profile_cache, progress, name)
+    if optimizers:
+        cost = cost.copy()
+        cost.graph["optimizer_step_s"] = optimizer_step_s(list(optimizers))
+    return Planned(_cut(cost, devices, chunks, checkpoint, balance, method, bandwidth_gbps, memory_gb,
+                        optimizer_multiplier), graph, cost, cached_from)
+
+
+def _profiled(module: nn.Module, graph: OpGraph, args: tuple, kwargs: dict, device: torch.device,
+              batch_dim: int | Mapping[str, int], profile_cache: str | Path | None, use_profile_cache: bool,
+              progress: bool, name: str | None) -> tuple[nx.DiGraph, Path | None]:
+    """The cost graph of ``graph`` on one micro-batch: from the cache if it has it, else profiled and stored."""
+    directory = Path(profile_cache) if profile_cache else default_cache_dir()
+    key = profile_key(graph, module, (args, kwargs), device)
+    cost = load_cached(directory, key, graph) if use_profile_cache else None
+    if cost is not None:
+        return cost, cache_file(directory, key)
+    example: Any = kwargs if kwargs else args
+    cost = profile(module, example, device, op_graph=graph, name=name or type(module).__name__,
+                   batch_dim=batch_dim, progress=progress)
+    if use_profile_cache:
+        store(directory, key, cost)
+    return cost, None
+
+
+def _cut(cost: nx.DiGraph, devices: list[torch.device], chunks: int, checkpoint: str,
+         balance: Sequence[int] | None, method: str, bandwidth_gbps: float | None,
+         memory_gb: float | Sequence[float | None] | None, optimizer_multiplier: float) -> Plan:
     names = [str(d) for d in devices]
     bandwidth = bandwidth_gbps if bandwidth_gbps is not None else default_bandwidth_gbps(devices)
     if balance is not None:
-        plan = plan_from_balance(cost, list(balance), chunks=chunks, devices=names, bandwidth_gbps=bandwidth,
-                                 optimizer_multiplier=optimizer_multiplier)
-    else:
-        memory = memory_gb if memory_gb is not None else default_memory_gb(devices)
-        plan = partition(cost, len(devices), chunks=chunks, method=method, devices=names, bandwidth_gbps=bandwidth,
-                         memory_gb=memory, optimizer_multiplier=optimizer_multiplier)
+        return plan_from_balance(cost, list(balance), chunks=chunks, devices=names, bandwidth_gbps=bandwidth,
+                                 optimizer_multiplier=optimizer_multiplier, checkpoint=checkpoint)
+    memory = memory_gb if memory_gb is not None else default_memory_gb(devices)
+    return partition(cost, len(devices), chunks=chunks, method=method, devices=names, bandwidth_gbps=bandwidth,
+                     memory_gb=memory, optimizer_multiplier=optimizer_multiplier, checkpoint=checkpoint)
+
+
+def _plan_auto(module: nn.Module, args: tuple, kwargs: dict, devices: list[torch.device],
+               options: dict[str, Any]) -> Planned:
+    batch_dim, progress = options["batch_dim"], options["progress"]
+    size = batch_size_of(module, args, kwargs, batch_dim)
+    if not size:
+        raise ValueError('chunks="auto" needs a batch with samples on its batch dim (batch_dim=) to choose how '
+                         "to split it; give chunks as a number instead")
+    graph = _capture(module, args, kwargs, options["leaf_modules"], batch_dim, options["fallback"], progress)
+    if options["check_batch"] and graph.granularity == "ops":
+        check_micro_batchable(module, args, kwargs, batch_dim)
+    optimizer_s = optimizer_step_s(list(options["optimizers"])) if options["optimizers"] else 0.0
+    profiled: dict[int, tuple[nx.DiGraph, Path | None] | Exception] = {}
+    rows: list[dict[str, Any]] = []
+    best: tuple[Plan, nx.DiGraph, Path | None] | None = None
+    refusal: InfeasiblePlanError | None = None
+    for chunks in chunk_candidates(size, len(devices)):
+        micro_args, micro_kwargs = first_micro_batch(module, args, kwargs, chunks, batch_dim)
+        micro = -(-size // chunks)
+        if micro not in profiled:
+            label = f"{options['name'] or type(module).__name__}, micro-batch {micro}"
+            try:
+                profiled[micro] = _profiled(module, graph, micro_args, micro_kwargs, devices[0], batch_dim,
+                                            options["profile_cache"], options["use_profile_cache"], progress, label)
+            except (RuntimeError, ValueError) as exc:
+                if not rows:  # the whole batch itself fails: nothing to weigh
+                    raise
+                profiled[micro] = exc  # e.g. BatchNorm refuses a single sample in training
+        if isinstance(profiled[micro], Exception):
+            rows.append({"chunks": chunks, "micro_batch_size": micro, "predicted_step_s": None,
+                         "peak_memory_bytes": None, "fits": False, "fails": str(profiled[micro]).split("\n")[0]})
+            continue
+        cost, cached_from = profiled[micro]
+        cost = cost.copy()
+        cost.graph.update(optimizer_step_s=optimizer_s, model=options["name"] or type(module).__name__)
+        try:
+            plan = _cut(cost, devices, chunks, options["checkpoint"], options["balance"], options["method"],
+                        options["bandwidth_gbps"], options["memory_gb"], options["optimizer_multiplier"])
+        except InfeasiblePlanError as exc:
+            refusal = refusal or exc
+            rows.append({"chunks": chunks, "micro_batch_size": micro, "predicted_step_s": None,
+                         "peak_memory_bytes": None, "fits": False})
+            continue
+        rows.append({"chunks": chunks, "micro_batch_size": micro, "predicted_step_s": plan.predicted_step_s,
+                     "peak_memory_bytes": max(s.memory_bytes for s in plan.stages), "fits": True})
+        if best is None or plan.predicted_step_s < best[0].predicted_step_s:
+            best = (plan, cost, cached_from)
+    if best is None:
+        assert refusal is not None
+        raise InfeasiblePlanError(f"no micro-batch count from 1 to {rows[-1]['chunks']} fits: {refusal}")
+    plan, cost, cached_from = best
+    plan.candidates = rows
+    plan.batch_size = size
     return Planned(plan, graph, cost, cached_from)
 
 

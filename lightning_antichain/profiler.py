@@ -10,6 +10,7 @@ saved and planned again without profiling.
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import sys
 import time
@@ -20,11 +21,13 @@ import networkx as nx
 import torch
 from torch import nn
 
+from . import overhead
 from .batch_dims import batch_size_of
 from .capture.devices import retarget_devices
 from .graph import GRAPH_FORMAT
 from .microbatch import MicroBatchError
 from .trace import OpGraph, RecordedCall, iter_tensors, map_tensors, split_inputs, trace
+from .worker import WorkerPool, share_malloc_arena
 
 
 def profile(
@@ -40,6 +43,7 @@ def profile(
     progress: bool = True,
     name: str | None = None,
     batch_dim: int | Mapping[str, int] = 0,
+    runtime_overhead: bool = True,
 ) -> nx.DiGraph:
     """Profile ``module`` on ``device`` and return its cost graph.
 
@@ -51,6 +55,13 @@ def profile(
     Forward and backward times are medians of ``repeats`` runs after ``warmup`` runs; the runs go
     round-robin over all operations so that a passing slowdown of the machine spreads over many
     operations instead of biasing one. Progress is shown on stderr unless ``progress=False``.
+
+    What per-op times miss is measured too, for the planner's prediction of a step: on CPU, how
+    much work two stages get through when they run at once (``parallel_capacity``: the whole
+    model's forward and backward on two threads at once against one, at this micro-batch size, since
+    small micro-batches contend for the interpreter lock and large ones for memory bandwidth); and,
+    unless ``runtime_overhead=False``, the runtime's own cost per task and per step on ``device``
+    (:func:`lightning_antichain.overhead.runtime_overhead`, measured once per machine).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -79,6 +90,10 @@ def profile(
                 measured.append(timing)
             reporter.step()
     reporter.close()
+    capacity = None
+    if device.type == "cpu":
+        call_args, call_kwargs = (replay.bind(args, kwargs), {}) if graph.graph_module is not None else (args, kwargs)
+        capacity = _parallel_capacity(_training_step(work_module, tuple(call_args), call_kwargs), repeats)
     cost = nx.DiGraph()
     owned: set[int] = set()
     canonical: dict[int, str] = {}
@@ -123,9 +138,53 @@ def profile(
         together=[list(group) for group in graph.together],
         warmup=warmup,
         repeats=repeats,
-        profile_s=time.perf_counter() - started,
+        parallel_capacity=capacity,
+        cpu_cores=_cpu_cores(),
     )
+    if runtime_overhead:
+        found = overhead.runtime_overhead(device)
+        cost.graph.update(task_overhead_s=found.task_s, step_overhead_s=found.step_s)
+    cost.graph["profile_s"] = time.perf_counter() - started
     return cost
+
+
+def _parallel_capacity(step: Callable[[], None], repeats: int) -> float:
+    """Work done by two threads running ``step`` at once, in units of one thread alone (2.0: no contention)."""
+    share_malloc_arena()  # as CPU pipelines do, so the threads contend as theirs will
+    alone_pool, pair_pool = WorkerPool(1, name="antichain-alone"), WorkerPool(2, name="antichain-pair")
+    alone, together = [], []
+    try:
+        for i in range(1 + max(1, min(3, repeats))):
+            for pool, times in ((alone_pool, alone), (pair_pool, together)):
+                start = time.perf_counter()
+                pool.run([step] * pool.size, lambda: None)
+                if i:
+                    times.append(time.perf_counter() - start)
+    finally:
+        alone_pool.shutdown()
+        pair_pool.shutdown()
+    return min(2.0, 2.0 * statistics.median(alone) / statistics.median(together))
+
+
+def _training_step(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
+    """One forward and backward of ``module``, with gradients returned rather than accumulated (so
+    two threads may run it at once)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step() -> None:
+        with torch.enable_grad():
+            outs = [t for t in iter_tensors(module(*args, **kwargs)) if t.requires_grad]
+            if outs and params:
+                torch.autograd.grad(outs, params, [torch.ones_like(t) for t in outs], allow_unused=True)
+
+    return step
+
+
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 class _Timer:

@@ -71,36 +71,57 @@ class Timed:
     end: float
 
 
-def timeline(schedule: Schedule, duration: Callable[[Task], float]) -> list[Timed]:
-    """When each task runs, if each takes ``duration(task)`` seconds.
+def timeline(
+    schedule: Schedule,
+    duration: Callable[[Task], float],
+    *,
+    capacity: Sequence[float] = (1.0,),
+    shared: Sequence[bool] | None = None,
+) -> list[Timed]:
+    """When each task runs, if each takes ``duration(task)`` seconds when it runs alone.
 
     A task starts once its stage has finished the task before it in the stage's order and its input
     is there: a forward needs the previous stage's forward of the same micro-batch, a backward the
     next stage's backward of it. The last stage's backwards need every forward of the last stage,
     since the loss is computed on the joined output of the whole batch.
+
+    Stages marked ``shared`` (CPU stages: they share the machine's cores, memory bus and
+    interpreter lock) slow each other down while they run at once: ``n`` of them together get
+    through ``capacity[n - 1]`` times the work of one alone (the last entry holds for more), each
+    at an equal share. Other stages run at full speed whatever else runs.
     """
+    shared = [False] * schedule.stages if shared is None else list(shared)
     last = schedule.stages - 1
+    all_forwards = [Task("forward", last, m) for m in range(schedule.chunks)]
     end: dict[Task, float] = {}
     position = [0] * schedule.stages
-    free = [0.0] * schedule.stages
+    running: dict[int, tuple[Task, float, float]] = {}  # stage -> (task, start, work left)
     timed: list[Timed] = []
-    all_forwards = [Task("forward", last, m) for m in range(schedule.chunks)]
-    while len(end) < sum(len(tasks) for tasks in schedule.order):
-        progressed = False
+    now = 0.0
+    total = sum(len(tasks) for tasks in schedule.order)
+    while len(end) < total:
         for k, tasks in enumerate(schedule.order):
-            while position[k] < len(tasks):
+            if k not in running and position[k] < len(tasks):
                 task = tasks[position[k]]
-                inputs = _inputs(task, last, all_forwards)
-                if any(t not in end for t in inputs):
-                    break
-                start = max([free[k], *(end[t] for t in inputs)])
-                free[k] = end[task] = start + duration(task)
-                timed.append(Timed(task, start, end[task]))
-                position[k] += 1
-                progressed = True
-        if not progressed:
+                if all(t in end for t in _inputs(task, last, all_forwards)):
+                    running[k] = (task, now, duration(task))
+        if not running:
             waiting = [tasks[position[k]] for k, tasks in enumerate(schedule.order) if position[k] < len(tasks)]
             raise ValueError(f"schedule {schedule.name!r} deadlocks: every stage waits ({waiting})")
+        together = sum(1 for k in running if shared[k])
+        share = capacity[min(together, len(capacity)) - 1] / together if together else 1.0
+        rate = {k: share if shared[k] else 1.0 for k in running}
+        step = min(left / rate[k] for k, (_, _, left) in running.items())
+        now += step
+        for k, (task, start, left) in list(running.items()):
+            left -= step * rate[k]
+            if left <= 1e-12 * max(1.0, now):
+                end[task] = now
+                timed.append(Timed(task, start, now))
+                position[k] += 1
+                del running[k]
+            else:
+                running[k] = (task, start, left)
     return timed
 
 

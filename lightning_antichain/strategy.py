@@ -37,11 +37,10 @@ from torch import nn
 from .batch_dims import batch_size_of, check_batch_dim, first_micro_batch
 from .capture import OpGraph
 from .capture.signature import FlatSignature, original_forward
-from .engine import CHECKPOINT_MODES
 from .memory import optimizer_multiplier
 from .pipeline import Pipeline
-from .plan import Plan
-from .planning import plan_model
+from .plan import CHECKPOINT_MODES, Plan, check_chunks
+from .planning import AUTO, plan_model
 from .profile_cache import default_cache_dir
 from .replicas import average_gradients
 from .trace import map_tensors, split_inputs
@@ -56,7 +55,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     Args:
         chunks: micro-batches per batch. A batch must have at least this many samples (a shorter
-            last batch of an epoch runs with fewer micro-batches).
+            last batch of an epoch runs with fewer micro-batches). ``"auto"`` profiles each count
+            of :func:`~lightning_antichain.planning.chunk_candidates` at its micro-batch size on the
+            first batch and takes the one with the shortest predicted step that fits in memory
+            (under ``checkpoint``); the plan table lists them all.
         checkpoint: activation recomputation, ``"never"``, ``"except_last"`` or ``"always"``.
         module: dotted path of the submodule to pipeline (e.g. ``"backbone"``); default: the
             LightningModule's own ``forward``. Its forward must be what the steps call.
@@ -91,7 +93,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        chunks: int = 8,
+        chunks: int | Literal["auto"] = 8,
         checkpoint: Literal["never", "except_last", "always"] = "never",
         module: str | None = None,
         plan: str | None = None,
@@ -113,10 +115,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         super().__init__()
         self.batch_dim = check_batch_dim(batch_dim)
         self.check_batch = check_batch
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(
-                f"chunks is the number of micro-batches per batch, a whole number of at least 1; got {chunks!r}"
-            )
+        chunks = check_chunks(chunks, auto=True)
         if balance is not None and (
             not balance or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance)
         ):
@@ -352,7 +351,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             target,
             self.plan,
             graph=graph,
-            chunks=self.chunks,
+            chunks=self.plan.chunks,
             checkpoint=self.checkpoint,
             devices=devices,
             output_device=self.root_device,
@@ -372,6 +371,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
             planned = plan_model(
                 target, positional, keywords, devices,
                 chunks=self.chunks,
+                checkpoint=self.checkpoint,
+                optimizers=self.optimizers,
                 balance=self.balance,
                 batch_dim=self.batch_dim,
                 check_batch=self.check_batch,
@@ -427,32 +428,40 @@ class AntichainPipelineStrategy(ParallelStrategy):
                     "the first training batch is empty (0 samples). Check the DataLoader: the dataset's length, "
                     "its sampler, and drop_last."
                 )
-            if size is not None and size < self.chunks:
+            if size is not None and self.chunks != AUTO and size < self.chunks:
                 raise ValueError(
                     f"chunks={self.chunks} is larger than the batch of {size} samples; lower chunks or raise "
                     "the batch size (a shorter last batch of an epoch is fine)"
                 )
             if size is not None:
-                self._plan_for_micro_batch(-(-size // self.chunks))
+                self._plan_for_batch(size)
         if self._pipeline is None:
-            self._build(*first_micro_batch(self._target(), args, kwargs, self.chunks, self.batch_dim))
+            if self.chunks == AUTO:
+                self._build(args, kwargs)  # a whole batch: auto weighs how to split it
+            else:
+                self._build(*first_micro_batch(self._target(), args, kwargs, self.chunks, self.batch_dim))
         assert self._pipeline is not None
         self._calls += 1
         return self._pipeline(*args, **kwargs)
 
-    def _plan_for_micro_batch(self, micro: int) -> None:
-        """Plan again if the plan was made for micro-batches of another size than training's.
+    def _plan_for_batch(self, size: int) -> None:
+        """Plan again if the plan was made for batches (or micro-batches) of another size than training's.
 
         The example (``example_input_array``) or a sanity-check validation batch may arrive first
         with another size; a plan made for it would predict the wrong times and, worse, check the
         memory limits against activations of the wrong size.
         """
-        planned = self.plan.micro_batch_size if self.plan is not None else None
-        if self.plan_path is not None or planned in (None, micro) or self._pipeline is None:
+        if self.plan is None or self.plan_path is not None or self._pipeline is None:
+            return
+        if self.chunks == AUTO:
+            planned, wanted, what = self.plan.batch_size, size, "batches"
+        else:
+            planned, wanted, what = self.plan.micro_batch_size, -(-size // self.chunks), "micro-batches"
+        if planned in (None, wanted):
             return
         rank_zero_info(
-            f"lightning-antichain: the plan was made for micro-batches of {planned} samples, training runs "
-            f"micro-batches of {micro}; profiling and planning again"
+            f"lightning-antichain: the plan was made for {what} of {planned} samples, training runs "
+            f"{what} of {wanted}; profiling and planning again"
         )
         self._pipeline.close()
         self._pipeline, self.plan, self._graph = None, None, None
@@ -500,7 +509,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.plan is not None:
             checkpoint[CHECKPOINT_KEY] = {
-                "chunks": self.chunks,
+                "chunks": self.plan.chunks,
+                "requested_chunks": self.chunks,
                 "devices": [str(d) for d in self.parallel_devices or []],
                 "replicas": self.world_size,
                 "plan": self.plan.to_dict(),

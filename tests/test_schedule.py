@@ -86,9 +86,32 @@ def test_the_plan_predicts_its_step_from_the_schedule_it_names(monkeypatch):
     monkeypatch.setitem(schedule.SCHEDULES, "reversed", reversed_forwards)
     cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
     plan = la.partition(cost, 3, chunks=4)
-    forward = [s.forward_s + s.transfer_s / 2 for s in plan.stages]
-    backward = [s.backward_s + s.transfer_s / 2 for s in plan.stages]
-    assert plan.predicted_step_s == pytest.approx(step_time(gpipe(3, 4), forward, backward))
-    assert max(t.end for t in plan.timeline()) == pytest.approx(plan.predicted_step_s)
+    assert plan.parallel_capacity is not None and plan.task_overhead_s > 0
+    forward = [s.forward_s + s.transfer_s / 2 + plan.task_overhead_s for s in plan.stages]
+    backward = [s.backward_s + s.transfer_s / 2 + plan.task_overhead_s for s in plan.stages]
+    simulated = timeline(gpipe(3, 4), schedule.stage_durations(forward, backward), capacity=plan.capacity(),
+                         shared=[True] * 3)
+    assert plan.predicted_step_s == pytest.approx(max(t.end for t in simulated) + plan.step_overhead_s)
+    assert max(t.end for t in plan.timeline()) + plan.step_overhead_s == pytest.approx(plan.predicted_step_s)
     plan.schedule = "reversed"
     assert {t.task for t in plan.timeline()} == {t for tasks in reversed_forwards(3, 4).order for t in tasks}
+
+
+def test_cpu_stages_running_at_once_share_the_capacity_and_other_stages_do_not():
+    durations = schedule.stage_durations([1.0, 1.0], [0.0, 0.0])
+    ends = {t.task: t.end for t in timeline(gpipe(2, 2), durations, capacity=[1.0, 1.5], shared=[True, True])}
+    # F0 on stage 0 alone; then F1 on stage 0 and F0 on stage 1 together at 0.75 each; then F1 on stage 1 alone
+    assert ends[Task("forward", 0, 1)] == pytest.approx(1 + 1 / 0.75)
+    assert ends[Task("forward", 1, 1)] == pytest.approx(1 + 1 / 0.75 + 1)
+    apart = {t.task: t.end for t in timeline(gpipe(2, 2), durations, capacity=[1.0, 1.5], shared=[True, False])}
+    assert apart[Task("forward", 1, 1)] == pytest.approx(3.0)
+    assert step_time(gpipe(2, 2), [1.0, 1.0], [0.0, 0.0]) == pytest.approx(3.0)
+
+
+def test_each_cpu_stage_beyond_the_first_adds_the_profiled_gain_while_there_are_cores():
+    cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
+    plan = la.partition(cost, 4, chunks=2)
+    plan.parallel_capacity, plan.cpu_cores = 1.5, 2
+    assert plan.capacity() == [1.0, 1.5, 1.5, 1.5]
+    plan.cpu_cores = 8
+    assert plan.capacity() == [1.0, 1.5, 2.0, 2.5]

@@ -1,0 +1,163 @@
+"""What the runtime itself costs on a device, apart from the model's operations.
+
+Each micro-batch a stage runs passes through the engine: a queue hand-off, the stage's graph
+module, detaching its outputs and the autograd plumbing that joins the micro-batches. Each step adds
+splitting the batch and joining the outputs. Per-op profiles see none of this, so the planner
+charges it separately: :func:`runtime_overhead` measures it once per machine, device type and
+torch version (a pipeline of one stage against the same micro-batches run plainly), and caches it
+next to the profiles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .profile_cache import default_cache_dir
+
+OVERHEAD_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class RuntimeOverhead:
+    """Seconds the runtime adds per task (one micro-batch's forward or backward on one stage) and per step."""
+
+    task_s: float
+    step_s: float
+
+
+_measured: dict[str, RuntimeOverhead] = {}
+
+
+def runtime_overhead(device: str | torch.device = "cpu", cache_dir: Path | None = None) -> RuntimeOverhead:
+    """The runtime's overhead on ``device``: from memory, else from the cache, else measured (about a second)."""
+    device = torch.device(device)
+    key = _machine_key(device)
+    if key in _measured:
+        return _measured[key]
+    path = (cache_dir or default_cache_dir()) / f"overhead-{key}.json"
+    found = _read(path)
+    if found is None:
+        found = measure_runtime_overhead(device)
+        _write(path, found)
+    _measured[key] = found
+    return found
+
+
+def measure_runtime_overhead(device: torch.device, repeats: int = 15, chunks: int = 8) -> RuntimeOverhead:
+    """Fit ``step_s + 2 * chunks * task_s`` to a one-stage pipeline's extra time over plain training
+    on the same micro-batches, at 1 and at ``chunks`` micro-batches."""
+    from .partition import partition
+    from .pipeline import Pipeline
+    from .profiler import profile
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 8)).to(device)
+    x = torch.randn(4 * chunks, 8, device=device)
+    cost = profile(module, x[:4], device, warmup=0, repeats=1, progress=False, runtime_overhead=False)
+    pipes = {m: Pipeline(module, partition(cost, 1, chunks=m, devices=[str(device)]), chunks=m) for m in (1, chunks)}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def plain(m: int) -> Callable[[], None]:
+        return lambda: [module(part).sum().backward() for part in torch.tensor_split(x, m)]
+
+    variants = {("plain", m): plain(m) for m in pipes} | {
+        ("pipe", m): (lambda p=pipe: p(x).sum().backward()) for m, pipe in pipes.items()
+    }
+    times: dict[tuple[str, int], list[float]] = {name: [] for name in variants}
+    try:
+        for i in range(repeats + 2):
+            for name, run in variants.items():
+                sync()
+                start = time.perf_counter()
+                run()
+                sync()
+                if i >= 2:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
+    extra = {m: statistics.median(times["pipe", m]) - statistics.median(times["plain", m]) for m in pipes}
+    task_s = max(0.0, (extra[chunks] - extra[1]) / (2 * (chunks - 1)))
+    return RuntimeOverhead(task_s=task_s, step_s=max(0.0, extra[1] - 2 * task_s))
+
+
+def _machine_key(device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    text = f"v{OVERHEAD_FORMAT}|{device.type}|{name}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read(path: Path) -> RuntimeOverhead | None:
+    try:
+        data = json.loads(path.read_text())
+        found = RuntimeOverhead(float(data["task_s"]), float(data["step_s"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return found if found.task_s >= 0 and found.step_s >= 0 else None
+
+
+def _write(path: Path, found: RuntimeOverhead) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(found)))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs a second per process
+
+
+def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int = 256 * 2**20) -> float:
+    """Seconds one ``step()`` of ``optimizers`` takes, measured on copies of their parameters.
+
+    A fresh optimizer of the same class and settings steps copies of the parameters (with state, as
+    after the first step); beyond ``budget_bytes`` of parameters it steps the first ones only and
+    scales by bytes, so planning a large model does not double its memory. An optimizer that cannot
+    be rebuilt from its parameter groups counts as free.
+    """
+    total = 0.0
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        groups, copied, all_bytes = [], 0, 0
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                size = p.numel() * p.element_size()
+                all_bytes += size
+                if copied < budget_bytes:
+                    copy = nn.Parameter(p.detach().clone())
+                    copy.grad = torch.randn_like(copy)
+                    params.append(copy)
+                    copied += size
+            if params:
+                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        if not groups or not copied:
+            continue
+        try:
+            fresh = type(optimizer)(groups)
+        except Exception:  # noqa: BLE001 - an optimizer with its own constructor: not measured
+            continue
+        devices = {p.device for g in groups for p in g["params"]}
+        times = []
+        for _ in range(4):
+            for device in devices:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fresh.step()
+            for device in devices:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        total += statistics.median(times[1:]) * all_bytes / copied
+    return total
