@@ -56,10 +56,15 @@ def profile(
     round-robin over all operations so that a passing slowdown of the machine spreads over many
     operations instead of biasing one. Progress is shown on stderr unless ``progress=False``.
 
-    What per-op times miss is measured too, for the planner's prediction of a step: on CPU, how
-    much work two stages get through when they run at once (``parallel_capacity``: the whole
-    model's forward and backward on two threads at once against one, at this micro-batch size, since
-    small micro-batches contend for the interpreter lock and large ones for memory bandwidth); and,
+    What per-op times miss is measured too, for the planner's prediction of a step. On CPU, ops
+    timed one by one add up to more than the model's own forward and backward (each replay pays
+    its own autograd call, and its fresh tensors miss the allocator's warm memory: +50% for a
+    CNN with large activations, 0-5% for ResNets), so every op's time is scaled by the whole
+    model's measured time over their sum (``op_time_scale``): the ops keep their shares, the total
+    is what a step measures. Also on CPU, how much work two stages get through when they run at
+    once (``parallel_capacity``: the whole model's forward and backward on two threads at once
+    against one, at this micro-batch size, since small micro-batches contend for the interpreter
+    lock and large ones for memory bandwidth); and,
     unless ``runtime_overhead=False``, the runtime's own cost per task and per step on ``device``
     (:func:`lightning_antichain.overhead.runtime_overhead`, measured once per machine).
     """
@@ -90,10 +95,12 @@ def profile(
                 measured.append(timing)
             reporter.step()
     reporter.close()
-    capacity = None
+    capacity, scale = None, 1.0
     if device.type == "cpu":
         call_args, call_kwargs = (replay.bind(args, kwargs), {}) if graph.graph_module is not None else (args, kwargs)
-        capacity = _parallel_capacity(_training_step(work_module, tuple(call_args), call_kwargs), repeats)
+        capacity, whole_s = _parallel_capacity(_training_step(work_module, tuple(call_args), call_kwargs), repeats)
+        ops_s = sum(statistics.median(t[0] for t in m) + statistics.median(t[1] for t in m) for m in samples)
+        scale = whole_s / ops_s if ops_s > 0 else 1.0
     cost = nx.DiGraph()
     owned: set[int] = set()
     canonical: dict[int, str] = {}
@@ -109,8 +116,8 @@ def profile(
             target=node.target,
             owner=node.owner,
             top_level=node.top_level,
-            forward_s=statistics.median(t[0] for t in measured),
-            backward_s=statistics.median(t[1] for t in measured),
+            forward_s=scale * statistics.median(t[0] for t in measured),
+            backward_s=scale * statistics.median(t[1] for t in measured),
             output_bytes=_nbytes(call.output),
             param_bytes=sum(p.numel() * p.element_size() for _, p in params),
             buffer_bytes=sum(b.numel() * b.element_size() for _, b in buffers),
@@ -139,6 +146,7 @@ def profile(
         warmup=warmup,
         repeats=repeats,
         parallel_capacity=capacity,
+        op_time_scale=scale,
         cpu_cores=_cpu_cores(),
     )
     if runtime_overhead:
@@ -148,8 +156,9 @@ def profile(
     return cost
 
 
-def _parallel_capacity(step: Callable[[], None], repeats: int) -> float:
-    """Work done by two threads running ``step`` at once, in units of one thread alone (2.0: no contention)."""
+def _parallel_capacity(step: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """Work done by two threads running ``step`` at once, in units of one thread alone (2.0: no
+    contention), and the seconds ``step`` takes alone."""
     share_malloc_arena()  # as CPU pipelines do, so the threads contend as theirs will
     alone_pool, pair_pool = WorkerPool(1, name="antichain-alone"), WorkerPool(2, name="antichain-pair")
     alone, together = [], []
@@ -163,7 +172,7 @@ def _parallel_capacity(step: Callable[[], None], repeats: int) -> float:
     finally:
         alone_pool.shutdown()
         pair_pool.shutdown()
-    return min(2.0, 2.0 * statistics.median(alone) / statistics.median(together))
+    return min(2.0, 2.0 * statistics.median(alone) / statistics.median(together)), statistics.median(alone)
 
 
 def _training_step(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:

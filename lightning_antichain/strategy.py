@@ -1,6 +1,6 @@
 """``AntichainPipelineStrategy``: pipeline-parallel training for an unchanged LightningModule.
 
-    trainer = Trainer(strategy=AntichainPipelineStrategy(chunks=8), devices=4)
+    trainer = Trainer(strategy=AntichainPipelineStrategy(chunks=8), devices=4)  # or chunks="auto", the default
 
 One process drives one pipeline over all the devices Lightning assigns. The strategy profiles the
 module to pipeline (the LightningModule's own ``forward`` unless ``module=`` names a submodule),
@@ -93,7 +93,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        chunks: int | Literal["auto"] = 8,
+        chunks: int | Literal["auto"] = "auto",
         checkpoint: Literal["never", "except_last", "always"] = "never",
         module: str | None = None,
         plan: str | None = None,

@@ -47,6 +47,8 @@ def test_cifar10_example_trains_from_yaml(tmp_path, strategy):
     assert result.returncode == 0, output[-3000:]
     assert "SYNTHETIC CIFAR-shaped data set" in output  # announced, not silent
     assert "plan for Classifier: 2 stages" in output
+    if strategy:  # the registered name with its defaults: chunks="auto", weighed on the first batch
+        assert "chunks=auto for batches of 16: chose" in output
     metrics = list((tmp_path / "runs").rglob("metrics.csv"))
     assert metrics and "val_acc" in metrics[0].read_text()
     assert list((tmp_path / "runs").rglob("*.ckpt"))

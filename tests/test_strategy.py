@@ -342,7 +342,8 @@ def test_a_damaged_profile_cache_entry_is_ignored_with_a_warning_and_rewritten(t
 @pytest.mark.parametrize("chunks", [2.5, True, 0, "4"])
 def test_chunks_that_are_not_a_count_are_a_clear_error(chunks):
     with pytest.raises(ValueError, match=f"chunks is the number of micro-batches per batch, a whole number of at "
-                                         f"least 1; got {re.escape(repr(chunks))}"):
+                                         f"least 1, or \"auto\" to let the planner choose; "
+                                         f"got {re.escape(repr(chunks))}"):
         la.AntichainPipelineStrategy(chunks=chunks)
     with pytest.raises(ValueError, match="chunks is the number of micro-batches"):
         la.Pipeline(nn.Linear(2, 2), la.partition(la.profile(nn.Linear(2, 2), torch.randn(2, 2), progress=False), 1),
