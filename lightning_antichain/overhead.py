@@ -147,17 +147,19 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
             fresh = type(optimizer)(groups)
         except Exception:  # noqa: BLE001 - an optimizer with its own constructor: not measured
             continue
-        devices = {p.device for g in groups for p in g["params"]}
+        gpus = {p.device for g in groups for p in g["params"] if p.device.type == "cuda"}
+
         times = []
         for _ in range(4):
-            for device in devices:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+            _synchronize(gpus)
             start = time.perf_counter()
             fresh.step()
-            for device in devices:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+            _synchronize(gpus)
             times.append(time.perf_counter() - start)
         total += statistics.median(times[1:]) * all_bytes / copied
     return total
+
+
+def _synchronize(gpus: set[torch.device]) -> None:
+    for gpu in gpus:
+        torch.cuda.synchronize(gpu)

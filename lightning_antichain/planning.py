@@ -8,7 +8,7 @@ devices, unless told otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,26 +105,40 @@ def plan_model(
     listing every candidate in ``plan.candidates``.
     """
     devices = [torch.device(d) for d in devices]
-    if chunks == AUTO:
-        if module is None or cost is not None:
-            raise ValueError('chunks="auto" profiles the model at each candidate micro-batch size; give the '
-                             "module and a whole batch, not a saved cost graph, or give chunks as a number")
-        return _plan_auto(module, args, kwargs, devices, locals())
+    auto = chunks == AUTO
+    if auto and (module is None or cost is not None):
+        raise ValueError('chunks="auto" profiles the model at each candidate micro-batch size; give the '
+                         "module and a whole batch, not a saved cost graph, or give chunks as a number")
+
+    def cut(cost: nx.DiGraph, count: int) -> Plan:
+        return _cut(cost, devices, count, checkpoint, balance, method, bandwidth_gbps, memory_gb, optimizer_multiplier)
+
+    def profiled(args: tuple, kwargs: dict, label: str | None) -> tuple[nx.DiGraph, Path | None]:
+        return _profiled(module, graph, args, kwargs, devices[0], batch_dim, profile_cache, use_profile_cache,
+                         progress, label)
+
     graph = None
     cached_from = None
     if cost is None:
         if module is None:
             raise ValueError("plan_model needs a module to profile, or a cost graph (cost=)")
+        size = batch_size_of(module, args, kwargs, batch_dim) if auto else None
+        if auto and not size:
+            raise ValueError('chunks="auto" needs a batch with samples on its batch dim (batch_dim=) to choose '
+                             "how to split it; give chunks as a number instead")
         graph = _capture(module, args, kwargs, leaf_modules, batch_dim, fallback, progress)
         if check_batch and graph.granularity == "ops":
             check_micro_batchable(module, args, kwargs, batch_dim)
-        cost, cached_from = _profiled(module, graph, args, kwargs, devices[0], batch_dim, profile_cache,
-                                      use_profile_cache, progress, name)
+        if auto:
+            optimizer_s = optimizer_step_s(list(optimizers)) if optimizers else 0.0
+            plan, cost, cached_from = _choose_chunks(module, args, kwargs, batch_dim, size, len(devices),
+                                                     name or type(module).__name__, optimizer_s, profiled, cut)
+            return Planned(plan, graph, cost, cached_from)
+        cost, cached_from = profiled(args, kwargs, name)
     if optimizers:
         cost = cost.copy()
         cost.graph["optimizer_step_s"] = optimizer_step_s(list(optimizers))
-    return Planned(_cut(cost, devices, chunks, checkpoint, balance, method, bandwidth_gbps, memory_gb,
-                        optimizer_multiplier), graph, cost, cached_from)
+    return Planned(cut(cost, chunks), graph, cost, cached_from)
 
 
 def _profiled(module: nn.Module, graph: OpGraph, args: tuple, kwargs: dict, device: torch.device,
@@ -157,59 +171,51 @@ def _cut(cost: nx.DiGraph, devices: list[torch.device], chunks: int, checkpoint:
                      memory_gb=memory, optimizer_multiplier=optimizer_multiplier, checkpoint=checkpoint)
 
 
-def _plan_auto(module: nn.Module, args: tuple, kwargs: dict, devices: list[torch.device],
-               options: dict[str, Any]) -> Planned:
-    batch_dim, progress = options["batch_dim"], options["progress"]
-    size = batch_size_of(module, args, kwargs, batch_dim)
-    if not size:
-        raise ValueError('chunks="auto" needs a batch with samples on its batch dim (batch_dim=) to choose how '
-                         "to split it; give chunks as a number instead")
-    graph = _capture(module, args, kwargs, options["leaf_modules"], batch_dim, options["fallback"], progress)
-    if options["check_batch"] and graph.granularity == "ops":
-        check_micro_batchable(module, args, kwargs, batch_dim)
-    optimizer_s = optimizer_step_s(list(options["optimizers"])) if options["optimizers"] else 0.0
-    profiled: dict[int, tuple[nx.DiGraph, Path | None] | Exception] = {}
+def _choose_chunks(
+    module: nn.Module, args: tuple, kwargs: dict, batch_dim: int | Mapping[str, int], size: int, stages: int,
+    name: str, optimizer_s: float,
+    profiled: Callable[[tuple, dict, str], tuple[nx.DiGraph, Path | None]],
+    cut: Callable[[nx.DiGraph, int], Plan],
+) -> tuple[Plan, nx.DiGraph, Path | None]:
+    """The plan of the candidate count with the shortest predicted step that fits, listing every candidate."""
+    costs: dict[int, tuple[nx.DiGraph, Path | None] | Exception] = {}
     rows: list[dict[str, Any]] = []
     best: tuple[Plan, nx.DiGraph, Path | None] | None = None
     refusal: InfeasiblePlanError | None = None
-    for chunks in chunk_candidates(size, len(devices)):
-        micro_args, micro_kwargs = first_micro_batch(module, args, kwargs, chunks, batch_dim)
+    for chunks in chunk_candidates(size, stages):
         micro = -(-size // chunks)
-        if micro not in profiled:
-            label = f"{options['name'] or type(module).__name__}, micro-batch {micro}"
+        if micro not in costs:
             try:
-                profiled[micro] = _profiled(module, graph, micro_args, micro_kwargs, devices[0], batch_dim,
-                                            options["profile_cache"], options["use_profile_cache"], progress, label)
+                costs[micro] = profiled(*first_micro_batch(module, args, kwargs, chunks, batch_dim),
+                                        f"{name}, micro-batch {micro}")
             except (RuntimeError, ValueError) as exc:
                 if not rows:  # the whole batch itself fails: nothing to weigh
                     raise
-                profiled[micro] = exc  # e.g. BatchNorm refuses a single sample in training
-        if isinstance(profiled[micro], Exception):
-            rows.append({"chunks": chunks, "micro_batch_size": micro, "predicted_step_s": None,
-                         "peak_memory_bytes": None, "fits": False, "fails": str(profiled[micro]).split("\n")[0]})
+                costs[micro] = exc  # e.g. BatchNorm refuses a single sample in training
+        row: dict[str, Any] = {"chunks": chunks, "micro_batch_size": micro, "predicted_step_s": None,
+                               "peak_memory_bytes": None, "fits": False}
+        rows.append(row)
+        if isinstance(costs[micro], Exception):
+            row["fails"] = str(costs[micro]).split("\n")[0]
             continue
-        cost, cached_from = profiled[micro]
+        cost, cached_from = costs[micro]
         cost = cost.copy()
-        cost.graph.update(optimizer_step_s=optimizer_s, model=options["name"] or type(module).__name__)
+        cost.graph.update(optimizer_step_s=optimizer_s, model=name)
         try:
-            plan = _cut(cost, devices, chunks, options["checkpoint"], options["balance"], options["method"],
-                        options["bandwidth_gbps"], options["memory_gb"], options["optimizer_multiplier"])
+            plan = cut(cost, chunks)
         except InfeasiblePlanError as exc:
             refusal = refusal or exc
-            rows.append({"chunks": chunks, "micro_batch_size": micro, "predicted_step_s": None,
-                         "peak_memory_bytes": None, "fits": False})
             continue
-        rows.append({"chunks": chunks, "micro_batch_size": micro, "predicted_step_s": plan.predicted_step_s,
-                     "peak_memory_bytes": max(s.memory_bytes for s in plan.stages), "fits": True})
+        row.update(predicted_step_s=plan.predicted_step_s, peak_memory_bytes=max(s.memory_bytes for s in plan.stages),
+                   fits=True)
         if best is None or plan.predicted_step_s < best[0].predicted_step_s:
             best = (plan, cost, cached_from)
     if best is None:
         assert refusal is not None
         raise InfeasiblePlanError(f"no micro-batch count from 1 to {rows[-1]['chunks']} fits: {refusal}")
-    plan, cost, cached_from = best
-    plan.candidates = rows
-    plan.batch_size = size
-    return Planned(plan, graph, cost, cached_from)
+    best[0].candidates = rows
+    best[0].batch_size = size
+    return best
 
 
 def _capture(module: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[type | str],
