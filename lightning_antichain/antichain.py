@@ -277,7 +277,7 @@ def _state_space(graph: nx.DiGraph, nodes: list[Any], masks: list[int], compress
         backward=fmember @ attr("backward_s"),
         param_bytes=fmember @ attr("param_bytes"),
         buffer_bytes=fmember @ attr("buffer_bytes"),
-        activation_bytes=fmember @ attr("output_bytes"),
+        activation_bytes=fmember @ attr("saved_bytes"),
         cut_bytes=cut_membership.astype(np.float64) @ attr("output_bytes"),
         membership=membership,
         cut_membership=cut_membership,

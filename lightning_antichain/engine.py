@@ -23,11 +23,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .saved_tensors import HeldMemory
 from .schedule import Schedule, Task, gpipe
 from .split import StageModule
 from .transfer import arrive, ship
@@ -63,6 +65,7 @@ class _Saved:
     outputs: tuple[Any, ...] | None
     rng: Any = None
     spec: Any = None
+    counted: Any = None  # keeps ``inputs`` and ``outputs`` counted in the stage's HeldMemory
 
 
 @dataclass
@@ -79,6 +82,16 @@ class PassState:
     schedule: Schedule | None = None
     #: the tasks each stage ran, in the order it ran them
     ran: list[list[Task]] = field(default_factory=list)
+    #: per stage, the count of what it keeps for backward (``None``: not measured)
+    held: Sequence[HeldMemory] | None = None
+
+    def counting(self, k: int) -> Any:
+        """Count what stage ``k``'s autograd saves inside the block, when measuring."""
+        return self.held[k].saving() if self.held is not None else nullcontext()
+
+    def count(self, k: int, values: Sequence[Any]) -> Any:
+        """A token that keeps ``values`` counted as stage ``k``'s until it is dropped."""
+        return self.held[k].hold(values) if self.held is not None else None
 
 
 def _wants_grad(value: Any) -> bool:
@@ -225,12 +238,15 @@ def run_forward(
                     with torch.no_grad():
                         outputs, out_spec = stage(leaves, spec)
                     out_flags = _recompute_flags(stage, leaves, outputs)
-                    state.saved[k][m] = _Saved(leaves, None, rng, spec)
+                    state.saved[k][m] = _Saved(leaves, None, rng, spec, state.count(k, leaves))
+                elif state is not None:
+                    with state.counting(k):
+                        outputs, out_spec = stage(leaves, spec)
+                    out_flags = tuple(_wants_grad(v) for v in outputs)
+                    state.saved[k][m] = _Saved(leaves, tuple(outputs), None, spec, state.count(k, [*leaves, *outputs]))
                 else:
                     outputs, out_spec = stage(leaves, spec)
                     out_flags = tuple(_wants_grad(v) for v in outputs)
-                    if state is not None:
-                        state.saved[k][m] = _Saved(leaves, tuple(outputs), None, spec)
                 shipped, event = ship(outputs, device, target or device, target and stages[k].copy_stream)
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "forward", exc)) from exc
@@ -322,9 +338,11 @@ def run_backward(
             try:
                 saved = state.saved[k][m]
                 inputs, outputs = saved.inputs, saved.outputs
-                restore = None
+                restore = counted = None
                 if outputs is None:
-                    outputs, restore = _recompute(stage, saved)
+                    with state.counting(k):
+                        outputs, restore = _recompute(stage, saved)
+                    counted = state.count(k, outputs)
                 grads = arrive(grads, event, stage.device, [False] * len(grads))
                 pairs = [
                     (o, g)
@@ -337,6 +355,7 @@ def run_backward(
                     restore()
                 input_grads = tuple(_grad_of(v) for v in inputs)
                 state.saved[k][m] = _Saved((), None)  # free the activations as soon as possible
+                del saved, inputs, outputs, pairs, counted
                 device = stage.device
                 shipped, event = ship(input_grads, device, target or device, target and stages[k].copy_stream)
             except Exception as exc:

@@ -8,6 +8,12 @@ Node attributes (all optional except the graph being acyclic; missing ones defau
 ``output_bytes``    bytes of the node's output for one micro-batch (what a cut ships)
 ``param_bytes``     bytes of the parameters the node owns
 ``buffer_bytes``    bytes of the buffers the node owns (BatchNorm statistics, ...)
+``saved``           storages the node's backward keeps, ``{key: bytes}`` (keys name storages, so
+                    views and in-place results count once; see
+                    :mod:`lightning_antichain.saved_tensors`)
+``storages``        the storages of the node's output, ``{key: bytes}``
+``saved_bytes``     bytes of the storages the node made that some node keeps (default:
+                    ``output_bytes``); additive, for the planner's search
 ``pinned``          ``True`` for model inputs: present before any stage runs
 ``order``           position in execution order; ties in every algorithm break on it
 ``top_level``       the top-level child the node belongs to (for the block baseline)
@@ -15,7 +21,8 @@ Node attributes (all optional except the graph being acyclic; missing ones defau
 
 Graph attributes: ``outputs`` (the nodes the model returns), ``together`` (groups of nodes that
 must share a stage), ``micro_batch_size``, ``device``, ``granularity``, ``profile_s`` and so on, as
-the profiler writes them.
+the profiler writes them. ``saved_counted`` says every node has ``saved`` and ``storages``; without
+them a stage is taken to keep its inputs and every node's output.
 
 A hand-made graph is a valid cost graph too::
 
@@ -66,9 +73,12 @@ def normalize_cost_graph(graph: nx.DiGraph) -> nx.DiGraph:
         for key, default in NODE_DEFAULTS.items():
             attrs.setdefault(key, default)
         attrs.setdefault("top_level", str(name))
-        for key in ("forward_s", "backward_s", "output_bytes", "param_bytes", "buffer_bytes"):
+        attrs.setdefault("saved_bytes", attrs["output_bytes"])
+        for key in ("forward_s", "backward_s", "output_bytes", "param_bytes", "buffer_bytes", "saved_bytes"):
             if attrs[key] < 0:
                 raise CostGraphError(f"node {name!r} has negative {key} = {attrs[key]}")
+    if out.graph.get("saved_counted") and any("saved" not in a or "storages" not in a for _, a in out.nodes(data=True)):
+        out.graph["saved_counted"] = False
     if any("order" not in attrs for _, attrs in out.nodes(data=True)):
         for i, name in enumerate(nx.lexicographical_topological_sort(out, key=str)):
             out.nodes[name]["order"] = i

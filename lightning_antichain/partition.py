@@ -68,13 +68,12 @@ class CostModel:
 
     def memory_bytes(self, params: Any, buffers: Any, activations: Any, inputs: Any) -> Any:
         """A stage's peak: parameters with their gradients and optimizer state, buffers, and what it
-        holds for backward. Without recomputation that is every micro-batch's ``activations``; with
-        it, the stage ``inputs`` of the micro-batches it recomputes and one micro-batch's activations
-        while it does (``checkpoint`` ``"except_last"`` keeps the last micro-batch's activations)."""
-        recomputed = {"never": 0, "except_last": self.chunks - 1, "always": self.chunks}[self.checkpoint]
-        # GPipe runs the last micro-batch's backward first, so one micro-batch's activations are
-        # alive at a time once recomputation starts
-        held = activations * self.chunks if recomputed == 0 else inputs * recomputed + activations
+        keeps for backward. Without recomputation that is every micro-batch's ``activations``
+        (inputs included), at the end of the forward pass. With it, the peak comes at the first
+        backward, which recomputes one micro-batch's activations while the others keep only their
+        ``inputs``; ``"except_last"`` and ``"always"`` meet the same peak there."""
+        recomputes = self.checkpoint != "never" and self.chunks > 1
+        held = inputs * (self.chunks - 1) + activations if recomputes else activations * self.chunks
         return params * (2.0 + self.optimizer_multiplier) + buffers + held
 
 
@@ -237,9 +236,14 @@ def stage_costs(space: StateSpace, spec: DeviceSpec, model: CostModel) -> np.nda
 
 
 def _stage_memory(space: StateSpace, model: CostModel) -> np.ndarray:
+    """Every stage's peak, from additive quantities: with counted saved tensors, what its operations
+    made and something keeps, plus both its cuts (a cut tensor that is also kept counts twice); else
+    every output and the input cut. Never below :func:`evaluate_stages`'s exact count but for views."""
     diff = lambda a: a[:, None] - a[None, :]  # noqa: E731
     inputs = np.broadcast_to(space.cut_bytes[None, :], (len(space), len(space)))
     activations = diff(space.activation_bytes) + inputs
+    if space.graph.graph.get("saved_counted"):
+        activations = activations + space.cut_bytes[:, None]
     return model.memory_bytes(diff(space.param_bytes), diff(space.buffer_bytes), activations, inputs)
 
 
@@ -373,8 +377,32 @@ def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
 
 def _memory_of(graph: nx.DiGraph, nodes: list[Any], model: CostModel) -> float:
     attr = lambda key: sum(graph.nodes[v][key] for v in nodes)  # noqa: E731
-    inputs = sum(graph.nodes[p]["output_bytes"] for v in nodes for p in graph.predecessors(v) if p not in nodes)
-    return model.memory_bytes(attr("param_bytes"), attr("buffer_bytes"), attr("output_bytes") + inputs, inputs)
+    cut_in = list(dict.fromkeys(p for v in nodes for p in graph.predecessors(v) if p not in nodes))
+    activations, inputs = kept_bytes(graph, nodes, cut_in, nodes)
+    return model.memory_bytes(attr("param_bytes"), attr("buffer_bytes"), activations, inputs)
+
+
+def kept_bytes(graph: nx.DiGraph, nodes: Sequence[Any], cut_in: Sequence[Any], cut_out: Sequence[Any]
+               ) -> tuple[int, int]:
+    """What a stage keeps per micro-batch for backward, and what it keeps of a recomputed one.
+
+    With counted saved tensors: the union of the storages its operations save and of its input and
+    output cuts' storages (each storage once), the copies of the inputs it changes in place (the
+    runtime changes a copy), and the input cuts' storages. Otherwise: every output of its
+    operations and its input cut, and the input cut.
+    """
+    if graph.graph.get("saved_counted"):
+        inputs = {k: b for v in cut_in for k, b in graph.nodes[v]["storages"].items()}
+        kept = dict(inputs)
+        for v in nodes:
+            kept.update(graph.nodes[v]["saved"])
+        for v in cut_out:
+            kept.update(graph.nodes[v]["storages"])
+        changed = {k for v in nodes for k in graph.nodes[v].get("mutates", ())} & set(inputs)
+        return sum(kept.values()) + sum(inputs[k] for k in changed), sum(inputs.values())
+    in_bytes = sum(graph.nodes[v]["output_bytes"] for v in cut_in)
+    own = sum(graph.nodes[v]["output_bytes"] for v in nodes if not graph.nodes[v]["pinned"])
+    return own + in_bytes, in_bytes
 
 
 def evaluate_stages(
@@ -410,7 +438,7 @@ def evaluate_stages(
         in_bytes = sum(graph.nodes[v]["output_bytes"] for v in cut_in)
         out_bytes = sum(graph.nodes[v]["output_bytes"] for v in cut_out)
         sum_attr = lambda key: sum(graph.nodes[v][key] for v in nodes if not graph.nodes[v]["pinned"])  # noqa: E731,B023
-        activations = sum_attr("output_bytes") + in_bytes
+        activations, kept_inputs = kept_bytes(graph, nodes, cut_in, cut_out)
         built.append(
             Stage(
                 index=k,
@@ -420,11 +448,12 @@ def evaluate_stages(
                 backward_s=sum_attr("backward_s") / spec.speed,
                 transfer_s=float(model.transfer_s(in_bytes + out_bytes)),
                 memory_bytes=int(model.memory_bytes(sum_attr("param_bytes"), sum_attr("buffer_bytes"), activations,
-                                                    in_bytes)),
+                                                    kept_inputs)),
                 param_bytes=int(sum_attr("param_bytes")),
                 buffer_bytes=int(sum_attr("buffer_bytes")),
                 activation_bytes=int(activations),
                 input_bytes=int(in_bytes),
+                kept_input_bytes=int(kept_inputs),
                 output_bytes=int(out_bytes),
                 inputs=[str(v) for v in cut_in],
                 outputs=[str(v) for v in cut_out],

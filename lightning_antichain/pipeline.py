@@ -37,6 +37,7 @@ from .capture.isolation import own_forward, side_effects_undone
 from .engine import PassState, run_backward, run_forward
 from .plan import CHECKPOINT_MODES, Plan, check_chunks
 from .pytrees import flatten, unflatten
+from .saved_tensors import HeldMemory, state_storages
 from .schedule import Task, make_schedule
 from .split import PlanMismatchError, StageModule, place_stages, split_stages
 from .trace import OpGraph, iter_tensors
@@ -69,6 +70,9 @@ class Pipeline(nn.Module):
     the dim of the inputs that holds the samples, as DataParallel's ``dim`` (1 for a sequence-first
     ``nn.GRU``), or a dict by ``forward``'s argument names for inputs that differ (others: 0). Each
     output is joined on the dim that follows the micro-batch sizes (``batch_dim`` where several do).
+    ``measure_activations`` counts what each stage keeps for backward (saved tensors, and the inputs
+    and outputs of its micro-batches, each storage once, parameters left out) into
+    :attr:`last_activation_bytes`: an exact count, at the price of a Python call per saved tensor.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class Pipeline(nn.Module):
         graph: OpGraph | None = None,
         batch_dim: int | Mapping[str, int] = 0,
         check_batch: bool = True,
+        measure_activations: bool = False,
     ) -> None:
         super().__init__()
         if checkpoint not in CHECKPOINT_MODES:
@@ -117,6 +122,8 @@ class Pipeline(nn.Module):
         self.last_busy_s: list[float] = [0.0] * plan.num_stages
         #: the tasks each stage ran in the last training step, in the order it ran them
         self.last_ran: list[list[Task]] = []
+        self.measure_activations = measure_activations
+        self._held: list[HeldMemory] | None = None
         weakref.finalize(self, self._pool.shutdown)
         frontend = plan.frontend or "fx"
         if frontend == "children":
@@ -154,6 +161,16 @@ class Pipeline(nn.Module):
     def devices(self) -> list[torch.device]:
         return list(self._devices)
 
+    @property
+    def last_activation_bytes(self) -> list[int]:
+        """The most bytes each stage kept for backward at once in the last training step (with
+        ``measure_activations=True``): what the plan's ``memory_bytes`` predicts beyond parameters,
+        gradients, optimizer state and buffers."""
+        if self._held is None:
+            raise RuntimeError("activations were not measured: create the Pipeline with measure_activations=True "
+                               "and run a training step first")
+        return [held.peak_bytes for held in self._held]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         graph = self._graph or self._capture_for(args, kwargs)
         values = graph.bind(args, kwargs)
@@ -183,11 +200,12 @@ class Pipeline(nn.Module):
         phony = torch.empty(0, device=output_device, requires_grad=True)
         outcome = _Outcome()
         self.last_busy_s = [0.0] * len(self._stages)
+        held = self._start_measuring() if self.measure_activations else None
         deferral = deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext()
         with deferral:
             join = _Join(sizes, [d for v, d in zip(whole, leaf_dims) if _is_grad_tensor(v)],
                          lambda outputs: self._output_dims(outputs, micro_values[0], sizes))
-            options = (output_device, join, stop, outcome, (self.last_busy_s, self.last_ran, schedule),
+            options = (output_device, join, stop, outcome, (self.last_busy_s, self.last_ran, schedule, held),
                        self._take_assigned)
             tensors = _PipelineFunction.apply((self._pool, stage_sets), micro_inputs, options, phony, *grad_inputs)
         it = iter(tensors)
@@ -197,6 +215,17 @@ class Pipeline(nn.Module):
         return result
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _start_measuring(self) -> list[HeldMemory]:
+        """Counters for this step, one per stage, that leave the model's own tensors out."""
+        if self._held is None:
+            excluded = state_storages(self.module)
+            for stage in self._stages:
+                excluded |= state_storages(stage.module)
+            self._held = [HeldMemory(excluded) for _ in self._stages]
+        for held in self._held:
+            held.reset_peak()
+        return self._held
 
     def _use(self, graph: OpGraph) -> None:
         """Cut the stages out of ``graph`` and place them on their devices."""
@@ -391,9 +420,9 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
-        output_device, join, stop, outcome, (busy, ran, schedule), take_assigned = options
+        output_device, join, stop, outcome, (busy, ran, schedule, held), take_assigned = options
         pool, stage_sets = runtime
-        state = PassState(busy=busy, ran=ran)
+        state = PassState(busy=busy, ran=ran, held=held)
         outputs, outcome.assigned = take_assigned(run_forward(pool, stage_sets, micro_inputs, state, stop, schedule))
         dims = join.output_dims(outputs)
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, join.sizes, dims)

@@ -38,8 +38,11 @@ class Stage:
     ``compute_s`` is forward plus backward of one micro-batch on this device; ``transfer_s`` ships
     the stage's input cut in and its output cut out, forward and the gradients back.
     ``memory_bytes`` counts parameters, their gradients and optimizer state, buffers, and what the
-    plan's ``checkpoint`` mode holds for backward: the activations of ``chunks`` micro-batches, or
-    the stage inputs of those it recomputes and one micro-batch's activations.
+    plan's ``checkpoint`` mode keeps for backward at its peak: ``activation_bytes`` (what one
+    micro-batch keeps: saved tensors, inputs and outputs) for each of ``chunks`` micro-batches, or,
+    with recomputation, one micro-batch's ``activation_bytes`` and ``kept_input_bytes`` (a recomputed
+    micro-batch's inputs) for each of the others. ``input_bytes`` and ``output_bytes`` are the cuts
+    as shipped.
     """
 
     index: int
@@ -58,6 +61,7 @@ class Stage:
     outputs: list[str] = field(default_factory=list)
     speed: float = 1.0
     memory_limit_bytes: int | None = None
+    kept_input_bytes: int = 0
 
     @property
     def compute_s(self) -> float:

@@ -31,7 +31,7 @@ from .trace import OpGraph, iter_tensors
 # 3: dependencies from in-place operations (``OpNode.after``) and the ``together`` groups.
 # 4: the parallel capacity of CPU stages and the runtime's overheads.
 # 5: op times scaled to the measured whole (CPU).
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 
 _NUMBERS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "buffer_bytes")
 

@@ -2,7 +2,8 @@
 
 For every node of an :class:`~lightning_antichain.trace.OpGraph` the profiler replays the node alone
 on the concrete inputs it received in a real forward pass, and records the median forward time,
-the median backward time, the bytes of its output and of the parameters it owns. Timing is
+the median backward time, the bytes of its output and of the parameters it owns, and the storages
+its backward keeps (:mod:`lightning_antichain.saved_tensors`). Timing is
 synchronised on CUDA. The result is a cost graph (see :mod:`lightning_antichain.graph`) that can be
 saved and planned again without profiling.
 """
@@ -26,6 +27,7 @@ from .batch_dims import batch_size_of
 from .capture.devices import retarget_devices
 from .graph import GRAPH_FORMAT
 from .microbatch import MicroBatchError
+from .saved_tensors import saved_per_call, state_storages
 from .trace import OpGraph, RecordedCall, iter_tensors, map_tensors, split_inputs, trace
 from .worker import WorkerPool, share_malloc_arena
 
@@ -81,7 +83,9 @@ def profile(
     replay = graph.rebound(work_module if graph.graph_module is not None else None, work_module)
     args, kwargs = split_inputs(map_tensors(lambda t: t.to(device), example_inputs))
     timer = _Timer(device)
-    calls = list(replay.record_calls(*args, **kwargs))
+    with torch.enable_grad():
+        calls = list(replay.record_calls(*args, **kwargs))
+        kept = saved_per_call(calls, state_storages(work_module))
     rounds = warmup + repeats
     label = f"profiling {name or type(module).__name__}"
     reporter = _Progress(len(calls) * rounds, enabled=progress, label=label)
@@ -104,7 +108,7 @@ def profile(
     cost = nx.DiGraph()
     owned: set[int] = set()
     canonical: dict[int, str] = {}
-    for order, (call, measured) in enumerate(zip(calls, samples)):
+    for order, (call, measured, memory) in enumerate(zip(calls, samples, kept)):
         params, buffers = _owned_state(call, owned)
         for param_name, param in params:
             canonical.setdefault(id(param), param_name)
@@ -119,6 +123,10 @@ def profile(
             forward_s=scale * statistics.median(t[0] for t in measured),
             backward_s=scale * statistics.median(t[1] for t in measured),
             output_bytes=_nbytes(call.output),
+            saved=memory.saved,
+            storages=memory.storages,
+            mutates=memory.mutated,
+            saved_bytes=memory.owned_saved_bytes,
             param_bytes=sum(p.numel() * p.element_size() for _, p in params),
             buffer_bytes=sum(b.numel() * b.element_size() for _, b in buffers),
             params=[name for name, _ in params],
@@ -148,6 +156,7 @@ def profile(
         parallel_capacity=capacity,
         op_time_scale=scale,
         cpu_cores=_cpu_cores(),
+        saved_counted=True,
     )
     if runtime_overhead:
         found = overhead.runtime_overhead(device)

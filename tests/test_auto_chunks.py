@@ -54,19 +54,6 @@ def test_auto_keeps_to_the_memory_limit_under_the_recompute_mode(tmp_path):
                             profile_cache=tmp_path, progress=False)
 
 
-@pytest.mark.parametrize("mode", ["never", "except_last", "always"])
-def test_stage_memory_holds_what_the_recompute_mode_keeps(mode):
-    cost = la.profile(SequentialCNN(), torch.randn(4, 3, 16, 16), repeats=1, warmup=0, progress=False)
-    plan = la.partition(cost, 2, chunks=4, checkpoint=mode)
-    assert plan.checkpoint == mode
-    for s in plan.stages:
-        held = {"never": 4 * s.activation_bytes, "except_last": 3 * s.input_bytes + s.activation_bytes,
-                "always": 4 * s.input_bytes + s.activation_bytes}[mode]
-        assert s.memory_bytes == int(s.param_bytes * (2 + plan.optimizer_multiplier) + s.buffer_bytes + held)
-    with pytest.raises(ValueError, match="checkpoint must be one of"):
-        la.partition(cost, 2, checkpoint="sometimes")
-
-
 def test_the_strategy_with_auto_trains_runs_and_checkpoints_the_count_it_chose(tmp_path):
     model = TinyClassifier()
     strategy = la.AntichainPipelineStrategy(chunks="auto", profile_cache=str(tmp_path / "cache"))
