@@ -12,6 +12,7 @@ Node attributes (all optional except the graph being acyclic; missing ones defau
                     views and in-place results count once; see
                     :mod:`lightning_antichain.saved_tensors`)
 ``storages``        the storages of the node's output, ``{key: bytes}``
+``mutates``         keys of the storages the node changes in place
 ``saved_bytes``     bytes of the storages the node made that some node keeps (default:
                     ``output_bytes``); additive, for the planner's search
 ``pinned``          ``True`` for model inputs: present before any stage runs
