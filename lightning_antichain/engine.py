@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .saved_tensors import HeldMemory
-from .schedule import Schedule, Task, gpipe
+from .schedule import Schedule, Task, Timed, gpipe
 from .split import StageModule
 from .transfer import arrive, ship
 from .worker import WorkerPool
@@ -82,8 +82,18 @@ class PassState:
     schedule: Schedule | None = None
     #: the tasks each stage ran, in the order it ran them
     ran: list[list[Task]] = field(default_factory=list)
+    #: the same tasks with when they ran, in seconds from the start of the forward pass
+    timed: list[list[Timed]] = field(default_factory=list)
+    started_at: float = 0.0
     #: per stage, the count of what it keeps for backward (``None``: not measured)
     held: Sequence[HeldMemory] | None = None
+
+    def record(self, task: Task, started: float) -> None:
+        """Note that ``task`` ran from ``started`` until now."""
+        now = time.perf_counter()
+        self.busy[task.stage] += now - started
+        self.ran[task.stage].append(task)
+        self.timed[task.stage].append(Timed(task, started - self.started_at, now - self.started_at))
 
     def counting(self, k: int) -> Any:
         """Count what stage ``k``'s autograd saves inside the block, when measuring."""
@@ -217,6 +227,8 @@ def run_forward(
         state.stage_sets = stage_sets
         state.schedule = schedule
         state.ran[:] = [[] for _ in stages]
+        state.timed[:] = [[] for _ in stages]
+        state.started_at = time.perf_counter()
 
     def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
         device = stages[k].device
@@ -251,8 +263,7 @@ def run_forward(
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "forward", exc)) from exc
             if state is not None:
-                state.busy[k] += time.perf_counter() - started
-                state.ran[k].append(Task("forward", k, m))
+                state.record(Task("forward", k, m), started)
             outbox.put((m, shipped, out_spec, event, out_flags))
 
     _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
@@ -360,8 +371,7 @@ def run_backward(
                 shipped, event = ship(input_grads, device, target or device, target and stages[k].copy_stream)
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "backward", exc)) from exc
-            state.busy[k] += time.perf_counter() - started
-            state.ran[k].append(Task("backward", k, m))
+            state.record(Task("backward", k, m), started)
             outbox.put((m, shipped, event))
 
     _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), grad=False)

@@ -38,7 +38,7 @@ from .engine import PassState, run_backward, run_forward
 from .plan import CHECKPOINT_MODES, Plan, check_chunks
 from .pytrees import flatten, unflatten
 from .saved_tensors import HeldMemory, state_storages
-from .schedule import Task, make_schedule
+from .schedule import Task, Timed, make_schedule
 from .split import PlanMismatchError, StageModule, place_stages, split_stages
 from .trace import OpGraph, iter_tensors
 from .worker import WorkerPool, share_malloc_arena
@@ -122,6 +122,9 @@ class Pipeline(nn.Module):
         self.last_busy_s: list[float] = [0.0] * plan.num_stages
         #: the tasks each stage ran in the last training step, in the order it ran them
         self.last_ran: list[list[Task]] = []
+        #: the same tasks with when each ran (seconds from the start of the step's forward pass), to
+        #: set beside the plan's predicted :meth:`~lightning_antichain.plan.Plan.timeline`
+        self.last_timed: list[list[Timed]] = []
         self.measure_activations = measure_activations
         self._held: list[HeldMemory] | None = None
         weakref.finalize(self, self._pool.shutdown)
@@ -205,8 +208,8 @@ class Pipeline(nn.Module):
         with deferral:
             join = _Join(sizes, [d for v, d in zip(whole, leaf_dims) if _is_grad_tensor(v)],
                          lambda outputs: self._output_dims(outputs, micro_values[0], sizes))
-            options = (output_device, join, stop, outcome, (self.last_busy_s, self.last_ran, schedule, held),
-                       self._take_assigned)
+            records = (self.last_busy_s, self.last_ran, self.last_timed, schedule, held)
+            options = (output_device, join, stop, outcome, records, self._take_assigned)
             tensors = _PipelineFunction.apply((self._pool, stage_sets), micro_inputs, options, phony, *grad_inputs)
         it = iter(tensors)
         leaves = [next(it) if is_tensor else constant for is_tensor, constant in outcome.layout]
@@ -420,9 +423,9 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
-        output_device, join, stop, outcome, (busy, ran, schedule, held), take_assigned = options
+        output_device, join, stop, outcome, (busy, ran, timed, schedule, held), take_assigned = options
         pool, stage_sets = runtime
-        state = PassState(busy=busy, ran=ran, held=held)
+        state = PassState(busy=busy, ran=ran, timed=timed, held=held)
         outputs, outcome.assigned = take_assigned(run_forward(pool, stage_sets, micro_inputs, state, stop, schedule))
         dims = join.output_dims(outputs)
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, join.sizes, dims)

@@ -76,7 +76,17 @@ def test_the_engine_runs_each_stage_in_the_order_the_schedule_lists(name, monkey
         output = pipe(x)
         output.square().sum().backward()
         ran = [list(tasks) for tasks in pipe.last_ran]
+        timed = pipe.last_timed
     assert ran == [list(tasks) for tasks in schedule.make_schedule(name, 3, 5).order]
+    # the measured timeline holds the same tasks, one at a time per stage, each after its input
+    assert [[t.task for t in stage] for stage in timed] == ran
+    end = {t.task: t.end for stage in timed for t in stage}
+    for stage in timed:
+        assert all(0 <= t.start <= t.end for t in stage)
+        assert all(a.end <= b.start for a, b in zip(stage, stage[1:]))
+        for t in stage:
+            before = schedule._inputs(t.task, 2, [schedule.Task("forward", 2, m) for m in range(5)])
+            assert all(end[u] <= t.start for u in before)
     torch.testing.assert_close(output, expected, rtol=1e-12, atol=0)
     for p, g in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=0)
