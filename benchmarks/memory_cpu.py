@@ -31,7 +31,7 @@ from lightning_antichain.memory import optimizer_state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from report import machine, section, write_section  # noqa: E402
+from report import machine, publish, section  # noqa: E402
 from zoo import ZOO, NanoGPT  # noqa: E402
 
 START, END = "<!-- memory-cpu:start -->", "<!-- memory-cpu:end -->"
@@ -137,9 +137,7 @@ def main() -> None:
             f"{stages_seen} stages.",
         ],
     )
-    print(text)
-    if not args.no_write:
-        write_section(text, START, END, "## Memory per stage on CPU")
+    publish(text, START, END, "## Memory per stage on CPU", write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import lightning_antichain as la
 from lightning_antichain import planning
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, section, write_section  # noqa: E402
+from report import machine, publish, section  # noqa: E402
 
 START, END = "<!-- overlap-cpu:start -->", "<!-- overlap-cpu:end -->"
 
@@ -99,9 +99,7 @@ def main() -> None:
         "",
         *lines,
     ])
-    print(text)
-    if not args.no_write:
-        write_section(text, START, END, "## How much CPU stages slow each other")
+    publish(text, START, END, "## How much CPU stages slow each other", write=not args.no_write)
 
 
 if __name__ == "__main__":

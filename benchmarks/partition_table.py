@@ -23,7 +23,7 @@ import torchvision
 import lightning_antichain as la
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, write_section  # noqa: E402
+from report import machine, publish  # noqa: E402
 
 # model name, constructor kwargs, input side (32 unless the model needs more), the seed's times in s
 MODELS = [
@@ -141,9 +141,7 @@ def main() -> None:
         + "\n".join(f"- {c}" for c in checks(rows))
         + f"\n{END}"
     )
-    print(text)
-    if not args.no_write:
-        write_section(text, START, END, "## Partitioning: the seed's Table 1")
+    publish(text, START, END, "## Partitioning: the seed's Table 1", write=not args.no_write)
 
 
 if __name__ == "__main__":

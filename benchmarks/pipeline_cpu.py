@@ -32,7 +32,7 @@ import lightning_antichain as la
 from lightning_antichain.worker import WorkerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, section, write_section  # noqa: E402
+from report import machine, publish, section  # noqa: E402
 
 START, END = "<!-- pipeline-cpu:start -->", "<!-- pipeline-cpu:end -->"
 
@@ -161,9 +161,7 @@ def main() -> None:
             ),
         ],
     )
-    print(text)
-    if not args.no_write:
-        write_section(text, START, END, "## Pipeline throughput on CPU")
+    publish(text, START, END, "## Pipeline throughput on CPU", write=not args.no_write)
     worker.shutdown()
     del plain_s
 

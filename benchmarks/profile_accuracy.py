@@ -21,7 +21,7 @@ import torchvision
 import lightning_antichain as la
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, write_section  # noqa: E402
+from report import machine, publish  # noqa: E402
 
 from lightning_antichain.graph import total_compute
 
@@ -71,9 +71,7 @@ def main() -> None:
         f"Machine: {machine(torch.get_num_threads())}, 3x32x32 inputs, "
         f"median of {args.repeats} steps.\n\n" + "\n".join(lines) + f"\n{END}"
     )
-    print(text)
-    if not args.no_write:
-        write_section(text, START, END, "## Profile accuracy")
+    publish(text, START, END, "## Profile accuracy", write=not args.no_write)
 
 
 if __name__ == "__main__":

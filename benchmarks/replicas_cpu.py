@@ -103,7 +103,7 @@ def main() -> None:
         child(args)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from report import machine, section, write_section
+    from report import machine, publish, section
 
     rows, plain = [], None
     for name, flags in CONFIGS:
@@ -138,9 +138,7 @@ def main() -> None:
             *rows,
         ],
     )
-    print(text)
-    if not args.no_write:
-        write_section(text, START, END, "## Replica scaling on CPU")
+    publish(text, START, END, "## Replica scaling on CPU", write=not args.no_write)
 
 
 if __name__ == "__main__":

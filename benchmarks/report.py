@@ -42,3 +42,10 @@ def section(start: str, end: str, lines: list[str]) -> str:
     import sys
 
     return "\n".join([start, f"Command: `python {' '.join(sys.argv)}`  ", *lines, end])
+
+
+def publish(text: str, start: str, end: str, heading: str, write: bool) -> None:
+    """Print a section and, where ``write``, put it into docs/benchmarks.md (see :func:`write_section`)."""
+    print(text)
+    if write:
+        write_section(text, start, end, heading)

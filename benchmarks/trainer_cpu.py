@@ -38,7 +38,7 @@ from lightning_antichain.worker import WorkerPool, share_malloc_arena
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from report import machine, section, write_section  # noqa: E402
+from report import machine, publish, section  # noqa: E402
 from zoo import NanoGPT  # noqa: E402
 
 START, END = "<!-- trainer-cpu:start -->", "<!-- trainer-cpu:end -->"
@@ -223,9 +223,7 @@ def main() -> None:
         f"- predicted / measured step: {min(ratios):.2f} to {max(ratios):.2f}",
         *checks,
     ])
-    print(text)
-    if not args.no_write:
-        write_section(text, START, END, "## The Trainer on CPU: pipeline against plain, per chunk count")
+    publish(text, START, END, "## The Trainer on CPU: pipeline against plain, per chunk count", write=not args.no_write)
 
 
 if __name__ == "__main__":

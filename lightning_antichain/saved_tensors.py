@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .capture.opgraph import identity
 from .trace import iter_tensors, map_tensors
 
 
@@ -216,7 +217,7 @@ def _replay(call: Any, owner: dict[int, tuple[str, int]], excluded: set[int]) ->
 
     args, kwargs = map_tensors(copy, call.args), map_tensors(copy, call.kwargs)
     saved: list[torch.Tensor] = []
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, _same):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, identity):
         output = call.fn(*args, **kwargs)
     made = {}  # replayed output storage -> the owner of the recorded output's storage
     for recorded, replayed in zip(iter_tensors(call.output), iter_tensors(output)):
@@ -235,7 +236,3 @@ def _replay(call: Any, owner: dict[int, tuple[str, int]], excluded: set[int]) ->
     mutated = [owner[copied[storage_of(twin)[0]]][0] for twin, version in versions
                if twin._version != version and copied[storage_of(twin)[0]] in owner]
     return found, list(dict.fromkeys(mutated))
-
-
-def _same(value: Any) -> Any:
-    return value
