@@ -8,7 +8,8 @@ of the repeats is reported. Variants, each one full training step (forward + bac
 * micro-batched: the plain module on the same M micro-batches one after another (gradient
   accumulation); micro-batches change per-sample speed on CPU caches, so this is the fair
   denominator for pipeline efficiency;
-* pipeline: ``la.Pipeline`` over K stages with M micro-batches.
+* pipeline: ``la.Pipeline`` over K stages with M micro-batches, planned as the strategy plans
+  (``planning.plan_model``: profile, partition, calibrate on a few steps).
 
 Efficiency is speed-up over micro-batched divided by the GPipe bound K*M/(M+K-1) / balance, where
 balance is the plan's bottleneck over the ideal split.
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 import lightning_antichain as la
+from lightning_antichain import planning
 from lightning_antichain.worker import WorkerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -92,10 +94,10 @@ def main() -> None:
     worker = WorkerPool(1, name="plain-baseline")
     for chunks in args.chunks:
         micro = x[: -(-args.batch_size // chunks)]
-        cost = la.profile(model, micro, progress=False)
-        plan = la.partition(cost, args.stages, chunks=chunks)
-        pipe = la.Pipeline(model, plan, chunks=chunks)
-        single = la.Pipeline(model, la.partition(cost, 1, chunks=1), chunks=1)
+        planned = planning.plan_model(model, (micro,), {}, ["cpu"] * args.stages, chunks=chunks, progress=False)
+        plan = planned.plan
+        pipe = la.Pipeline(model, plan, chunks=chunks, graph=planned.graph)
+        single = la.Pipeline(model, la.partition(planned.cost, 1, chunks=1), chunks=1)
         variants = {
             "plain": lambda: step_plain(model, x),
             "micro": lambda c=chunks: step_micro(model, x, c),

@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--load-profile", help="plan from a saved cost graph instead of profiling")
     plan.add_argument("--profile-cache", help="directory of cached profiles (default ~/.cache/lightning-antichain)")
     plan.add_argument("--no-profile-cache", action="store_true", help="profile anew and cache nothing")
+    plan.add_argument("--no-calibrate", action="store_true",
+                      help="predict from the profile alone, without timing a few steps of CPU stages")
     plan.add_argument("--save-profile", help="save the cost graph as JSON for later --load-profile")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     plan.add_argument("--output", help="save the plan as JSON to this file")
@@ -220,6 +222,7 @@ def _plan(args: argparse.Namespace) -> int:
         fallback=None if args.fallback == "none" else "children",
         profile_cache=args.profile_cache,
         use_profile_cache=not args.no_profile_cache,
+        calibrate=not args.no_calibrate,
         progress=not args.quiet,
         name=args.model,
         cost=cost,

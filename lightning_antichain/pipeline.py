@@ -35,7 +35,7 @@ from .capture import NEEDS_EXAMPLE, UntraceableModelError, capture, capture_call
 from .capture.assignments import Output, assign
 from .capture.isolation import own_forward, side_effects_undone
 from .engine import PassState, run_backward, run_forward
-from .plan import CHECKPOINT_MODES, Plan, check_chunks
+from .plan import CHECKPOINT_MODES, Plan, check_chunks, recomputed_micro_batches
 from .pytrees import flatten, unflatten
 from .saved_tensors import HeldMemory, state_storages
 from .schedule import Task, Timed, make_schedule
@@ -193,7 +193,7 @@ class Pipeline(nn.Module):
             result = self._assemble(leaves, outputs[0][1])
             self._assign(assigned, micro_values[0], sizes)
             return result
-        stop = {"never": 0, "except_last": len(micro_inputs) - 1, "always": len(micro_inputs)}[self.checkpoint]
+        stop = recomputed_micro_batches(self.checkpoint, len(micro_inputs))
         if not self.training:
             stop = 0
         per_slot = [flatten(values[i])[0] for i in self._input_slots]

@@ -12,11 +12,16 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .schedule import Timed, make_schedule, stage_durations, timeline
+from .schedule import Task, Timed, make_schedule, stage_durations, timeline
 
 PLAN_FORMAT = "lightning-antichain/plan/1"
 CHECKPOINT_MODES = ("never", "except_last", "always")
 """Activation recomputation: none, every micro-batch but the last, or every one."""
+
+
+def recomputed_micro_batches(checkpoint: str, chunks: int) -> int:
+    """How many micro-batches, from the first, the runtime recomputes in backward under ``checkpoint``."""
+    return {"never": 0, "except_last": chunks - 1, "always": chunks}[checkpoint]
 
 
 def check_chunks(chunks: object, auto: bool = False) -> int | str:
@@ -91,7 +96,9 @@ class Plan:
     ``frontend`` names the capture frontend whose graph was planned, and ``refused`` why the
     frontends before it could not capture the model. ``candidates`` lists, for a plan made with
     ``chunks="auto"`` for batches of ``batch_size``, every micro-batch count weighed, with its
-    predicted step and peak stage memory.
+    predicted step and peak stage memory. ``calibration`` holds what a few steps of this plan
+    measured in the runtime, when its stage times and parallel capacity were taken from them
+    (:mod:`lightning_antichain.calibration`), with the profiled values they replaced.
     """
 
     stages: list[Stage]
@@ -123,6 +130,7 @@ class Plan:
     cpu_cores: int | None = None
     candidates: list[dict[str, Any]] = field(default_factory=list)
     batch_size: int | None = None
+    calibration: dict[str, Any] | None = None
 
     @property
     def num_stages(self) -> int:
@@ -217,6 +225,14 @@ class Plan:
         if self.parallel_capacity is not None:
             costs.append(f"two CPU stages at once do {self.parallel_capacity:.2f}x the work of one")
         lines.append("included: " + ", ".join(costs))
+        if self.calibration is not None:
+            profiled = sum(self.calibration["profiled_compute_s"])
+            was = self.calibration["profiled_parallel_capacity"]
+            lines.append(
+                f"calibrated on {self.calibration['steps']} steps of this plan: stage times "
+                f"x{self.total_compute_s / profiled if profiled > 0 else 1.0:.2f} of profiled"
+                + ("" if was is None or self.parallel_capacity == was else f", parallel capacity was {was:.2f}")
+            )
         if self.candidates:
             lines.append(f"chunks=auto for batches of {self.batch_size}: chose {self.chunks}")
             for row in self.candidates:
@@ -237,12 +253,20 @@ class Plan:
 
     def timeline(self) -> list[Timed]:
         """The predicted start and end of every task of one step (:func:`schedule.timeline`), each
-        stage's transfer split evenly between its forward and its backward."""
+        stage's transfer split evenly between its forward and its backward, and the backward of a
+        micro-batch that ``checkpoint`` recomputes charged its forward again."""
         forward = [s.forward_s + s.transfer_s / 2 + self.task_overhead_s for s in self.stages]
         backward = [s.backward_s + s.transfer_s / 2 + self.task_overhead_s for s in self.stages]
+        recomputed = recomputed_micro_batches(self.checkpoint, self.chunks)
+        durations = stage_durations(forward, backward)
+
+        def duration(task: Task) -> float:
+            again = task.phase == "backward" and task.micro_batch < recomputed
+            return durations(task) + (self.stages[task.stage].forward_s if again else 0.0)
+
         return timeline(
             make_schedule(self.schedule, self.num_stages, self.chunks),
-            stage_durations(forward, backward),
+            duration,
             capacity=self.capacity(),
             shared=[s.device.startswith("cpu") for s in self.stages],
         )

@@ -17,8 +17,10 @@ import networkx as nx
 import torch
 from torch import nn
 
-from .batch_dims import batch_size_of, check_micro_batchable, first_micro_batch
+from . import calibration, microbatch
+from .batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
 from .capture import OpGraph, UntraceableModelError, capture_call
+from .capture.isolation import keeps_random_state
 from .memory import device_memory_gb
 from .overhead import optimizer_step_s
 from .partition import InfeasiblePlanError, partition, plan_from_balance
@@ -63,6 +65,7 @@ def chunk_candidates(batch_size: int, stages: int) -> list[int]:
     return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
 
+@keeps_random_state
 def plan_model(
     module: nn.Module | None,
     args: tuple,
@@ -86,6 +89,7 @@ def plan_model(
     progress: bool = True,
     name: str | None = None,
     cost: nx.DiGraph | None = None,
+    calibrate: bool = True,
 ) -> Planned:
     """Plan ``module`` over ``devices`` (one stage each) for micro-batches like ``args, kwargs``.
 
@@ -98,6 +102,9 @@ def plan_model(
     plan cannot run). ``bandwidth_gbps`` and ``memory_gb`` default to
     :func:`default_bandwidth_gbps` and :func:`default_memory_gb`. ``optimizers`` are timed (on
     copies of their parameters) so that the predicted step includes their ``step()``.
+    ``calibrate`` runs a plan whose stages share the CPU for a few steps and takes its stage times
+    and parallel capacity from them (:mod:`~lightning_antichain.calibration`; cached with the
+    profiles), since per-op profiles mispredict CPU pipelines at small micro-batches.
 
     With ``chunks="auto"``, ``args, kwargs`` is a whole batch: each count of
     :func:`chunk_candidates` is profiled at its own micro-batch size and planned, and the plan with
@@ -113,12 +120,28 @@ def plan_model(
     def cut(cost: nx.DiGraph, count: int) -> Plan:
         return _cut(cost, devices, count, checkpoint, balance, method, bandwidth_gbps, memory_gb, optimizer_multiplier)
 
-    def profiled(args: tuple, kwargs: dict, label: str | None) -> tuple[nx.DiGraph, Path | None]:
+    def profiled(args: tuple, kwargs: dict, label: str | None) -> tuple[nx.DiGraph, Path | None, str]:
         return _profiled(module, graph, args, kwargs, devices[0], batch_dim, profile_cache, use_profile_cache,
                          progress, label)
 
+    def measured(plan: Plan, key: str, args: tuple, kwargs: dict) -> Plan:
+        """``plan`` calibrated on the batch ``args, kwargs``, where calibration applies."""
+        if not calibrate or module is None or not calibration.applies_to(plan, graph):
+            return plan
+        assert graph is not None
+        directory = Path(profile_cache) if profile_cache else default_cache_dir()
+        calibration_key = calibration.calibration_key(key, plan, checkpoint)
+        found = calibration.load(directory, calibration_key, plan.num_stages) if use_profile_cache else None
+        if found is None:
+            found = calibration.calibrate(module, graph, plan, args, kwargs, batch_dim=batch_dim, checkpoint=checkpoint,
+                                          progress=progress)
+            if use_profile_cache:
+                calibration.store(directory, calibration_key, found)
+        return calibration.calibrated(plan, found)
+
     graph = None
     cached_from = None
+    key = ""
     if cost is None:
         if module is None:
             raise ValueError("plan_model needs a module to profile, or a cost graph (cost=)")
@@ -131,31 +154,42 @@ def plan_model(
             check_micro_batchable(module, args, kwargs, batch_dim)
         if auto:
             optimizer_s = optimizer_step_s(list(optimizers)) if optimizers else 0.0
-            plan, cost, cached_from = _choose_chunks(module, args, kwargs, batch_dim, size, len(devices),
-                                                     name or type(module).__name__, optimizer_s, profiled, cut)
+            plan, cost, cached_from = _choose_chunks(
+                module, args, kwargs, batch_dim, size, len(devices), name or type(module).__name__, optimizer_s,
+                profiled, lambda cost, count, key: measured(cut(cost, count), key, args, kwargs))
             return Planned(plan, graph, cost, cached_from)
-        cost, cached_from = profiled(args, kwargs, name)
+        cost, cached_from, key = profiled(args, kwargs, name)
     if optimizers:
         cost = cost.copy()
         cost.graph["optimizer_step_s"] = optimizer_step_s(list(optimizers))
-    return Planned(cut(cost, chunks), graph, cost, cached_from)
+    plan = cut(cost, chunks)
+    if module is not None and key:
+        plan = measured(plan, key, *_repeated(module, args, kwargs, plan.chunks, batch_dim))
+    return Planned(plan, graph, cost, cached_from)
+
+
+def _repeated(module: nn.Module, args: tuple, kwargs: dict, times: int, batch_dim: int | Mapping[str, int]) -> tuple:
+    """A batch of ``times`` copies of the micro-batch ``args, kwargs``, as ``(args, kwargs)``."""
+    args, kwargs, dims = call_dims(module, args, kwargs, batch_dim)
+    return microbatch.map_batched((args, kwargs), dims, lambda t, d: torch.cat([t] * times, d))
 
 
 def _profiled(module: nn.Module, graph: OpGraph, args: tuple, kwargs: dict, device: torch.device,
               batch_dim: int | Mapping[str, int], profile_cache: str | Path | None, use_profile_cache: bool,
-              progress: bool, name: str | None) -> tuple[nx.DiGraph, Path | None]:
-    """The cost graph of ``graph`` on one micro-batch: from the cache if it has it, else profiled and stored."""
+              progress: bool, name: str | None) -> tuple[nx.DiGraph, Path | None, str]:
+    """The cost graph of ``graph`` on one micro-batch (from the cache if it has it, else profiled and
+    stored), the cache file it came from, and its cache key."""
     directory = Path(profile_cache) if profile_cache else default_cache_dir()
     key = profile_key(graph, module, (args, kwargs), device)
     cost = load_cached(directory, key, graph) if use_profile_cache else None
     if cost is not None:
-        return cost, cache_file(directory, key)
+        return cost, cache_file(directory, key), key
     example: Any = kwargs if kwargs else args
     cost = profile(module, example, device, op_graph=graph, name=name or type(module).__name__,
                    batch_dim=batch_dim, progress=progress)
     if use_profile_cache:
         store(directory, key, cost)
-    return cost, None
+    return cost, None, key
 
 
 def _cut(cost: nx.DiGraph, devices: list[torch.device], chunks: int, checkpoint: str,
@@ -174,11 +208,11 @@ def _cut(cost: nx.DiGraph, devices: list[torch.device], chunks: int, checkpoint:
 def _choose_chunks(
     module: nn.Module, args: tuple, kwargs: dict, batch_dim: int | Mapping[str, int], size: int, stages: int,
     name: str, optimizer_s: float,
-    profiled: Callable[[tuple, dict, str], tuple[nx.DiGraph, Path | None]],
-    cut: Callable[[nx.DiGraph, int], Plan],
+    profiled: Callable[[tuple, dict, str], tuple[nx.DiGraph, Path | None, str]],
+    cut: Callable[[nx.DiGraph, int, str], Plan],
 ) -> tuple[Plan, nx.DiGraph, Path | None]:
     """The plan of the candidate count with the shortest predicted step that fits, listing every candidate."""
-    costs: dict[int, tuple[nx.DiGraph, Path | None] | Exception] = {}
+    costs: dict[int, tuple[nx.DiGraph, Path | None, str] | Exception] = {}
     rows: list[dict[str, Any]] = []
     best: tuple[Plan, nx.DiGraph, Path | None] | None = None
     refusal: InfeasiblePlanError | None = None
@@ -198,11 +232,11 @@ def _choose_chunks(
         if isinstance(costs[micro], Exception):
             row["fails"] = str(costs[micro]).split("\n")[0]
             continue
-        cost, cached_from = costs[micro]
+        cost, cached_from, key = costs[micro]
         cost = cost.copy()
         cost.graph.update(optimizer_step_s=optimizer_s, model=name)
         try:
-            plan = cut(cost, chunks)
+            plan = cut(cost, chunks, key)
         except InfeasiblePlanError as exc:
             refusal = refusal or exc
             continue

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,13 +24,16 @@ from torch import nn
 from . import overhead
 from .batch_dims import batch_size_of
 from .capture.devices import retarget_devices
+from .capture.isolation import keeps_random_state
 from .graph import GRAPH_FORMAT
 from .microbatch import MicroBatchError
+from .progress import Progress
 from .saved_tensors import saved_per_call, state_storages
 from .trace import OpGraph, RecordedCall, iter_tensors, map_tensors, split_inputs, trace
 from .worker import WorkerPool, share_malloc_arena
 
 
+@keeps_random_state
 def profile(
     module: nn.Module,
     example_inputs: Any,
@@ -88,7 +90,7 @@ def profile(
         kept = saved_per_call(calls, state_storages(work_module))
     rounds = warmup + repeats
     label = f"profiling {name or type(module).__name__}"
-    reporter = _Progress(len(calls) * rounds, enabled=progress, label=label)
+    reporter = Progress(len(calls) * rounds, enabled=progress, label=label, unit="op runs")
     samples = [[] for _ in calls]
     # Round-robin over all ops, rather than op after op: a slow spell of the machine then
     # touches one sample of many ops instead of every sample of one op.
@@ -299,35 +301,3 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
-
-
-class _Progress:
-    """A progress line on stderr: redrawn in place on a terminal, every 10% otherwise."""
-
-    def __init__(self, total: int, *, enabled: bool, label: str) -> None:
-        self.total, self.enabled, self.label = total, enabled, label
-        self.done = 0
-        self.tty = sys.stderr.isatty()
-        self.started = time.perf_counter()
-        self.last_tenth = -1
-
-    def step(self) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        tenth = 10 * self.done // max(self.total, 1)
-        if self.tty:
-            sys.stderr.write(f"\r{self._line()}")
-        elif tenth != self.last_tenth:
-            sys.stderr.write(self._line() + "\n")
-        self.last_tenth = tenth
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-    def _line(self) -> str:
-        elapsed = time.perf_counter() - self.started
-        return f"{self.label}: {self.done}/{self.total} op runs, {elapsed:.1f}s"

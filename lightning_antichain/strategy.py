@@ -73,6 +73,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
         leaf_modules: dotted paths of submodules to keep whole when tracing.
         profile_cache: directory of cached profiles; default ``~/.cache/lightning-antichain``.
         use_profile_cache: read and write that cache.
+        calibrate: time a few steps of a plan whose stages share the CPU and predict from them
+            (:mod:`lightning_antichain.calibration`); seconds once, then cached with the profiles.
         log_stage_times: log each stage's measured busy time of the previous step
             (``pipeline/stage{k}_busy_ms``) from ``training_step``.
         stages: devices per pipeline. Default: all of a node's devices, one pipeline per node. With
@@ -105,6 +107,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         leaf_modules: list[str] | None = None,
         profile_cache: str | None = None,
         use_profile_cache: bool = True,
+        calibrate: bool = True,
         log_stage_times: bool = False,
         stages: int | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
@@ -139,6 +142,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self.leaf_modules = list(leaf_modules or [])
         self.profile_cache = Path(profile_cache) if profile_cache else default_cache_dir()
         self.use_profile_cache = use_profile_cache
+        self.calibrate = calibrate
         self.log_stage_times = log_stage_times
         if stages is not None and stages < 1:
             raise ValueError(f"stages must be at least 1, got {stages}")
@@ -382,6 +386,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
                 optimizer_multiplier=self._optimizer_multiplier(),
                 profile_cache=self.profile_cache,
                 use_profile_cache=self.use_profile_cache,
+                calibrate=self.calibrate,
             )
         self._graph = planned.graph
         if planned.cached_from is not None:

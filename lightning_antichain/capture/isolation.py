@@ -11,12 +11,16 @@ are undone.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @contextlib.contextmanager
@@ -76,6 +80,19 @@ def rng_forked(example: Any) -> Iterator[None]:
                       if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         yield
+
+
+def keeps_random_state(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` with its random draws (the profiler's random gradients, calibration's dropout) not
+    advancing the caller's generators: the CPU one and those of CUDA devices already in use."""
+
+    @functools.wraps(fn)
+    def kept(*args: P.args, **kwargs: P.kwargs) -> R:
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            return fn(*args, **kwargs)
+
+    return kept
 
 
 @contextlib.contextmanager

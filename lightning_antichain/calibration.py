@@ -1,0 +1,234 @@
+"""What a plan's CPU stages take in the runtime itself, measured on a few of its steps.
+
+Per-op profiles and the profiler's two-thread probe predict CPU pipelines well at large
+micro-batches and badly at small ones. At 4 samples per micro-batch (ResNet-18), ops replayed one
+at a time added up to 26% more than the runtime's tasks took, and two whole models on two threads
+slowed each other far more than two stages of one pipeline do (docs/benchmarks.md, "How much CPU
+stages slow each other"). So a plan whose stages share the CPU is run for a few steps before it is
+trusted: its micro-batches one at a time (what each stage's forward and backward take alone) and
+pipelined (how much the stages slow each other while they overlap). The plan's stage times and
+parallel capacity become the runtime's own. Results are cached next to the profiles, and the
+module is left as it was found: parameters, gradients, buffers, attributes and random state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import microbatch
+from .batch_dims import call_dims
+from .capture.isolation import attributes_restored, side_effects_undone
+from .capture.opgraph import OpGraph
+from .plan import Plan, recomputed_micro_batches
+from .progress import Progress
+from .schedule import Task, Timed
+from .trace import iter_tensors
+
+CALIBRATION_FORMAT = 1
+"""Bumped whenever what a calibration measures changes, so older cached ones are measured again."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per stage, the seconds one micro-batch's forward and backward task take in the runtime when
+    nothing else runs; the work two CPU stages get through at once in units of one alone, read from
+    the overlap of the pipelined steps (``None`` where they never overlapped); and the median
+    pipelined step measured (forward and backward, no optimizer)."""
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    parallel_capacity: float | None
+    pipelined_step_s: float
+    steps: int
+
+
+def applies_to(plan: Plan, graph: OpGraph | None) -> bool:
+    """Whether calibration can help ``plan``: two or more stages sharing the CPU, and a graph to run."""
+    cpu_stages = sum(s.device.startswith("cpu") for s in plan.stages)
+    return graph is not None and graph.granularity == "ops" and cpu_stages >= 2 and cpu_stages == plan.num_stages
+
+
+def calibrate(
+    module: nn.Module,
+    graph: OpGraph,
+    plan: Plan,
+    args: tuple,
+    kwargs: dict,
+    *,
+    batch_dim: int | Mapping[str, int] = 0,
+    checkpoint: str = "never",
+    steps: int = 3,
+    progress: bool = True,
+) -> Calibration:
+    """Run ``plan`` on the batch ``args, kwargs`` (``plan.chunks`` micro-batches) for ``steps`` steps
+    after one to warm up, pipelined and one micro-batch at a time in turn, and read its tasks' times."""
+    from .pipeline import Pipeline
+
+    call_args, call_kwargs, dims = call_dims(module, args, kwargs, batch_dim)
+    micro_batches = microbatch.scatter((call_args, call_kwargs), plan.chunks, dims)
+    count = len(micro_batches)
+    recomputed = recomputed_micro_batches(checkpoint, count)
+    shared = [s.device.startswith("cpu") for s in plan.stages]
+    reporter = Progress((steps + 1) * (count + 1), enabled=progress, unit="steps",
+                        label=f"calibrating {plan.model or type(module).__name__} on {count} micro-batches")
+    rounds: list[tuple[float, list[dict[Task, float]], list[list[Timed]]]] = []
+    options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False}
+    with _untouched(module), Pipeline(module, plan, chunks=plan.chunks, checkpoint=checkpoint, **options) as piped, \
+            Pipeline(module, plan, chunks=1, **options) as single:
+        for step in range(steps + 1):
+            started = time.perf_counter()
+            _train(piped(*call_args, **call_kwargs))
+            elapsed = time.perf_counter() - started
+            timed = [list(stage) for stage in piped.last_timed]
+            reporter.step()
+            alone: list[dict[Task, float]] = []
+            for micro_args, micro_kwargs in micro_batches:
+                _train(single(*micro_args, **micro_kwargs))
+                alone.append({t.task: t.end - t.start for stage in single.last_timed for t in stage})
+                reporter.step()
+            if step:
+                rounds.append((elapsed, alone, timed))
+    reporter.close()
+    forward, backward, capacities = [], [], []
+    for _, alone, timed in rounds:
+        forward.append([statistics.fmean(a[Task("forward", k, 0)] for a in alone) for k in range(plan.num_stages)])
+        backward.append([statistics.fmean(a[Task("backward", k, 0)] for a in alone) for k in range(plan.num_stages)])
+        work = {}
+        for m, a in enumerate(alone):
+            for k in range(plan.num_stages):
+                work[Task("forward", k, m)] = a[Task("forward", k, 0)]
+                again = a[Task("forward", k, 0)] if m < recomputed else 0.0
+                work[Task("backward", k, m)] = a[Task("backward", k, 0)] + again
+        capacity = runtime_capacity(timed, work, shared, plan.cpu_cores or plan.num_stages)
+        if capacity is not None:
+            capacities.append(capacity)
+    return Calibration(
+        forward_s=tuple(statistics.median(r[k] for r in forward) for k in range(plan.num_stages)),
+        backward_s=tuple(statistics.median(r[k] for r in backward) for k in range(plan.num_stages)),
+        parallel_capacity=statistics.median(capacities) if len(capacities) == len(rounds) else None,
+        pipelined_step_s=statistics.median(r[0] for r in rounds),
+        steps=steps,
+    )
+
+
+def runtime_capacity(timed: Sequence[Sequence[Timed]], work: Mapping[Task, float], shared: Sequence[bool],
+                     cores: int) -> float | None:
+    """The ``parallel_capacity`` that explains a measured step: ``work[task]`` is what each task
+    took alone, ``timed`` when it ran. With ``T_n`` the time ``n`` shared stages were busy at once,
+    the model (:meth:`Plan.capacity`) gets through ``T_n * (1 + extra * (min(n, cores) - 1))`` of
+    work in it, so ``extra`` is the work beyond ``sum(T_n)`` over ``sum(T_n * (min(n, cores) - 1))``.
+    ``None`` where shared stages overlapped too little (under 1% of their busy time) to tell."""
+    edges: list[tuple[float, int]] = []
+    total = 0.0
+    for k, tasks in enumerate(timed):
+        if not shared[k]:
+            continue
+        for t in tasks:
+            edges += [(t.start, 1), (t.end, -1)]
+            total += work[t.task]
+    edges.sort()
+    busy, weighted, running, last = 0.0, 0.0, 0, 0.0
+    for at, change in edges:
+        if running:
+            busy += at - last
+            weighted += (at - last) * (min(running, cores) - 1)
+        running += change
+        last = at
+    if weighted <= 0.01 * busy:
+        return None
+    return min(2.0, max(0.5, 1.0 + (total - busy) / weighted))
+
+
+def calibrated(plan: Plan, found: Calibration) -> Plan:
+    """``plan`` with each stage's times and the parallel capacity measured in the runtime, and its
+    step predicted again from them; the profiled values are kept in ``plan.calibration``."""
+    stages = [
+        replace(s, forward_s=max(0.0, f - plan.task_overhead_s - s.transfer_s / 2),
+                backward_s=max(0.0, b - plan.task_overhead_s - s.transfer_s / 2))
+        for s, f, b in zip(plan.stages, found.forward_s, found.backward_s)
+    ]
+    profiled = sum(s.compute_s for s in plan.stages)
+    total = sum(s.compute_s for s in stages)
+    capacity = plan.parallel_capacity if found.parallel_capacity is None else found.parallel_capacity
+    new = replace(
+        plan,
+        stages=stages,
+        bottleneck_s=max(s.time_s for s in stages),
+        lower_bound_s=plan.lower_bound_s * (total / profiled if profiled > 0 else 1.0),
+        total_compute_s=total,
+        parallel_capacity=capacity,
+        calibration={**asdict(found), "profiled_compute_s": [s.compute_s for s in plan.stages],
+                     "profiled_parallel_capacity": plan.parallel_capacity},
+    )
+    new.predicted_step_s = new.predict_step()
+    return new
+
+
+def calibration_key(profile_key: str, plan: Plan, checkpoint: str) -> str:
+    """A stable hash of what a calibration depends on beyond the profile: the cut, the devices,
+    the micro-batch count, the recompute mode and the threads each stage has."""
+    text = json.dumps([CALIBRATION_FORMAT, profile_key, plan.chunks, checkpoint, [s.nodes for s in plan.stages],
+                       [s.device for s in plan.stages], torch.get_num_threads(), plan.cpu_cores])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def load(directory: Path, key: str, stages: int) -> Calibration | None:
+    """The calibration cached under ``key``, if the file is there and whole."""
+    try:
+        data = json.loads(_file(directory, key).read_text())
+        found = Calibration(tuple(map(float, data["forward_s"])), tuple(map(float, data["backward_s"])),
+                            None if data["parallel_capacity"] is None else float(data["parallel_capacity"]),
+                            float(data["pipelined_step_s"]), int(data["steps"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    times = found.forward_s + found.backward_s
+    whole = len(found.forward_s) == len(found.backward_s) == stages and all(t >= 0 for t in times)
+    return found if whole else None
+
+
+def store(directory: Path, key: str, found: Calibration) -> None:
+    path = _file(directory, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(found)))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache only costs the calibration again
+
+
+def _file(directory: Path, key: str) -> Path:
+    """Where the calibration of ``key`` is cached: beside the profiles of ``directory``, in a folder of its own."""
+    return directory / "calibrations" / f"{key}.json"
+
+
+def _train(output: Any) -> None:
+    """Backward from every floating output that needs a gradient, as a loss over all of them would."""
+    outs = [t for t in iter_tensors(output) if t.requires_grad and t.is_floating_point()]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+
+@contextlib.contextmanager
+def _untouched(module: nn.Module) -> Iterator[None]:
+    """Gradients, buffers, attributes and random state as they were before the block."""
+    grads = [(p, p.grad) for p in module.parameters()]
+    for p, _ in grads:
+        p.grad = None
+    try:
+        with attributes_restored(module), side_effects_undone(module), torch.enable_grad():
+            yield
+    finally:
+        for p, grad in grads:
+            p.grad = grad

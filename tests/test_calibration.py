@@ -1,0 +1,123 @@
+"""Calibration from the runtime: what it infers, what it leaves alone, and how the plan uses it."""
+
+import copy
+import json
+
+import pytest
+import torch
+from models import LongSkip, SequentialCNN
+from torch import nn
+
+import lightning_antichain as la
+from lightning_antichain import calibration, planning, schedule
+from lightning_antichain.schedule import Task, gpipe
+
+
+def _timed_by_stage(timed, stages):
+    by_stage = [[] for _ in range(stages)]
+    for t in timed:
+        by_stage[t.task.stage].append(t)
+    return by_stage
+
+
+@pytest.mark.parametrize(("stages", "chunks", "capacity", "cores"),
+                         [(2, 4, 1.6, 2), (2, 8, 1.15, 2), (3, 6, 1.7, 3), (3, 6, 1.4, 2), (4, 5, 1.9, 16)])
+def test_the_capacity_read_from_a_timeline_is_the_capacity_it_was_simulated_with(stages, chunks, capacity, cores):
+    forward = [1.0 + 0.3 * k for k in range(stages)]
+    backward = [2.0 - 0.2 * k for k in range(stages)]
+    work = {t: (forward if t.phase == "forward" else backward)[t.stage]
+            for tasks in gpipe(stages, chunks).order for t in tasks}
+    extra = capacity - 1
+    curve = [1 + extra * (min(n, cores) - 1) for n in range(1, stages + 1)]
+    timed = schedule.timeline(gpipe(stages, chunks), work.__getitem__, capacity=curve, shared=[True] * stages)
+    found = calibration.runtime_capacity(_timed_by_stage(timed, stages), work, [True] * stages, cores)
+    assert found == pytest.approx(capacity)
+
+
+def test_stages_that_never_overlap_say_nothing_about_capacity():
+    timed = schedule.timeline(gpipe(2, 1), schedule.stage_durations([1.0, 1.0], [1.0, 1.0]))
+    work = {t.task: 1.0 for t in timed}
+    assert calibration.runtime_capacity(_timed_by_stage(timed, 2), work, [True, True], 2) is None
+
+
+class _Stateful(nn.Module):
+    """BatchNorm statistics and dropout's random draws: things a few training steps change, and
+    calibration must put back."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3),
+                                  nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_calibrating_leaves_the_module_its_gradients_and_the_random_stream_as_they_were(tmp_path):
+    torch.manual_seed(0)
+    model = _Stateful().double()
+    x = torch.randn(8, 12, dtype=torch.float64)
+    model(x).sum().backward()
+    state = copy.deepcopy(model.state_dict())
+    grads = [p.grad.clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    planned = planning.plan_model(model, (x[:2],), {}, ["cpu", "cpu"], chunks=4, profile_cache=tmp_path,
+                                  progress=False)
+    assert planned.plan.calibration is not None  # it ran
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[key], rtol=0, atol=0)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_calibrated_plan_predicts_from_the_measured_stage_times_and_is_read_back_from_the_cache(tmp_path):
+    model = LongSkip()
+    micro = torch.randn(4, 12)
+    planned = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4, profile_cache=tmp_path,
+                                  progress=False)
+    plan = planned.plan
+    found = plan.calibration
+    assert found is not None and len(list((tmp_path / "calibrations").glob("*.json"))) == 1
+    for stage, f, b in zip(plan.stages, found["forward_s"], found["backward_s"]):
+        assert stage.forward_s == pytest.approx(max(0.0, f - plan.task_overhead_s))
+        assert stage.backward_s == pytest.approx(max(0.0, b - plan.task_overhead_s))
+    assert found["profiled_compute_s"] == [s.compute_s for s in
+                                           planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4,
+                                                               profile_cache=tmp_path, progress=False,
+                                                               calibrate=False).plan.stages]
+    if found["parallel_capacity"] is not None:
+        assert plan.parallel_capacity == found["parallel_capacity"]
+    assert plan.predicted_step_s == pytest.approx(plan.predict_step())
+    assert "calibrated on 3 steps of this plan" in plan.table()
+    assert la.Plan.from_dict(json.loads(plan.to_json())).calibration == json.loads(json.dumps(found))
+    again = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4, profile_cache=tmp_path,
+                                progress=False).plan
+    assert again.predicted_step_s == plan.predicted_step_s  # read back, not measured again
+    assert again.calibration == plan.calibration
+
+
+def test_calibration_is_only_for_plans_whose_stages_share_the_cpu(tmp_path):
+    model = SequentialCNN()
+    micro = torch.randn(2, 3, 16, 16)
+    one = planning.plan_model(model, (micro,), {}, ["cpu"], chunks=4, profile_cache=tmp_path, progress=False)
+    assert one.plan.calibration is None
+    off = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4, profile_cache=tmp_path,
+                              progress=False, calibrate=False)
+    assert off.plan.calibration is None and not list((tmp_path / "calibrations").glob("*.json"))
+
+
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+def test_a_recomputed_micro_batch_is_charged_its_forward_again_in_backward(checkpoint):
+    model = SequentialCNN()
+    cost = la.profile(model, torch.randn(2, 3, 16, 16), repeats=1, warmup=0, progress=False)
+    cost.graph["parallel_capacity"] = None  # stages at full speed: a task's span is its duration
+    plain = {t.task: t.end - t.start for t in la.partition(cost, 2, chunks=4).timeline()}
+    plan = la.partition(cost, 2, chunks=4, checkpoint=checkpoint)
+    recomputing = {t.task: t.end - t.start for t in plan.timeline()}
+    last = 3 if checkpoint == "except_last" else 4
+    for m in range(4):
+        for k, stage in enumerate(plan.stages):
+            again = stage.forward_s if m < last else 0.0
+            assert recomputing[Task("backward", k, m)] == pytest.approx(plain[Task("backward", k, m)] + again)
+            assert recomputing[Task("forward", k, m)] == pytest.approx(plain[Task("forward", k, m)])
