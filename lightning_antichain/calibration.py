@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import statistics
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,11 +32,12 @@ from .batch_dims import call_dims
 from .capture.isolation import attributes_restored, side_effects_undone
 from .capture.opgraph import OpGraph
 from .plan import Plan, recomputed_micro_batches
+from .profile_cache import write_measurement
 from .progress import Progress
 from .schedule import Task, Timed
 from .trace import iter_tensors
 
-CALIBRATION_FORMAT = 1
+CALIBRATION_FORMAT = 2
 """Bumped whenever what a calibration measures changes, so older cached ones are measured again."""
 
 
@@ -69,10 +71,14 @@ def calibrate(
     batch_dim: int | Mapping[str, int] = 0,
     checkpoint: str = "never",
     steps: int = 3,
+    max_steps: int = 15,
+    seconds: float = 6.0,
     progress: bool = True,
 ) -> Calibration:
-    """Run ``plan`` on the batch ``args, kwargs`` (``plan.chunks`` micro-batches) for ``steps`` steps
-    after one to warm up, pipelined and one micro-batch at a time in turn, and read its tasks' times."""
+    """Run ``plan`` on the batch ``args, kwargs`` (``plan.chunks`` micro-batches), pipelined and one
+    micro-batch at a time in turn, and read its tasks' times: one round to warm up, then as many as
+    fill ``seconds`` (at least ``steps``, at most ``max_steps``), so that a passing slowdown of a
+    shared machine is outvoted by the median."""
     from .pipeline import Pipeline
 
     call_args, call_kwargs, dims = call_dims(module, args, kwargs, batch_dim)
@@ -80,25 +86,31 @@ def calibrate(
     count = len(micro_batches)
     recomputed = recomputed_micro_batches(checkpoint, count)
     shared = [s.device.startswith("cpu") for s in plan.stages]
-    reporter = Progress((steps + 1) * (count + 1), enabled=progress, unit="steps",
-                        label=f"calibrating {plan.model or type(module).__name__} on {count} micro-batches")
-    rounds: list[tuple[float, list[dict[Task, float]], list[list[Timed]]]] = []
     options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False}
+    rounds: list[tuple[float, list[dict[Task, float]], list[list[Timed]]]] = []
     with _untouched(module), Pipeline(module, plan, chunks=plan.chunks, checkpoint=checkpoint, **options) as piped, \
             Pipeline(module, plan, chunks=1, **options) as single:
-        for step in range(steps + 1):
+
+        def one_round() -> tuple[float, list[dict[Task, float]], list[list[Timed]]]:
             started = time.perf_counter()
             _train(piped(*call_args, **call_kwargs))
             elapsed = time.perf_counter() - started
             timed = [list(stage) for stage in piped.last_timed]
-            reporter.step()
-            alone: list[dict[Task, float]] = []
+            alone = []
             for micro_args, micro_kwargs in micro_batches:
                 _train(single(*micro_args, **micro_kwargs))
                 alone.append({t.task: t.end - t.start for stage in single.last_timed for t in stage})
-                reporter.step()
-            if step:
-                rounds.append((elapsed, alone, timed))
+            return elapsed, alone, timed
+
+        started = time.perf_counter()
+        one_round()
+        round_s = time.perf_counter() - started
+        wanted = max(steps, min(max_steps, math.ceil(seconds / max(round_s, 1e-9))))
+        reporter = Progress(wanted, enabled=progress, unit="steps",
+                            label=f"calibrating {plan.model or type(module).__name__} on {count} micro-batches")
+        for _ in range(wanted):
+            rounds.append(one_round())
+            reporter.step()
     reporter.close()
     forward, backward, capacities = [], [], []
     for _, alone, timed in rounds:
@@ -118,7 +130,7 @@ def calibrate(
         backward_s=tuple(statistics.median(r[k] for r in backward) for k in range(plan.num_stages)),
         parallel_capacity=statistics.median(capacities) if len(capacities) == len(rounds) else None,
         pipelined_step_s=statistics.median(r[0] for r in rounds),
-        steps=steps,
+        steps=len(rounds),
     )
 
 
@@ -198,14 +210,7 @@ def load(directory: Path, key: str, stages: int) -> Calibration | None:
 
 
 def store(directory: Path, key: str, found: Calibration) -> None:
-    path = _file(directory, key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(found)))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs the calibration again
+    write_measurement(_file(directory, key), asdict(found))
 
 
 def _file(directory: Path, key: str) -> Path:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .profile_cache import default_cache_dir
+from .profile_cache import default_cache_dir, write_measurement
 
 OVERHEAD_FORMAT = 1
 
@@ -49,7 +49,7 @@ def runtime_overhead(device: str | torch.device = "cpu", cache_dir: Path | None 
     found = _read(path)
     if found is None:
         found = measure_runtime_overhead(device)
-        _write(path, found)
+        write_measurement(path, asdict(found))
     _measured[key] = found
     return found
 
@@ -105,16 +105,6 @@ def _read(path: Path) -> RuntimeOverhead | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return found if found.task_s >= 0 and found.step_s >= 0 else None
-
-
-def _write(path: Path, found: RuntimeOverhead) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(found)))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs a second per process
 
 
 def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int = 256 * 2**20) -> float:

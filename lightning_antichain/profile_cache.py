@@ -110,3 +110,15 @@ def store(directory: Path, key: str, graph: nx.DiGraph) -> Path:
     save_cost_graph(graph, tmp)
     tmp.replace(path)
     return path
+
+
+def write_measurement(path: Path, data: dict[str, Any]) -> None:
+    """Save a measurement as JSON in the cache, whole or not at all (written aside, then renamed);
+    a cache that cannot be written only costs measuring again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        pass

@@ -89,7 +89,7 @@ def test_a_calibrated_plan_predicts_from_the_measured_stage_times_and_is_read_ba
     if found["parallel_capacity"] is not None:
         assert plan.parallel_capacity == found["parallel_capacity"]
     assert plan.predicted_step_s == pytest.approx(plan.predict_step())
-    assert "calibrated on 3 steps of this plan" in plan.table()
+    assert 3 <= found["steps"] <= 15 and f"calibrated on {found['steps']} steps of this plan" in plan.table()
     assert la.Plan.from_dict(json.loads(plan.to_json())).calibration == json.loads(json.dumps(found))
     again = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4, profile_cache=tmp_path,
                                 progress=False).plan
