@@ -1,8 +1,9 @@
-"""How much CPU stages slow each other in the real runtime, against the profile's capacity probe.
+"""How much CPU stages slow each other in the real runtime, against the profile's probe and the calibration.
 
-The plan predicts CPU stages that run at once from ``parallel_capacity``: two threads each running
-the whole model's forward and backward, against one. This script measures the same quantity in the
-runtime itself. For each chunk count it runs the planned 2-stage pipeline (tasks overlap), then
+The profile estimates ``parallel_capacity`` with a probe: two threads each running the whole
+model's forward and backward, against one. Planning then calibrates it on a few steps of the plan
+(:mod:`lightning_antichain.calibration`). This script measures the same quantity in the runtime,
+on other steps than the calibration's. For each chunk count it runs the planned 2-stage pipeline (tasks overlap), then
 the same micro-batches one at a time (no overlap), and reads each task's start and end from
 ``Pipeline.last_timed``. With ``O`` the time both stages were busy, ``B`` the summed task time
 overlapped and ``A`` the summed task time alone, the work done during ``O`` is ``A - (B - 2 O)``,
@@ -57,10 +58,10 @@ def main() -> None:
     model = getattr(torchvision.models, args.model)(num_classes=10)
     x = torch.randn(args.batch_size, 3, 32, 32)
     lines = [
-        "| chunks | micro-batch | probe capacity (plan) | runtime capacity | task time overlapped / alone "
-        "| both stages busy | profiled work ms | tasks alone ms | predicted step ms (no optimizer) | measured "
-        "| predicted / measured |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| chunks | micro-batch | probe capacity (profile) | calibrated capacity (plan) | runtime capacity "
+        "| task time overlapped / alone | both stages busy | profiled work ms | calibrated work ms | tasks alone ms "
+        "| predicted step ms (no optimizer) | measured | predicted / measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for chunks in args.chunks:
         micro = args.batch_size // chunks
@@ -87,9 +88,13 @@ def main() -> None:
         runtime_capacity = (a - b + 2 * o) / o if o > 0 else float("nan")
         predicted = plan.predicted_step_s - plan.optimizer_step_s
         measured = statistics.median(steps)
+        found = plan.calibration or {}
+        probe = found.get("profiled_parallel_capacity", plan.parallel_capacity)
+        profiled = sum(found.get("profiled_compute_s", [st.compute_s for st in plan.stages]))
         lines.append(
-            f"| {chunks} | {micro} | {plan.parallel_capacity:.2f} | {runtime_capacity:.2f} | {b / a:.2f} "
-            f"| {o / measured:.0%} | {chunks * sum(st.compute_s for st in plan.stages) * 1e3:.0f} | {a * 1e3:.0f} "
+            f"| {chunks} | {micro} | {probe:.2f} | {plan.parallel_capacity:.2f} | {runtime_capacity:.2f} "
+            f"| {b / a:.2f} | {o / measured:.0%} | {chunks * profiled * 1e3:.0f} "
+            f"| {chunks * plan.total_compute_s * 1e3:.0f} | {a * 1e3:.0f} "
             f"| {predicted * 1e3:.0f} | {measured * 1e3:.0f} | {predicted / measured:.2f} |"
         )
         print(lines[-1], file=sys.stderr)
