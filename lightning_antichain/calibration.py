@@ -114,14 +114,17 @@ def calibrate(
     reporter.close()
     forward, backward, capacities = [], [], []
     for _, alone, timed in rounds:
-        forward.append([statistics.fmean(a[Task("forward", k, 0)] for a in alone) for k in range(plan.num_stages)])
-        backward.append([statistics.fmean(a[Task("backward", k, 0)] for a in alone) for k in range(plan.num_stages)])
+        # .get: a stage is not bound to run a backward when nothing in it needs a gradient
+        forward.append([statistics.fmean(a.get(Task("forward", k, 0), 0.0) for a in alone)
+                        for k in range(plan.num_stages)])
+        backward.append([statistics.fmean(a.get(Task("backward", k, 0), 0.0) for a in alone)
+                         for k in range(plan.num_stages)])
         work = {}
         for m, a in enumerate(alone):
             for k in range(plan.num_stages):
-                work[Task("forward", k, m)] = a[Task("forward", k, 0)]
-                again = a[Task("forward", k, 0)] if m < recomputed else 0.0
-                work[Task("backward", k, m)] = a[Task("backward", k, 0)] + again
+                work[Task("forward", k, m)] = a.get(Task("forward", k, 0), 0.0)
+                again = work[Task("forward", k, m)] if m < recomputed else 0.0
+                work[Task("backward", k, m)] = a.get(Task("backward", k, 0), 0.0) + again
         capacity = runtime_capacity(timed, work, shared, plan.cpu_cores or plan.num_stages)
         if capacity is not None:
             capacities.append(capacity)

@@ -121,3 +121,16 @@ def test_a_recomputed_micro_batch_is_charged_its_forward_again_in_backward(check
             again = stage.forward_s if m < last else 0.0
             assert recomputing[Task("backward", k, m)] == pytest.approx(plain[Task("backward", k, m)] + again)
             assert recomputing[Task("forward", k, m)] == pytest.approx(plain[Task("forward", k, m)])
+
+
+def test_a_damaged_cached_calibration_is_measured_again(tmp_path):
+    model = LongSkip()
+    micro = torch.randn(4, 12)
+    planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=2, profile_cache=tmp_path, progress=False)
+    (cached,) = (tmp_path / "calibrations").glob("*.json")
+    for damage in ('{"forward_s": [1.0], "backward_s": [1.0]}', "not json", '{"forward_s": [-1, 1]}'):
+        cached.write_text(damage)
+        plan = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=2, profile_cache=tmp_path,
+                                   progress=False).plan
+        assert plan.calibration is not None and len(plan.calibration["forward_s"]) == 2
+        assert calibration.load(tmp_path, cached.stem, 2) is not None  # rewritten whole
