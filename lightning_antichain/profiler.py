@@ -104,7 +104,9 @@ def profile(
     capacity, scale = None, 1.0
     if device.type == "cpu":
         call_args, call_kwargs = (replay.bind(args, kwargs), {}) if graph.graph_module is not None else (args, kwargs)
-        capacity, whole_s = _parallel_capacity(_training_step(work_module, tuple(call_args), call_kwargs), repeats)
+        capacity, whole_s = _parallel_capacity(
+            [_training_step(work_module, *map_tensors(torch.Tensor.clone, (tuple(call_args), call_kwargs)))
+             for _ in range(2)], repeats)
         ops_s = sum(statistics.median(t[0] for t in m) + statistics.median(t[1] for t in m) for m in samples)
         scale = whole_s / ops_s if ops_s > 0 else 1.0
     cost = nx.DiGraph()
@@ -167,22 +169,33 @@ def profile(
     return cost
 
 
-def _parallel_capacity(step: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """Work done by two threads running ``step`` at once, in units of one thread alone (2.0: no
-    contention), and the seconds ``step`` takes alone."""
+def _parallel_capacity(steps: list[Callable[[], None]], repeats: int) -> tuple[float | None, float]:
+    """Work done by two threads running ``steps`` (one each, on their own copies of the inputs) at
+    once, in units of one thread alone (2.0: no contention), and the seconds one step takes alone.
+    ``None`` where the model cannot train on two threads at once (the calibration measures it then)."""
     share_malloc_arena()  # as CPU pipelines do, so the threads contend as theirs will
     alone_pool, pair_pool = WorkerPool(1, name="antichain-alone"), WorkerPool(2, name="antichain-pair")
     alone, together = [], []
+    paired = True
     try:
         for i in range(1 + max(1, min(3, repeats))):
-            for pool, times in ((alone_pool, alone), (pair_pool, together)):
+            start = time.perf_counter()
+            alone_pool.run(steps[:1], lambda: None)
+            if i:
+                alone.append(time.perf_counter() - start)
+            if paired:
                 start = time.perf_counter()
-                pool.run([step] * pool.size, lambda: None)
+                try:
+                    pair_pool.run(steps, lambda: None)
+                except RuntimeError:  # e.g. autograd's in-place check tripped by the other thread
+                    paired = False
                 if i:
-                    times.append(time.perf_counter() - start)
+                    together.append(time.perf_counter() - start)
     finally:
         alone_pool.shutdown()
         pair_pool.shutdown()
+    if not paired:
+        return None, statistics.median(alone)
     return min(2.0, 2.0 * statistics.median(alone) / statistics.median(together)), statistics.median(alone)
 
 

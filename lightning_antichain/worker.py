@@ -66,7 +66,8 @@ class WorkerPool:
     def run(self, tasks: list[Callable[[], None]], on_interrupt: Callable[[], None]) -> None:
         """Run ``tasks[i]`` on worker i and wait until all have returned.
 
-        Tasks must catch their own exceptions. If the caller is interrupted while waiting (Ctrl-C),
+        A task that raises does not take its worker down: the first exception is raised here once
+        every task has returned. If the caller is interrupted while waiting (Ctrl-C),
         ``on_interrupt`` is called to make the tasks finish early, the workers are stopped and
         joined, and the interrupt propagates.
         """
@@ -79,9 +80,11 @@ class WorkerPool:
             for inbox, task in zip(self._inboxes, tasks):
                 inbox.put((task, done))
             remaining = self.size
+            failures: list[BaseException] = []
             try:
                 while remaining:
-                    done.get()
+                    if (failure := done.get()) is not None:
+                        failures.append(failure)
                     remaining -= 1
             except BaseException:
                 on_interrupt()
@@ -90,6 +93,8 @@ class WorkerPool:
                     remaining -= 1
                 self._stop()
                 raise
+            if failures:
+                raise failures[0]
 
     def shutdown(self) -> None:
         """Stop and join every worker; the next :meth:`run` starts new ones."""
@@ -112,5 +117,7 @@ def _serve(inbox: queue.Queue) -> None:
         task, done = item
         try:
             task()
-        finally:
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller; the worker stays for the next task
+            done.put(exc)
+        else:
             done.put(None)

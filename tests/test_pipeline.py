@@ -318,3 +318,21 @@ def test_tied_parameters_shared_by_first_and_last_stage(stages):
     with pytest.raises(ValueError, match="tied parameters across devices"):
         la.Pipeline(model, plan, chunks=4, devices=["cpu"] * (stages - 1) + ["meta"])
     assert model.head.weight.device.type == "cpu"  # refused before anything moved
+
+
+def test_a_task_that_raises_reaches_the_caller_and_leaves_its_worker_serving():
+    from lightning_antichain.worker import WorkerPool
+
+    pool = WorkerPool(2, name="raising")
+    ran = []
+
+    def fails():
+        raise RuntimeError("boom")
+
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            pool.run([fails, lambda: ran.append(1)], lambda: None)
+        pool.run([lambda: ran.append(2), lambda: ran.append(3)], lambda: None)  # hung before: worker 0 was gone
+        assert sorted(ran) == [1, 2, 3]
+    finally:
+        pool.shutdown()
