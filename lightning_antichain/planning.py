@@ -120,16 +120,17 @@ def plan_model(
     def cut(cost: nx.DiGraph, count: int) -> Plan:
         return _cut(cost, devices, count, checkpoint, balance, method, bandwidth_gbps, memory_gb, optimizer_multiplier)
 
+    directory = Path(profile_cache) if profile_cache else default_cache_dir()
+
     def profiled(args: tuple, kwargs: dict, label: str | None) -> tuple[nx.DiGraph, Path | None, str]:
-        return _profiled(module, graph, args, kwargs, devices[0], batch_dim, profile_cache, use_profile_cache,
+        return _profiled(module, graph, args, kwargs, devices[0], batch_dim, directory, use_profile_cache,
                          progress, label)
 
     def measured(plan: Plan, key: str, args: tuple, kwargs: dict) -> Plan:
         """``plan`` calibrated on the batch ``args, kwargs``, where calibration applies."""
-        if not calibrate or module is None or not calibration.applies_to(plan, graph):
+        if not calibrate or not calibration.applies_to(plan, graph):
             return plan
-        assert graph is not None
-        directory = Path(profile_cache) if profile_cache else default_cache_dir()
+        assert module is not None and graph is not None
         calibration_key = calibration.calibration_key(key, plan, checkpoint)
         found = calibration.load(directory, calibration_key, plan.num_stages) if use_profile_cache else None
         if found is None:
@@ -163,7 +164,7 @@ def plan_model(
         cost = cost.copy()
         cost.graph["optimizer_step_s"] = optimizer_step_s(list(optimizers))
     plan = cut(cost, chunks)
-    if module is not None and key:
+    if key:  # profiled here, so there is a module to run
         plan = measured(plan, key, *_repeated(module, args, kwargs, plan.chunks, batch_dim))
     return Planned(plan, graph, cost, cached_from)
 
@@ -175,11 +176,10 @@ def _repeated(module: nn.Module, args: tuple, kwargs: dict, times: int, batch_di
 
 
 def _profiled(module: nn.Module, graph: OpGraph, args: tuple, kwargs: dict, device: torch.device,
-              batch_dim: int | Mapping[str, int], profile_cache: str | Path | None, use_profile_cache: bool,
+              batch_dim: int | Mapping[str, int], directory: Path, use_profile_cache: bool,
               progress: bool, name: str | None) -> tuple[nx.DiGraph, Path | None, str]:
     """The cost graph of ``graph`` on one micro-batch (from the cache if it has it, else profiled and
-    stored), the cache file it came from, and its cache key."""
-    directory = Path(profile_cache) if profile_cache else default_cache_dir()
+    stored in ``directory``), the cache file it came from, and its cache key."""
     key = profile_key(graph, module, (args, kwargs), device)
     cost = load_cached(directory, key, graph) if use_profile_cache else None
     if cost is not None:
