@@ -32,12 +32,13 @@ from .batch_dims import call_dims
 from .capture.isolation import attributes_restored, side_effects_undone
 from .capture.opgraph import OpGraph
 from .plan import Plan, recomputed_micro_batches
+from .prediction_check import span_s
 from .profile_cache import write_measurement
 from .progress import Progress
 from .schedule import Task, Timed
 from .trace import iter_tensors
 
-CALIBRATION_FORMAT = 2
+CALIBRATION_FORMAT = 3
 """Bumped whenever what a calibration measures changes, so older cached ones are measured again."""
 
 
@@ -45,13 +46,15 @@ CALIBRATION_FORMAT = 2
 class Calibration:
     """Per stage, the seconds one micro-batch's forward and backward task take in the runtime when
     nothing else runs; the work two CPU stages get through at once in units of one alone, read from
-    the overlap of the pipelined steps (``None`` where they never overlapped); and the median
-    pipelined step measured (forward and backward, no optimizer)."""
+    the overlap of the pipelined steps (``None`` where they never overlapped); the median
+    pipelined step measured (forward and backward, no optimizer); and the median span of its tasks
+    (:func:`~lightning_antichain.prediction_check.span_s`), which training steps are checked against."""
 
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     parallel_capacity: float | None
     pipelined_step_s: float
+    pipelined_span_s: float
     steps: int
 
 
@@ -133,6 +136,7 @@ def calibrate(
         backward_s=tuple(statistics.median(r[k] for r in backward) for k in range(plan.num_stages)),
         parallel_capacity=statistics.median(capacities) if len(capacities) == len(rounds) else None,
         pipelined_step_s=statistics.median(r[0] for r in rounds),
+        pipelined_span_s=statistics.median(span_s(r[2]) for r in rounds),
         steps=len(rounds),
     )
 
@@ -165,9 +169,10 @@ def runtime_capacity(timed: Sequence[Sequence[Timed]], work: Mapping[Task, float
     return min(2.0, max(0.5, 1.0 + (total - busy) / weighted))
 
 
-def calibrated(plan: Plan, found: Calibration) -> Plan:
+def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) -> Plan:
     """``plan`` with each stage's times and the parallel capacity measured in the runtime, and its
-    step predicted again from them; the profiled values are kept in ``plan.calibration``."""
+    step predicted again from them; the profiled values, and the cache file the calibration was
+    read from (``None``: measured now), are kept in ``plan.calibration``."""
     stages = [
         replace(s, forward_s=max(0.0, f - plan.task_overhead_s - s.transfer_s / 2),
                 backward_s=max(0.0, b - plan.task_overhead_s - s.transfer_s / 2))
@@ -184,7 +189,8 @@ def calibrated(plan: Plan, found: Calibration) -> Plan:
         total_compute_s=total,
         parallel_capacity=capacity,
         calibration={**asdict(found), "profiled_compute_s": [s.compute_s for s in plan.stages],
-                     "profiled_parallel_capacity": plan.parallel_capacity},
+                     "profiled_parallel_capacity": plan.parallel_capacity,
+                     "read_from": None if read_from is None else str(read_from)},
     )
     new.predicted_step_s = new.predict_step()
     return new
@@ -201,10 +207,10 @@ def calibration_key(profile_key: str, plan: Plan, checkpoint: str) -> str:
 def load(directory: Path, key: str, stages: int) -> Calibration | None:
     """The calibration cached under ``key``, if the file is there and whole."""
     try:
-        data = json.loads(_file(directory, key).read_text())
+        data = json.loads(cache_file(directory, key).read_text())
         found = Calibration(tuple(map(float, data["forward_s"])), tuple(map(float, data["backward_s"])),
                             None if data["parallel_capacity"] is None else float(data["parallel_capacity"]),
-                            float(data["pipelined_step_s"]), int(data["steps"]))
+                            float(data["pipelined_step_s"]), float(data["pipelined_span_s"]), int(data["steps"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     times = found.forward_s + found.backward_s
@@ -213,10 +219,10 @@ def load(directory: Path, key: str, stages: int) -> Calibration | None:
 
 
 def store(directory: Path, key: str, found: Calibration) -> None:
-    write_measurement(_file(directory, key), asdict(found))
+    write_measurement(cache_file(directory, key), asdict(found))
 
 
-def _file(directory: Path, key: str) -> Path:
+def cache_file(directory: Path, key: str) -> Path:
     """Where the calibration of ``key`` is cached: beside the profiles of ``directory``, in a folder of its own."""
     return directory / "calibrations" / f"{key}.json"
 

@@ -232,6 +232,7 @@ class Plan:
                 f"calibrated on {self.calibration['steps']} steps of this plan: stage times "
                 f"x{self.total_compute_s / profiled if profiled > 0 else 1.0:.2f} of profiled"
                 + ("" if was is None or self.parallel_capacity == was else f", parallel capacity was {was:.2f}")
+                + (f" (cached: {self.calibration['read_from']})" if self.calibration.get("read_from") else "")
             )
         if self.candidates:
             lines.append(f"chunks=auto for batches of {self.batch_size}: chose {self.chunks}")

@@ -133,12 +133,13 @@ def plan_model(
         assert module is not None and graph is not None
         calibration_key = calibration.calibration_key(key, plan, checkpoint)
         found = calibration.load(directory, calibration_key, plan.num_stages) if use_profile_cache else None
+        read_from = calibration.cache_file(directory, calibration_key) if found is not None else None
         if found is None:
             found = calibration.calibrate(module, graph, plan, args, kwargs, batch_dim=batch_dim, checkpoint=checkpoint,
                                           progress=progress)
             if use_profile_cache:
                 calibration.store(directory, calibration_key, found)
-        return calibration.calibrated(plan, found)
+        return calibration.calibrated(plan, found, read_from)
 
     graph = None
     cached_from = None

@@ -29,7 +29,7 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
@@ -41,6 +41,7 @@ from .memory import optimizer_multiplier
 from .pipeline import Pipeline
 from .plan import CHECKPOINT_MODES, Plan, check_chunks
 from .planning import AUTO, plan_model
+from .prediction_check import PredictionCheck
 from .profile_cache import default_cache_dir
 from .replicas import average_gradients
 from .trace import map_tensors, split_inputs
@@ -154,6 +155,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._planned_for: weakref.ref[nn.Module] | None = None  # the module self.plan was made for
         self._graph: OpGraph | None = None  # the graph profiled for the plan, run by the pipeline
         self._pipeline: Pipeline | None = None
+        self._prediction_check: PredictionCheck | None = None
         self._calls = 0
         self._checked_first_step = False
         self._checked_batch = False
@@ -351,6 +353,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
             self._planned_for = weakref.ref(target)
             rank_zero_info(self.plan.table())
         graph = self._graph if self._graph is not None and self._graph.module is target else None
+        calibrated = self.plan.calibration is not None and self.is_global_zero
+        self._prediction_check = PredictionCheck(self.plan, self.plan_path) if calibrated else None
         self._pipeline = Pipeline(
             target,
             self.plan,
@@ -469,12 +473,16 @@ class AntichainPipelineStrategy(ParallelStrategy):
             f"{what} of {wanted}; profiling and planning again"
         )
         self._pipeline.close()
-        self._pipeline, self.plan, self._graph = None, None, None
+        self._pipeline, self.plan, self._graph, self._prediction_check = None, None, None, None
 
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self.log_stage_times and self._pipeline is not None and any(self._pipeline.last_busy_s):
             for k, busy in enumerate(self._pipeline.last_busy_s):  # the previous step's, backward included
                 self.lightning_module.log(f"pipeline/stage{k}_busy_ms", 1e3 * busy, on_step=True, on_epoch=False)
+        if self._prediction_check is not None and self._pipeline is not None:
+            stale = self._prediction_check.observe(self._pipeline.last_timed)  # the previous step's
+            if stale:
+                rank_zero_warn(stale)
         calls = self._calls
         self._in_training_step = True
         try:

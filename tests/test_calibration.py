@@ -94,7 +94,8 @@ def test_a_calibrated_plan_predicts_from_the_measured_stage_times_and_is_read_ba
     again = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4, profile_cache=tmp_path,
                                 progress=False).plan
     assert again.predicted_step_s == plan.predicted_step_s  # read back, not measured again
-    assert again.calibration == plan.calibration
+    (cached,) = (tmp_path / "calibrations").glob("*.json")
+    assert found["read_from"] is None and again.calibration == {**found, "read_from": str(cached)}
 
 
 def test_calibration_is_only_for_plans_whose_stages_share_the_cpu(tmp_path):
