@@ -12,7 +12,8 @@ of the repeats is reported. Variants, each one full training step (forward + bac
   (``planning.plan_model``: profile, partition, calibrate on a few steps).
 
 Efficiency is speed-up over micro-batched divided by the GPipe bound K*M/(M+K-1) / balance, where
-balance is the plan's bottleneck over the ideal split.
+balance is the plan's bottleneck over the ideal split. Profiles are cached in ``--cache``;
+calibrations are measured afresh, each just before its variant is timed.
 
     python benchmarks/pipeline_cpu.py
 """
@@ -34,7 +35,7 @@ from lightning_antichain import planning
 from lightning_antichain.worker import WorkerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, publish, section  # noqa: E402
+from report import BENCHMARK_CACHE, fresh_calibrations, machine, publish, section  # noqa: E402
 
 START, END = "<!-- pipeline-cpu:start -->", "<!-- pipeline-cpu:end -->"
 
@@ -80,7 +81,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--cache", type=Path, default=BENCHMARK_CACHE, help="profile cache (calibrations are cleared)")
     args = parser.parse_args()
+    cache = fresh_calibrations(args.cache)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = make_cnn(args.width, args.depth)
@@ -94,7 +97,8 @@ def main() -> None:
     worker = WorkerPool(1, name="plain-baseline")
     for chunks in args.chunks:
         micro = x[: -(-args.batch_size // chunks)]
-        planned = planning.plan_model(model, (micro,), {}, ["cpu"] * args.stages, chunks=chunks, progress=False)
+        planned = planning.plan_model(model, (micro,), {}, ["cpu"] * args.stages, chunks=chunks, progress=False,
+                                      profile_cache=cache)
         plan = planned.plan
         pipe = la.Pipeline(model, plan, chunks=chunks, graph=planned.graph)
         single = la.Pipeline(model, la.partition(planned.cost, 1, chunks=1), chunks=1)

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 from pathlib import Path
 
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+BENCHMARK_CACHE = Path.home() / ".cache" / "lightning-antichain-benchmarks"
+"""The benchmarks' own profile cache: profiles are kept between runs, calibrations are not."""
+
+
+def fresh_calibrations(cache: Path) -> Path:
+    """``cache`` without its cached calibrations, so that the next plans calibrate on the machine as
+    it is now (a calibration cached in a quieter or busier spell would be compared with steps
+    measured in this one)."""
+    shutil.rmtree(cache / "calibrations", ignore_errors=True)
+    return cache
 
 
 def cpu_name() -> str:

@@ -5,12 +5,17 @@ on generated data: plain (``devices=1``) and ``AntichainPipelineStrategy(chunks=
 ``devices=2`` for each M, and ``chunks="auto"``. Variants are interleaved: each repeat builds a
 fresh Trainer per variant in turn and times its steps with a callback (batch start to batch end:
 forward, backward, optimizer step, logging); a variant's step time is the median over repeats of
-each repeat's median step. Profiles are cached, so planning does not count. Every process uses one
-intra-op thread per worker, so 2 devices means 2 cores.
+each repeat's median step. Planning does not count. Profiles are cached in ``--cache`` across
+runs; calibrations are cleared before each repeat, so every repeat plans from its own, measured
+just before its fits, and a row's prediction is a median over independent calibrations as its
+measurement is over independent fits. Every process uses one intra-op thread per worker, so 2
+devices means 2 cores.
 
 Each row reports samples/s, the speed-up over plain, the plan's predicted step over the measured
-one, and efficiency: the speed-up over the best the machine allows, min(GPipe bound K*M/(M+K-1),
-the machine's parallel capacity). That capacity is measured in the same run: two worker threads
+one (median over repeats of each repeat's ratio), the spread of the repeats (slowest over
+fastest repeat, for the row and for plain: the noise a ratio must be read against), and
+efficiency: the speed-up over the best the machine allows, min(GPipe bound K*M/(M+K-1), the
+machine's parallel capacity). That capacity is measured in the same run: two worker threads
 each training their own copy of ResNet-18 (batch 64) against one thread training both in turn.
 
     python benchmarks/trainer_cpu.py
@@ -38,7 +43,7 @@ from lightning_antichain.worker import WorkerPool, share_malloc_arena
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from report import machine, publish, section  # noqa: E402
+from report import BENCHMARK_CACHE, fresh_calibrations, machine, publish, section  # noqa: E402
 from zoo import NanoGPT  # noqa: E402
 
 START, END = "<!-- trainer-cpu:start -->", "<!-- trainer-cpu:end -->"
@@ -98,7 +103,8 @@ def make_data(name: str, batch: int, steps: int) -> DataLoader:
     return DataLoader(data, batch_size=batch)
 
 
-def run_variant(name: str, batch: int, chunks: int | str | None, steps: int) -> tuple[float, float | None, int]:
+def run_variant(name: str, batch: int, chunks: int | str | None, steps: int,
+                cache: Path) -> tuple[float, float | None, int]:
     """Median step seconds after the first step, the plan's predicted step, and the chunks it ran."""
     torch.manual_seed(0)
     module = Classifier(make_model(name))
@@ -106,7 +112,8 @@ def run_variant(name: str, batch: int, chunks: int | str | None, steps: int) -> 
     if chunks is None:
         options: dict = {"accelerator": "cpu", "devices": 1}
     else:
-        options = {"accelerator": "cpu", "devices": 2, "strategy": AntichainPipelineStrategy(chunks=chunks)}
+        strategy = AntichainPipelineStrategy(chunks=chunks, profile_cache=str(cache))
+        options = {"accelerator": "cpu", "devices": 2, "strategy": strategy}
     trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[timer], **options)
     trainer.fit(module, make_data(name, batch, steps))
@@ -152,6 +159,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--cache", type=Path, default=BENCHMARK_CACHE, help="profile cache (calibrations are cleared)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -164,15 +172,18 @@ def main() -> None:
         name, batch = case.split(":")[0], int(case.split(":")[1])
         variants: list[int | str | None] = [None, *chunk_options]
         times: dict[object, list[float]] = {v: [] for v in variants}
-        predicted: dict[object, float | None] = {}
+        predicted: dict[object, list[float]] = {v: [] for v in variants}
         ran: dict[object, int] = {}
         for _ in range(args.repeats):
+            cache = fresh_calibrations(args.cache)
             for v in variants:
-                step, pred, m = run_variant(name, batch, v, args.steps)
+                step, pred, m = run_variant(name, batch, v, args.steps, cache)
                 times[v].append(step)
-                predicted[v], ran[v] = pred, m
-                print(f"{name} batch {batch} chunks {v}: {1e3 * step:.0f} ms (predicted "
-                      f"{'-' if pred is None else f'{1e3 * pred:.0f}'})", file=sys.stderr)
+                ran[v] = m
+                if pred is not None:
+                    predicted[v].append(pred)
+                print(f"{name} batch {batch} chunks {v} ({m}): {1e3 * step:.0f} ms (predicted "
+                      f"{'-' if pred is None else f'{1e3 * pred:.0f}'})", file=sys.stderr, flush=True)
         plain = statistics.median(times[None])
         for v in chunk_options:
             step = statistics.median(times[v])
@@ -181,21 +192,25 @@ def main() -> None:
             rows.append({
                 "model": name, "batch": batch, "chunks": v, "ran_chunks": m, "plain_ms": 1e3 * plain,
                 "step_ms": 1e3 * step, "samples_s": batch / step, "vs_plain": plain / step,
-                "predicted_ms": 1e3 * predicted[v], "ratio": predicted[v] / step, "bound": bound,
-                "efficiency": (plain / step) / min(bound, capacity),
+                "predicted_ms": 1e3 * statistics.median(predicted[v]),
+                "ratio": statistics.median(p / t for p, t in zip(predicted[v], times[v])),
+                "ratios": [p / t for p, t in zip(predicted[v], times[v])],
+                "spread": max(times[v]) / min(times[v]), "plain_spread": max(times[None]) / min(times[None]),
+                "bound": bound, "efficiency": (plain / step) / min(bound, capacity),
             })
     if args.json:
         Path(args.json).write_text(json.dumps({"capacity": capacity, "rows": rows}, indent=1))
     lines = [
-        "| model | batch | chunks | samples/s | vs plain | predicted / measured step | "
-        "min(GPipe bound, capacity) | efficiency |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | batch | chunks | samples/s | vs plain | predicted / measured step | spread of repeats "
+        "(pipeline, plain) | min(GPipe bound, capacity) | efficiency |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         chunks = f"auto ({r['ran_chunks']})" if r["chunks"] == "auto" else str(r["chunks"])
         lines.append(
             f"| {r['model']} | {r['batch']} | {chunks} | {r['samples_s']:.1f} | {r['vs_plain']:.2f}x | "
-            f"{r['ratio']:.2f} | {min(r['bound'], capacity):.2f} | {r['efficiency']:.2f} |"
+            f"{r['ratio']:.2f} | {r['spread']:.2f}, {r['plain_spread']:.2f} | {min(r['bound'], capacity):.2f} | "
+            f"{r['efficiency']:.2f} |"
         )
     checks = []
     for case in args.cases:
@@ -211,9 +226,9 @@ def main() -> None:
     ratios = [r["ratio"] for r in rows]
     text = section(START, END, [
         f"Machine: {machine(1)} per worker. Plain: `devices=1`; pipeline: `devices=2`, Adam, "
-        f"{args.steps - 1} timed steps per fit, median of {args.repeats} interleaved fits; whole run "
-        f"{time.perf_counter() - started:.0f} s. GPT: nanoGPT-style, {GPT_CONFIG}, "
-        f"sequence {GPT_CONFIG['block_size']}.",
+        f"{args.steps - 1} timed steps per fit, median of {args.repeats} interleaved fits, each repeat "
+        f"calibrating afresh; whole run {time.perf_counter() - started:.0f} s. GPT: nanoGPT-style, "
+        f"{GPT_CONFIG}, sequence {GPT_CONFIG['block_size']}. Spread: slowest over fastest repeat.",
         "",
         f"The machine's parallel capacity (two workers each training a ResNet-18 against one doing both): "
         f"**{capacity:.2f}x**.",
