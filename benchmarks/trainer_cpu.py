@@ -173,13 +173,13 @@ def main() -> None:
         variants: list[int | str | None] = [None, *chunk_options]
         times: dict[object, list[float]] = {v: [] for v in variants}
         predicted: dict[object, list[float]] = {v: [] for v in variants}
-        ran: dict[object, int] = {}
+        ran: dict[object, list[int]] = {v: [] for v in variants}
         for _ in range(args.repeats):
             cache = fresh_calibrations(args.cache)
             for v in variants:
                 step, pred, m = run_variant(name, batch, v, args.steps, cache)
                 times[v].append(step)
-                ran[v] = m
+                ran[v].append(m)
                 if pred is not None:
                     predicted[v].append(pred)
                 print(f"{name} batch {batch} chunks {v} ({m}): {1e3 * step:.0f} ms (predicted "
@@ -187,10 +187,10 @@ def main() -> None:
         plain = statistics.median(times[None])
         for v in chunk_options:
             step = statistics.median(times[v])
-            m = ran[v]
+            m = statistics.mode(ran[v])  # auto may choose another count in another repeat
             bound = 2 * m / (m + 1)
             rows.append({
-                "model": name, "batch": batch, "chunks": v, "ran_chunks": m, "plain_ms": 1e3 * plain,
+                "model": name, "batch": batch, "chunks": v, "ran_chunks": m, "chosen": ran[v], "plain_ms": 1e3 * plain,
                 "step_ms": 1e3 * step, "samples_s": batch / step, "vs_plain": plain / step,
                 "predicted_ms": 1e3 * statistics.median(predicted[v]),
                 "ratio": statistics.median(p / t for p, t in zip(predicted[v], times[v])),
@@ -206,7 +206,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        chunks = f"auto ({r['ran_chunks']})" if r["chunks"] == "auto" else str(r["chunks"])
+        chunks = f"auto ({', '.join(map(str, r['chosen']))})" if r["chunks"] == "auto" else str(r["chunks"])
         lines.append(
             f"| {r['model']} | {r['batch']} | {chunks} | {r['samples_s']:.1f} | {r['vs_plain']:.2f}x | "
             f"{r['ratio']:.2f} | {r['spread']:.2f}, {r['plain_spread']:.2f} | {min(r['bound'], capacity):.2f} | "
@@ -220,7 +220,7 @@ def main() -> None:
         auto = [r for r in mine if r["chunks"] == "auto"]
         if fixed and auto:
             best = min(fixed, key=lambda r: r["step_ms"])
-            checks.append(f"- {name}, batch {batch}: auto ({auto[0]['ran_chunks']}) takes "
+            checks.append(f"- {name}, batch {batch}: auto ({', '.join(map(str, auto[0]['chosen']))}) takes "
                           f"{auto[0]['step_ms'] / best['step_ms']:.3f}x the step of the best fixed count "
                           f"({best['chunks']})")
     ratios = [r["ratio"] for r in rows]
