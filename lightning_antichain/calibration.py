@@ -91,17 +91,17 @@ def calibrate(
     shared = [s.device.startswith("cpu") for s in plan.stages]
     options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False}
     rounds: list[tuple[float, list[dict[Task, float]], list[list[Timed]]]] = []
-    with _untouched(module), Pipeline(module, plan, chunks=plan.chunks, checkpoint=checkpoint, **options) as piped, \
+    with untouched(module), Pipeline(module, plan, chunks=plan.chunks, checkpoint=checkpoint, **options) as piped, \
             Pipeline(module, plan, chunks=1, **options) as single:
 
         def one_round() -> tuple[float, list[dict[Task, float]], list[list[Timed]]]:
             started = time.perf_counter()
-            _train(piped(*call_args, **call_kwargs))
+            backward_from(piped(*call_args, **call_kwargs))
             elapsed = time.perf_counter() - started
             timed = [list(stage) for stage in piped.last_timed]
             alone = []
             for micro_args, micro_kwargs in micro_batches:
-                _train(single(*micro_args, **micro_kwargs))
+                backward_from(single(*micro_args, **micro_kwargs))
                 alone.append({t.task: t.end - t.start for stage in single.last_timed for t in stage})
             return elapsed, alone, timed
 
@@ -227,16 +227,17 @@ def cache_file(directory: Path, key: str) -> Path:
     return directory / "calibrations" / f"{key}.json"
 
 
-def _train(output: Any) -> None:
-    """Backward from every floating output that needs a gradient, as a loss over all of them would."""
+def backward_from(output: Any) -> None:
+    """Backward from every floating output that needs a gradient, as a loss summing them would."""
     outs = [t for t in iter_tensors(output) if t.requires_grad and t.is_floating_point()]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
 
 @contextlib.contextmanager
-def _untouched(module: nn.Module) -> Iterator[None]:
-    """Gradients, buffers, attributes and random state as they were before the block."""
+def untouched(module: nn.Module) -> Iterator[None]:
+    """Gradients (``None`` inside the block), buffers, attributes and random state as they were
+    before the block."""
     grads = [(p, p.grad) for p in module.parameters()]
     for p, _ in grads:
         p.grad = None

@@ -111,9 +111,10 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
     """Seconds one ``step()`` of ``optimizers`` takes, measured on copies of their parameters.
 
     A fresh optimizer of the same class and settings steps copies of the parameters (with state, as
-    after the first step); beyond ``budget_bytes`` of parameters it steps the first ones only and
-    scales by bytes, so planning a large model does not double its memory. An optimizer that cannot
-    be rebuilt from its parameter groups counts as free.
+    after the first step), and of their gradients where they have them (random ones where not: on
+    CPU, values change the time); beyond ``budget_bytes`` of parameters it steps the first ones
+    only and scales by bytes, so planning a large model does not double its memory. An optimizer
+    that cannot be rebuilt from its parameter groups counts as free.
     """
     total = 0.0
     for optimizer in optimizers:
@@ -126,7 +127,7 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
                 all_bytes += size
                 if copied < budget_bytes:
                     copy = nn.Parameter(p.detach().clone())
-                    copy.grad = torch.randn_like(copy)
+                    copy.grad = p.grad.detach().clone() if p.grad is not None else torch.randn_like(copy)
                     params.append(copy)
                     copied += size
             if params:

@@ -119,3 +119,38 @@ def test_timing_the_optimizer_step_leaves_the_model_and_its_optimizer_alone():
         torch.testing.assert_close(value, state[key], rtol=0, atol=0)
     budgeted = overhead.optimizer_step_s([optimizer], budget_bytes=1)  # the first parameter only, scaled
     assert budgeted > 0
+
+
+class _SeenGradients(torch.optim.SGD):
+    """A real SGD that keeps the gradients it stepped with (per step, in parameter order)."""
+
+    seen: list[list[torch.Tensor]] = []
+
+    def step(self, closure=None):
+        _SeenGradients.seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+def test_the_optimizer_is_timed_on_the_gradients_of_a_backward_of_the_example(tmp_path):
+    """On CPU an optimizer's speed depends on its gradients' values, so planning steps copies with
+    the gradients a backward of the example gives, and leaves the model's own gradients alone."""
+    torch.manual_seed(0)
+    model = SequentialCNN()
+    micro = torch.randn(2, 3, 16, 16)
+    expected = copy_of_gradients(model, micro)
+    optimizer = _SeenGradients(model.parameters(), lr=0.1)
+    _SeenGradients.seen.clear()
+    plan = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=2, optimizers=[optimizer],
+                               profile_cache=tmp_path, progress=False, calibrate=False).plan
+    assert plan.optimizer_step_s > 0 and _SeenGradients.seen
+    for step in _SeenGradients.seen:
+        for seen, want in zip(step, expected, strict=True):
+            torch.testing.assert_close(seen, want)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def copy_of_gradients(model, x):
+    model(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
