@@ -156,7 +156,7 @@ def plan_model(
         if check_batch and graph.granularity == "ops":
             check_micro_batchable(module, args, kwargs, batch_dim)
         if auto:
-            optimizer_s = _optimizer_s(module, args, kwargs, optimizers)
+            optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers)
             plan, cost, cached_from = _choose_chunks(
                 module, args, kwargs, batch_dim, size, len(devices), name or type(module).__name__, optimizer_s,
                 profiled, lambda cost, count, key: measured(cut(cost, count), key, args, kwargs))
@@ -164,14 +164,14 @@ def plan_model(
         cost, cached_from, key = profiled(args, kwargs, name)
     if optimizers:
         cost = cost.copy()
-        cost.graph["optimizer_step_s"] = _optimizer_s(module, args, kwargs, optimizers)
+        cost.graph["optimizer_step_s"] = timed_optimizer_step_s(module, args, kwargs, optimizers)
     plan = cut(cost, chunks)
     if key:  # profiled here, so there is a module to run
         plan = measured(plan, key, *_repeated(module, args, kwargs, plan.chunks, batch_dim))
     return Planned(plan, graph, cost, cached_from)
 
 
-def _optimizer_s(module: nn.Module | None, args: tuple, kwargs: dict,
+def timed_optimizer_step_s(module: nn.Module | None, args: tuple, kwargs: dict,
                  optimizers: Sequence[torch.optim.Optimizer]) -> float:
     """Seconds of one step of ``optimizers``, timed on the gradients of one backward of ``module``
     on ``args, kwargs``: on CPU an optimizer's speed depends on its gradients' values (Adam took
