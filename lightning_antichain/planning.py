@@ -172,7 +172,7 @@ def plan_model(
 
 
 def timed_optimizer_step_s(module: nn.Module | None, args: tuple, kwargs: dict,
-                 optimizers: Sequence[torch.optim.Optimizer]) -> float:
+                           optimizers: Sequence[torch.optim.Optimizer]) -> float:
     """Seconds of one step of ``optimizers``, timed on the gradients of one backward of ``module``
     on ``args, kwargs``: on CPU an optimizer's speed depends on its gradients' values (Adam took
     1.7x as long on ResNet-18's real gradients, most of them exactly zero, as on random ones)."""
