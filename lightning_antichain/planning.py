@@ -26,7 +26,7 @@ from .memory import device_memory_gb
 from .overhead import optimizer_step_s
 from .partition import InfeasiblePlanError, partition, plan_from_balance
 from .plan import Plan
-from .profile_cache import cache_file, default_cache_dir, load_cached, profile_key, store
+from .profile_cache import cache_file, default_cache_dir, load_cached, profile_key, store, usable_cache_dir
 from .profiler import profile
 from .trace import children_instead
 
@@ -122,6 +122,9 @@ def plan_model(
         return _cut(cost, devices, count, checkpoint, balance, method, bandwidth_gbps, memory_gb, optimizer_multiplier)
 
     directory = Path(profile_cache) if profile_cache else default_cache_dir()
+    if use_profile_cache:
+        usable = usable_cache_dir(directory)
+        directory, use_profile_cache = (usable, True) if usable is not None else (directory, False)
 
     def profiled(args: tuple, kwargs: dict, label: str | None) -> tuple[nx.DiGraph, Path | None, str]:
         return _profiled(module, graph, args, kwargs, devices[0], batch_dim, directory, use_profile_cache,

@@ -12,10 +12,12 @@ file, and profiled and written again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from .graph import cost_graph_from_dict, save_cost_graph
+from .graph import cost_graph_from_dict, cost_graph_to_dict
 from .trace import OpGraph, iter_tensors
 
 # Bumped whenever what the profiler records changes, so older entries are profiled again.
@@ -103,22 +105,81 @@ def mismatch(cost: nx.DiGraph, graph: OpGraph, data: dict[str, Any]) -> str | No
     return None
 
 
-def store(directory: Path, key: str, graph: nx.DiGraph) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+def store(directory: Path, key: str, graph: nx.DiGraph) -> Path | None:
+    """Cache ``graph`` under ``key``; returns the file, or ``None`` where it could not be written
+    (a cache that cannot be written only costs profiling again)."""
     path = cache_file(directory, key)
-    tmp = path.with_suffix(".tmp")
-    save_cost_graph(graph, tmp)
-    tmp.replace(path)
+    try:
+        write_atomically(path, json.dumps(cost_graph_to_dict(graph), indent=1))
+    except OSError as exc:
+        _warn_once(directory, f"lightning-antichain: cannot write the profile cache {path} ({exc}); profiles will be "
+                              "measured again next time. Set LIGHTNING_ANTICHAIN_CACHE (or profile_cache=) to a "
+                              "writable directory.")
+        return None
     return path
 
 
 def write_measurement(path: Path, data: dict[str, Any]) -> None:
-    """Save a measurement as JSON in the cache, whole or not at all (written aside, then renamed);
-    a cache that cannot be written only costs measuring again."""
+    """Save a measurement as JSON in the cache, whole or not at all; a cache that cannot be written
+    only costs measuring again."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
+        write_atomically(path, json.dumps(data))
     except OSError:
         pass
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: written to a file of its own beside it, then
+    renamed over it, so concurrent writers never mix and readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def usable_cache_dir(directory: Path) -> Path | None:
+    """``directory`` if the cache can be written there; else a directory of this user's under the
+    system's temporary directory, or ``None`` (no cache), with one warning that says so. Containers
+    and clusters often run with a home directory that cannot be written."""
+    fallback = Path(tempfile.gettempdir()) / f"lightning-antichain-{_user()}"
+    reason = ""
+    for candidate in (directory, fallback):
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=candidate):
+                pass
+        except OSError as exc:
+            if candidate == directory:
+                reason = f"{type(exc).__name__}: {exc}"
+            continue
+        if candidate != directory:
+            _warn_once(directory, f"lightning-antichain: the profile cache {directory} cannot be written ({reason}); "
+                                  f"using {candidate} instead. Set LIGHTNING_ANTICHAIN_CACHE (or profile_cache=) to a "
+                                  "writable directory to keep profiles across machines' restarts.")
+        return candidate
+    _warn_once(directory, f"lightning-antichain: neither the profile cache {directory} ({reason}) nor {fallback} can "
+                          "be written; profiling without a cache. Set LIGHTNING_ANTICHAIN_CACHE (or profile_cache=) "
+                          "to a writable directory.")
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(directory: Path, message: str) -> None:
+    if str(directory) not in _warned:
+        _warned.add(str(directory))
+        warnings.warn(message, stacklevel=3)
+
+
+def _user() -> str:
+    try:
+        return str(os.getuid())
+    except AttributeError:  # not on POSIX
+        return os.environ.get("USERNAME", "user")
