@@ -52,7 +52,9 @@ class WorkerPool:
         self.name = name
         self._inboxes: list[queue.Queue] = []
         self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        # reentrant: an interrupt that lands as ``with`` leaves ``run`` can leave the lock taken
+        # (Python's ``with`` is not signal-safe there); the same thread's ``shutdown`` must still get it
+        self._lock = threading.RLock()
 
     def _start(self) -> None:
         self._inboxes = [queue.Queue() for _ in range(self.size)]
@@ -67,31 +69,30 @@ class WorkerPool:
         """Run ``tasks[i]`` on worker i and wait until all have returned.
 
         A task that raises does not take its worker down: the first exception is raised here once
-        every task has returned. If the caller is interrupted while waiting (Ctrl-C),
-        ``on_interrupt`` is called to make the tasks finish early, the workers are stopped and
-        joined, and the interrupt propagates.
+        every task has returned. If the caller is interrupted (Ctrl-C) at any point, while handing
+        out the tasks or while waiting, ``on_interrupt`` is called to make the tasks finish early,
+        the workers are stopped and joined once their tasks have returned (further interrupts
+        meanwhile are held back), and the interrupt propagates.
         """
         if len(tasks) != self.size:
             raise ValueError(f"{len(tasks)} tasks for {self.size} workers")
         with self._lock:
-            if not self._threads:
-                self._start()
             done: queue.Queue = queue.Queue()
-            for inbox, task in zip(self._inboxes, tasks):
-                inbox.put((task, done))
-            remaining = self.size
+            pending = 0
             failures: list[BaseException] = []
             try:
-                while remaining:
+                if not self._threads:
+                    self._start()
+                for inbox, task in zip(self._inboxes, tasks):
+                    inbox.put((task, done))
+                    pending += 1
+                while pending:
                     if (failure := done.get()) is not None:
                         failures.append(failure)
-                    remaining -= 1
+                    pending -= 1
             except BaseException:
-                on_interrupt()
-                while remaining:
-                    done.get()
-                    remaining -= 1
-                self._stop()
+                _uninterrupted(on_interrupt)
+                self._stop()  # each worker ends its task, told to finish early, then stops
                 raise
             if failures:
                 raise failures[0]
@@ -102,11 +103,29 @@ class WorkerPool:
             self._stop()
 
     def _stop(self) -> None:
+        """Stop and join every worker, even if interrupted meanwhile (the interrupt is raised after)."""
+        interrupted: BaseException | None = None
         for inbox in self._inboxes:
             inbox.put(_STOP)
         for thread in self._threads:
-            thread.join()
+            while thread.is_alive():
+                try:
+                    thread.join()
+                except BaseException as exc:  # noqa: BLE001 - raised once every worker has ended
+                    interrupted = interrupted or exc
         self._inboxes, self._threads = [], []
+        if interrupted is not None:
+            raise interrupted
+
+
+def _uninterrupted(call: Callable[[], object]) -> None:
+    """``call()``, repeated until it returns without being interrupted."""
+    while True:
+        try:
+            call()
+            return
+        except BaseException:  # noqa: BLE001 - the first interrupt is already on its way to the caller
+            continue
 
 
 def _serve(inbox: queue.Queue) -> None:

@@ -92,10 +92,13 @@ class _Fuse(torch.autograd.Function):
         if FAIL["forward"]:
             raise RuntimeError("forward fuse blew")
         if FAIL["interrupt"]:
-            import _thread
+            import signal
+            import threading
             import time
 
-            _thread.interrupt_main()  # as if the user pressed Ctrl-C while the stage works
+            # as if the user pressed Ctrl-C while the stage works: a real signal wakes the main
+            # thread wherever it waits (``_thread.interrupt_main`` only flags it for later)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             time.sleep(0.2)
         return x.clone()
 
