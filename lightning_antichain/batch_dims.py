@@ -8,6 +8,7 @@ the wrong thing. ``batch_dim=1`` says so for every input; ``{"x": 1, "lengths": 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -96,6 +97,47 @@ def check_micro_batchable(module: nn.Module, args: tuple, kwargs: dict, batch_di
         check_per_sample(module, (args, kwargs), dims, lambda call: module(*call[0], **call[1]))
 
 
+def refuse_per_sample_lists(module: nn.Module, args: tuple, kwargs: dict, batch_dim: BatchDim) -> None:
+    """Refuse a list or tuple of plain values (numbers, strings) with one entry per sample, such as
+    ``lengths: list[int]``: micro-batching splits tensors, but hands such a list whole to every
+    micro-batch, where it would no longer line up with the samples."""
+    size = batch_size_of(module, args, kwargs, batch_dim)
+    if size is None or size < 2:
+        return
+    try:
+        named: dict[str, Any] = dict(inspect.signature(original_forward(module)).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        named = {**{f"argument {i}": v for i, v in enumerate(args)}, **kwargs}
+    for name, value in named.items():
+        found = _per_sample_list(value, name, size)
+        if found is not None:
+            path, kind = found
+            raise BatchDependenceError(
+                f"{type(module).__name__}.forward gets {path}, a {kind} of {size} plain values for a batch of {size} "
+                "samples: per-sample data, it seems. The pipeline splits tensors into micro-batches, but gives every "
+                "micro-batch such a list whole, so it would not line up with the samples. Pass it as a tensor "
+                f"(torch.tensor({path})), which is split with the batch. If it is not per sample, pass "
+                "check_batch=False."
+            )
+
+
+def _per_sample_list(value: Any, path: str, size: int) -> tuple[str, str] | None:
+    """The path and type name of a list or tuple of ``size`` plain values within ``value``."""
+    if isinstance(value, (list, tuple)):
+        if len(value) == size and all(isinstance(v, (bool, int, float, str)) for v in value):
+            return path, type(value).__name__
+        items: Any = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    else:
+        return None
+    for key, item in items:
+        found = _per_sample_list(item, f"{path}[{key!r}]", size)
+        if found is not None:
+            return found
+    return None
+
+
 def check_per_sample(module: nn.Module, call: Any, dims: Any, run: Callable[[Any], Any]) -> None:
     """Refuse a ``forward`` whose result depends on the batch it is in.
 
@@ -103,7 +145,8 @@ def check_per_sample(module: nn.Module, call: Any, dims: Any, run: Callable[[Any
     (see :data:`microbatch.BatchDims`). It runs in eval mode, without gradients, on ``call`` and on
     its two halves (on ``call`` twice over, for a single sample): each sample's output must not
     change. Eval mode keeps dropout and BatchNorm's batch statistics out, which micro-batching
-    changes by design. Buffer updates, random draws and attributes assigned in forward are undone.
+    changes by design; an output that differs between two runs on the same batch (random numbers
+    drawn in eval mode too) is not compared. Buffer updates, random draws and attributes assigned in forward are undone.
     Models whose batch dependence is intended (a mixture of experts with a capacity per batch) turn
     the check off with ``check_batch=False``.
     """
@@ -121,13 +164,16 @@ def check_per_sample(module: nn.Module, call: Any, dims: Any, run: Callable[[Any
         with attributes_restored(module), side_effects_undone(module), torch.no_grad():
             whole = run(call)
             halves = [run(part) for part in parts]
+            again = run(call)  # random numbers drawn in eval mode too (noise) make an output differ
     finally:
         for m, training in modes.items():
             m.training = training
-    for leaves in zip(pytree.tree_leaves(whole), *(pytree.tree_leaves(h) for h in halves)):
-        whole_leaf, first, second = leaves
+    for leaves in zip(pytree.tree_leaves(whole), pytree.tree_leaves(again), *(pytree.tree_leaves(h) for h in halves)):
+        whole_leaf, repeated, first, second = leaves
         if not all(isinstance(t, torch.Tensor) for t in leaves) or not whole_leaf.is_floating_point():
             continue
+        if repeated.shape != whole_leaf.shape or not torch.equal(repeated, whole_leaf):
+            continue  # not the same on the same batch: nothing to compare it with
         dim = next((d for d in range(first.dim()) if whole_leaf.dim() == first.dim()
                     and whole_leaf.shape[d] == first.shape[d] + second.shape[d]), None)
         if dim is None:

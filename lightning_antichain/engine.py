@@ -18,6 +18,7 @@ stage and micro-batch named.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .randomness import drawing
 from .saved_tensors import HeldMemory
 from .schedule import Schedule, Task, Timed, gpipe
 from .split import StageModule
@@ -58,12 +60,11 @@ ABORT = _Abort()
 @dataclass
 class _Saved:
     """What a stage keeps of one micro-batch for its backward: its input leaves (gradient leaves
-    where they need one), how they nest (``spec``), and its output leaves or, when the micro-batch
-    is recomputed, the RNG state to recompute them with."""
+    where they need one), how they nest (``spec``), and its output leaves, or ``None`` when the
+    micro-batch is recomputed."""
 
     inputs: tuple[Any, ...]
     outputs: tuple[Any, ...] | None
-    rng: Any = None
     spec: Any = None
     counted: Any = None  # keeps ``inputs`` and ``outputs`` counted in the stage's HeldMemory
 
@@ -87,6 +88,10 @@ class PassState:
     started_at: float = 0.0
     #: per stage, the count of what it keeps for backward (``None``: not measured)
     held: Sequence[HeldMemory] | None = None
+    #: the seed random operations draw from (:mod:`lightning_antichain.randomness`; ``None``: none draw)
+    seed: int | None = None
+    #: the autocast settings of the forward, which a recomputed forward runs under again
+    autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
 
     def record(self, task: Task, started: float) -> None:
         """Note that ``task`` ran from ``started`` until now."""
@@ -122,10 +127,19 @@ class _ThreadContext:
         managers: list[Any] = [torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad)]
         if device.type == "cuda":
             managers.append(torch.cuda.device(device))
-        managers += [torch.autocast(kind, dtype=dtype) for kind, dtype in self.autocast]
+        managers += autocast_managers(self.autocast)
         for manager in managers:
             manager.__enter__()
         return managers
+
+
+def autocast_managers(settings: Sequence[tuple[str, torch.dtype]]) -> list[Any]:
+    """Context managers that enter the autocast ``settings`` (device kind, dtype) exactly, turning
+    off the kinds not listed (a recomputed forward runs inside backward, which is outside autocast
+    when Lightning runs it, and must see the forward's settings)."""
+    enabled = dict(settings)
+    return [torch.autocast(kind, dtype=enabled[kind]) if kind in enabled else torch.autocast(kind, enabled=False)
+            for kind in ("cpu", "cuda") if kind in enabled or torch.is_autocast_enabled(kind)]
 
 
 def _run_workers(
@@ -205,14 +219,16 @@ def run_forward(
     state: PassState | None,
     checkpoint_stop: int,
     schedule: Schedule | None = None,
+    seed: int | None = None,
 ) -> list[tuple[list[Any], Any]]:
     """Forward every micro-batch through every stage; returns the last stage's output leaves and spec.
 
     ``micro_batches[m]`` is the flattened first-stage input of micro-batch m (leaves and spec), and
     ``stage_sets[m]`` the stage modules it runs with. Each stage runs its forwards in the order of
-    ``schedule`` (default: GPipe's). With ``state`` given, autograd graphs (or, for micro-batches
-    below ``checkpoint_stop``, just the inputs and RNG state for recomputation) are kept in it for
-    :func:`run_backward`, which follows the same schedule.
+    ``schedule`` (default: GPipe's). Random operations draw from ``seed`` (``state.seed`` when a
+    state is given; see :mod:`lightning_antichain.randomness`). With ``state`` given, autograd
+    graphs (or, for micro-batches below ``checkpoint_stop``, just the inputs to recompute them from)
+    are kept in it for :func:`run_backward`, which follows the same schedule.
     """
     stages = stage_sets[0]
     schedule = schedule or gpipe(len(stages), len(micro_batches))
@@ -222,6 +238,8 @@ def run_forward(
         leaves, spec = micro_batches[m]
         first.put((m, leaves, spec, None, tuple(_wants_grad(v) for v in leaves)))
     if state is not None:
+        seed = state.seed
+        state.autocast = _ThreadContext(True).autocast
         state.saved = [{} for _ in stages]
         state.busy[:] = [0.0] * len(stages)
         state.stage_sets = stage_sets
@@ -246,18 +264,18 @@ def run_forward(
                 leaves = arrive(values, event, device, flags if state is not None else [False] * len(values))
                 recompute = state is not None and m < checkpoint_stop
                 if recompute:
-                    rng = _rng_state(device)
-                    with torch.no_grad():
+                    with torch.no_grad(), drawing(seed, m):
                         outputs, out_spec = stage(leaves, spec)
                     out_flags = _recompute_flags(stage, leaves, outputs)
-                    state.saved[k][m] = _Saved(leaves, None, rng, spec, state.count(k, leaves))
+                    state.saved[k][m] = _Saved(leaves, None, spec, state.count(k, leaves))
                 elif state is not None:
-                    with state.counting(k):
+                    with state.counting(k), drawing(seed, m):
                         outputs, out_spec = stage(leaves, spec)
                     out_flags = tuple(_wants_grad(v) for v in outputs)
-                    state.saved[k][m] = _Saved(leaves, tuple(outputs), None, spec, state.count(k, [*leaves, *outputs]))
+                    state.saved[k][m] = _Saved(leaves, tuple(outputs), spec, state.count(k, [*leaves, *outputs]))
                 else:
-                    outputs, out_spec = stage(leaves, spec)
+                    with drawing(seed, m):
+                        outputs, out_spec = stage(leaves, spec)
                     out_flags = tuple(_wants_grad(v) for v in outputs)
                 shipped, event = ship(outputs, device, target or device, target and stages[k].copy_stream)
             except Exception as exc:
@@ -311,11 +329,6 @@ def _recompute_flags(stage: StageModule, inputs: tuple, outputs: tuple) -> tuple
     )
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
 def run_backward(
     pool: WorkerPool,
     state: PassState,
@@ -352,7 +365,7 @@ def run_backward(
                 restore = counted = None
                 if outputs is None:
                     with state.counting(k):
-                        outputs, restore = _recompute(stage, saved)
+                        outputs, restore = _recompute(stage, saved, state, m)
                     counted = state.count(k, outputs)
                 grads = arrive(grads, event, stage.device, [False] * len(grads))
                 pairs = [
@@ -382,14 +395,13 @@ def _grad_of(value: Any) -> torch.Tensor | None:
     return value.grad if isinstance(value, torch.Tensor) and value.requires_grad else None
 
 
-def _recompute(stage: StageModule, saved: _Saved) -> tuple[list[Any], Callable[[], None]]:
-    """Run a checkpointed micro-batch's forward again with the RNG state it saw.
+def _recompute(stage: StageModule, saved: _Saved, state: PassState, m: int) -> tuple[list[Any], Callable[[], None]]:
+    """Run a checkpointed micro-batch's forward again: its random operations draw what they drew
+    the first time, under the forward's autocast.
 
     Returns the outputs and a function that undoes the second update of BatchNorm running
     statistics; call it after the backward, which checks that saved tensors were not changed.
     """
-    cpu_rng, cuda_rng = saved.rng
-    devices = [stage.device] if stage.device.type == "cuda" else []
     norms = [
         m
         for m in stage.submodules()
@@ -399,12 +411,10 @@ def _recompute(stage: StageModule, saved: _Saved) -> tuple[list[Any], Callable[[
     # buffers an ATen graph updates in place (running statistics read through get_attr)
     fetched = stage.buffers()
     kept_fetched = [b.clone() for b in fetched]
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, stage.device)
-        with torch.enable_grad():
-            outputs, _ = stage(saved.inputs, saved.spec)
+    with torch.enable_grad(), drawing(state.seed, m), contextlib.ExitStack() as stack:
+        for manager in autocast_managers(state.autocast):
+            stack.enter_context(manager)
+        outputs, _ = stage(saved.inputs, saved.spec)
 
     def restore() -> None:
         with torch.no_grad():

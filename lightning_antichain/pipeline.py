@@ -11,6 +11,8 @@ where and in what order its operations run.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -29,14 +31,17 @@ from .batch_dims import (
     first_micro_batch,
     grown_by_one,
     placeholder_batch_dims,
+    refuse_per_sample_lists,
 )
 from .batchnorm import deferred_batch_norm
 from .capture import NEEDS_EXAMPLE, UntraceableModelError, capture, capture_call
 from .capture.assignments import Output, assign
-from .capture.isolation import own_forward, side_effects_undone
+from .capture.isolation import own_forward, side_effects_undone, training_flags, training_flags_set
 from .engine import PassState, run_backward, run_forward
 from .plan import CHECKPOINT_MODES, Plan, check_chunks, recomputed_micro_batches
+from .projection import project_plan
 from .pytrees import flatten, unflatten
+from .randomness import step_seed
 from .saved_tensors import HeldMemory, state_storages
 from .schedule import Task, Timed, make_schedule
 from .split import PlanMismatchError, StageModule, place_stages, split_stages
@@ -110,10 +115,11 @@ class Pipeline(nn.Module):
         self._devices = [torch.device(d) for d in (devices or [s.device for s in plan.stages])]
         if len(self._devices) != plan.num_stages:
             raise ValueError(f"got {len(self._devices)} devices for a plan of {plan.num_stages} stages")
-        self._graph: OpGraph | None = None
-        self._stages: list[StageModule] = []  # a plain list: stages share the module's parameters
-        self._variants: dict[Hashable, list[StageModule]] = {}
-        self._grown: dict[Hashable, Any] = {}  # input shapes -> shapes of one run with a sample more
+        #: every capture of the module made ready to run, by the modules' training flags (and, where
+        #: the graph captured first does not hold for a call, by what that call specialised)
+        self._runnables: dict[Hashable, _Runnable] = {}
+        self._run: _Runnable | None = None  # the one the last call ran
+        self._reference: OpGraph | None = None  # a capture with the plan's own operations
         if share_cpu_allocator and any(d.type == "cpu" for d in self._devices):
             share_malloc_arena()
         self._pool = WorkerPool(plan.num_stages)
@@ -136,10 +142,10 @@ class Pipeline(nn.Module):
                 "offending code whole with leaf_modules=[...], or pipeline a submodule (module=...). The frontends "
                 "said:\n  " + "\n  ".join(plan.refused)
             )
-        if graph is None and frontend not in NEEDS_EXAMPLE:
+        if graph is None and frontend not in NEEDS_EXAMPLE:  # refuse a plan for another model at once
             graph = capture(module, leaf_modules=self.leaf_modules, frontends=(frontend,))
         if graph is not None:
-            self._use(graph)
+            self._runnables[(graph.training or training_flags(module), None)] = self._run = self._use(graph, None)
 
     def close(self) -> None:
         """Stop the worker threads now (they also stop when the Pipeline is garbage collected)."""
@@ -153,12 +159,14 @@ class Pipeline(nn.Module):
 
     @property
     def graph(self) -> OpGraph | None:
-        """The captured graph the stages were cut from (``None`` until the first call, if it needs one)."""
-        return self._graph
+        """The captured graph the last call's stages were cut from (``None`` before the first call,
+        unless one was given)."""
+        return self._run.graph if self._run is not None else None
 
     @property
     def stages(self) -> list[Any]:
-        return list(self._stages)
+        """The stages the last call ran (before the first call: those of the graph given, if any)."""
+        return list(self._run.stages) if self._run is not None else []
 
     @property
     def devices(self) -> list[torch.device]:
@@ -175,148 +183,238 @@ class Pipeline(nn.Module):
         return [held.peak_bytes for held in self._held]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        graph = self._graph or self._capture_for(args, kwargs)
-        values = graph.bind(args, kwargs)
+        try:
+            return self._forward(args, kwargs)
+        except (KeyboardInterrupt, SystemExit):
+            self._pool.shutdown()  # wherever the interrupt landed, no worker outlives it
+            raise
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
         if self.check_batch:
-            self._check_per_sample(values)
-        micro_values = microbatch.scatter(values, self.chunks, self._input_dims)
-        stage_sets = [self._stages_for(v) for v in micro_values]
-        sizes = [microbatch.batch_size(v, self._input_dims) for v in micro_values]
-        micro_inputs = [flatten([v[i] for i in self._input_slots]) for v in micro_values]
+            refuse_per_sample_lists(self.module, args, kwargs, self.batch_dim)
+        run = self._runnable_for(args, kwargs)
+        values = run.graph.bind(args, kwargs)
+        if self.check_batch:
+            self._check_per_sample(run, values)
+        micro_values = microbatch.scatter(values, self.chunks, run.input_dims)
+        stage_sets = [self._stages_for(run, v) for v in micro_values]
+        sizes = [microbatch.batch_size(v, run.input_dims) for v in micro_values]
+        micro_inputs = [flatten([v[i] for i in run.input_slots]) for v in micro_values]
         output_device = self.output_device or _first_device(args, kwargs) or self._devices[0]
-        schedule = make_schedule(self.plan.schedule, len(self._stages), len(micro_inputs))
+        schedule = make_schedule(self.plan.schedule, len(run.stages), len(micro_inputs))
+        draws = any(stage.random_nodes for stages in stage_sets for stage in stages)
+        seed = step_seed() if draws else None
         if not torch.is_grad_enabled():
             outputs, assigned = self._take_assigned(
-                run_forward(self._pool, stage_sets, micro_inputs, None, 0, schedule))
-            dims = self._output_dims(outputs, micro_values[0], sizes)
+                run, run_forward(self._pool, stage_sets, micro_inputs, None, 0, schedule, seed))
+            dims = self._output_dims(run, outputs, micro_values[0], sizes)
             leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
-            result = self._assemble(leaves, outputs[0][1])
-            self._assign(assigned, micro_values[0], sizes)
+            result = self._assemble(run, leaves, outputs[0][1])
+            self._assign(run, assigned, micro_values[0], sizes)
             return result
         stop = recomputed_micro_batches(self.checkpoint, len(micro_inputs))
         if not self.training:
             stop = 0
-        per_slot = [flatten(values[i])[0] for i in self._input_slots]
+        per_slot = [flatten(values[i])[0] for i in run.input_slots]
         whole = [leaf for leaves in per_slot for leaf in leaves]
-        leaf_dims = [self._input_dims[i] for i, leaves in zip(self._input_slots, per_slot) for _ in leaves]
+        leaf_dims = [run.input_dims[i] for i, leaves in zip(run.input_slots, per_slot) for _ in leaves]
         grad_inputs = [v for v in whole if _is_grad_tensor(v)]
         phony = torch.empty(0, device=output_device, requires_grad=True)
         outcome = _Outcome()
-        self.last_busy_s = [0.0] * len(self._stages)
-        held = self._start_measuring() if self.measure_activations else None
+        self.last_busy_s = [0.0] * len(run.stages)
+        held = self._start_measuring(run) if self.measure_activations else None
         deferral = deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext()
         with deferral:
             join = _Join(sizes, [d for v, d in zip(whole, leaf_dims) if _is_grad_tensor(v)],
-                         lambda outputs: self._output_dims(outputs, micro_values[0], sizes))
-            records = (self.last_busy_s, self.last_ran, self.last_timed, schedule, held)
-            options = (output_device, join, stop, outcome, records, self._take_assigned)
+                         lambda outputs: self._output_dims(run, outputs, micro_values[0], sizes))
+            records = (self.last_busy_s, self.last_ran, self.last_timed, schedule, held, seed)
+            options = (output_device, join, stop, outcome, records, functools.partial(self._take_assigned, run))
             tensors = _PipelineFunction.apply((self._pool, stage_sets), micro_inputs, options, phony, *grad_inputs)
         it = iter(tensors)
         leaves = [next(it) if is_tensor else constant for is_tensor, constant in outcome.layout]
-        result = self._assemble(leaves, outcome.spec)
-        self._assign(outcome.assigned, micro_values[0], sizes)
+        result = self._assemble(run, leaves, outcome.spec)
+        self._assign(run, outcome.assigned, micro_values[0], sizes)
         return result
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _start_measuring(self) -> list[HeldMemory]:
+    def _start_measuring(self, run: _Runnable) -> list[HeldMemory]:
         """Counters for this step, one per stage, that leave the model's own tensors out."""
         if self._held is None:
             excluded = state_storages(self.module)
-            for stage in self._stages:
+            for stage in run.stages:
                 excluded |= state_storages(stage.module)
-            self._held = [HeldMemory(excluded) for _ in self._stages]
+            self._held = [HeldMemory(excluded) for _ in run.stages]
         for held in self._held:
             held.reset_peak()
         return self._held
 
-    def _use(self, graph: OpGraph) -> None:
-        """Cut the stages out of ``graph`` and place them on their devices."""
-        stages = split_stages(graph, self.plan, self._devices)
+    def prepare(self, *args: Any, training: bool, **kwargs: Any) -> None:
+        """Capture and cut the graph for calls like ``args, kwargs`` with the module in training
+        (``True``) or eval mode now, rather than at the first such call. The strategy prepares
+        the eval graph before Lightning's model summary runs the module with its hooks attached."""
+        with training_flags_set(self.module, training):
+            self._runnable_for(args, kwargs)
+
+    def _runnable_for(self, args: tuple, kwargs: dict) -> _Runnable:
+        """The capture that runs this call: the one made in the modules' present mode (captured now
+        if none was), or, where that graph does not hold for the call's first micro-batch (``None``
+        where it saw a tensor, another constant), one captured for that call."""
+        mode = training_flags(self.module)
+        run = self._runnables.get((mode, None))
+        if run is None:
+            run = self._runnables[(mode, None)] = self._use(self._capture_for(args, kwargs), (args, kwargs))
+        specialization = run.graph.specialization
+        if specialization is not None:
+            first = microbatch.scatter(run.graph.bind(args, kwargs), self.chunks, run.input_dims)[0]
+            if not specialization.holds_for(first):
+                key = (mode, specialization.key_of(first))
+                if key not in self._runnables:
+                    graph = specialization.recapture(*run.graph.signature.unbind(first))
+                    self._runnables[key] = self._use(graph, (args, kwargs))
+                run = self._runnables[key]
+        self._run = run
+        return run
+
+    def _use(self, graph: OpGraph, call: tuple[tuple, dict] | None) -> _Runnable:
+        """Cut the stages out of ``graph`` (by the plan, or by the plan carried over to this graph
+        where its operations differ) and place them on their devices."""
+        plan, stages = self._split(graph, call)
         place_stages(stages)
         placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
-        self._input_slots = [placeholders.index(name) for name in stages[0].inputs]
         names = stages[-1].outputs
         assigned = {leaf.node for a in graph.assignments for leaf in a.leaves if isinstance(leaf, Output)}
         returned = assigned & _returned_names(graph)
-        self._returned_slots = [i for i, n in enumerate(names) if n not in assigned or n in returned]
-        self._assigned_slots = {n: i for i, n in enumerate(names) if n in assigned}
-        self._output_names = tuple(names[i] for i in self._returned_slots)
-        self._input_dims = placeholder_batch_dims(graph, self.batch_dim)
-        self._graph, self._stages = graph, stages
+        returned_slots = [i for i, n in enumerate(names) if n not in assigned or n in returned]
+        return _Runnable(
+            graph=graph,
+            plan=plan,
+            stages=stages,
+            input_slots=[placeholders.index(name) for name in stages[0].inputs],
+            returned_slots=returned_slots,
+            assigned_slots={n: i for i, n in enumerate(names) if n in assigned},
+            output_names=tuple(names[i] for i in returned_slots),
+            input_dims=placeholder_batch_dims(graph, self.batch_dim),
+        )
+
+    def _split(self, graph: OpGraph, call: tuple[tuple, dict] | None) -> tuple[Plan, list[StageModule]]:
+        """The plan for ``graph`` and the stages cut by it: the Pipeline's plan where ``graph`` has
+        its operations, else that plan projected onto ``graph``
+        (:func:`~lightning_antichain.projection.project_plan`)."""
+        try:
+            stages = split_stages(graph, self.plan, self._devices)
+        except PlanMismatchError as mismatch:
+            reference = self._reference_graph(call, mismatch)
+            if reference is graph:
+                raise
+            plan = project_plan(self.plan, reference, graph)
+            return plan, split_stages(graph, plan, self._devices)
+        if self._reference is None:
+            self._reference = graph
+        return self.plan, stages
+
+    def _reference_graph(self, call: tuple[tuple, dict] | None, mismatch: PlanMismatchError) -> OpGraph:
+        """A capture whose operations are the plan's: plans are made in training mode, so the module
+        is captured in that mode when no capture so far had the plan's operations. Raises
+        ``mismatch`` if that one differs too: the plan was made for another model."""
+        if self._reference is not None:
+            return self._reference
+        frontend = self.plan.frontend or "fx"
+        if call is None and frontend in NEEDS_EXAMPLE:
+            raise mismatch
+        with training_flags_set(self.module, True):
+            graph = (self._capture_for(*call) if call is not None else
+                     capture(self.module, leaf_modules=self.leaf_modules, frontends=(frontend,)))
+        try:
+            split_stages(graph, self.plan, self._devices)
+        except PlanMismatchError:
+            raise mismatch from None
+        self._reference = graph
+        return graph
 
     def _capture_for(self, args: tuple, kwargs: dict) -> OpGraph:
         """Capture the module on the first micro-batch of this call, with the plan's frontend."""
         first = first_micro_batch(self.module, args, kwargs, self.chunks, self.batch_dim)
-        graph = capture_call(self.module, *first, leaf_modules=self.leaf_modules,
-                             frontends=(self.plan.frontend or "fx",), batch_dim=self.batch_dim)
-        self._use(graph)
-        return graph
+        return capture_call(self.module, *first, leaf_modules=self.leaf_modules,
+                            frontends=(self.plan.frontend or "fx",), batch_dim=self.batch_dim)
 
-    def _check_per_sample(self, values: list[Any]) -> None:
+    def _check_per_sample(self, run: _Runnable, values: list[Any]) -> None:
         """Refuse, before the first step, a ``forward`` that micro-batching would change. The stages
         run the check where they call the user's modules (fx), the module itself where the stages
         share one device. An exported graph across devices is left to the caller: its training
         graph bakes in the batch statistics that eval mode keeps out of the check."""
-        assert self._graph is not None
-        first = microbatch.scatter(values, self.chunks, self._input_dims)[0]
-        signature = self._graph.signature
+        first = microbatch.scatter(values, self.chunks, run.input_dims)[0]
+        signature = run.graph.signature
 
         def eager(call: list[Any]) -> Any:
             args, kwargs = signature.unbind(call)
             return self.module(*args, **kwargs)
 
         def staged(call: list[Any]) -> list[Any]:
-            outputs, _ = self._run_whole(call)
+            outputs, _ = self._run_whole(run, call)
             return outputs[0][0]
 
         self.check_batch = False
-        if self._graph.frontend in ("fx", "leaves"):
-            check_per_sample(self.module, first, self._input_dims, staged)
+        if run.graph.frontend in ("fx", "leaves"):
+            check_per_sample(self.module, first, run.input_dims, staged)
         elif len(set(self._devices)) == 1:
             with own_forward(self.module):
-                check_per_sample(self.module, first, self._input_dims, eager)
+                check_per_sample(self.module, first, run.input_dims, eager)
 
-    def _stages_for(self, values: list[Any]) -> list[StageModule]:
-        """The stage modules for one micro-batch: captured again if the graph does not hold for it."""
-        assert self._graph is not None
-        specialization = self._graph.specialization
+    def _stages_for(self, run: _Runnable, values: list[Any]) -> list[StageModule]:
+        """The stage modules for one micro-batch: captured again if the graph does not hold for it,
+        with the same inputs and outputs as ``run``'s stages, so the micro-batches of a call join."""
+        specialization = run.graph.specialization
         if specialization is None or specialization.holds_for(values):
-            return self._stages
+            return run.stages
         key = specialization.key_of(values)
-        if key not in self._variants:
-            graph = specialization.recapture(*self._graph.signature.unbind(values))
-            try:
-                stages = split_stages(graph, self.plan, self._devices)
-            except PlanMismatchError as exc:
-                raise PlanMismatchError(
-                    f"{self._graph.frontend} captured {type(self.module).__name__} again for a micro-batch of other "
-                    f"shapes and got a different graph: {exc}"
-                ) from exc
-            for new, old in zip(stages, self._stages):
+        if key not in run.variants:
+            graph = specialization.recapture(*run.graph.signature.unbind(values))
+            stages = self._variant_stages(run, graph)
+            for new, old in zip(stages, run.stages):
                 new.copy_stream = old.copy_stream
-            self._variants[key] = stages
-        return self._variants[key]
+            run.variants[key] = stages
+        return run.variants[key]
 
-    def _take_assigned(self, outputs: list[tuple[list[Any], Any]]) -> tuple[list[tuple[list[Any], Any]], _Assigned]:
+    def _variant_stages(self, run: _Runnable, graph: OpGraph) -> list[StageModule]:
+        """``graph``'s stages for a micro-batch of another shape than ``run``'s graph holds for. Where
+        the two captures name their operations differently, the plan is carried over, and the first
+        stage's inputs and the last stage's outputs are matched by position."""
+        try:
+            return split_stages(graph, run.plan, self._devices)
+        except PlanMismatchError as mismatch:
+            plan = project_plan(self.plan, self._reference_graph(None, mismatch), graph)
+        try:
+            plan = _same_interface(plan, graph, run.plan, run.graph)
+        except PlanMismatchError as exc:
+            raise PlanMismatchError(
+                f"{graph.frontend} captured {type(self.module).__name__} again for a micro-batch of other shapes and "
+                f"got a different graph: {exc}"
+            ) from exc
+        stages = split_stages(graph, plan, self._devices)
+        place_stages(stages)
+        return stages
+
+    def _take_assigned(self, run: _Runnable, outputs: list[tuple[list[Any], Any]]
+                       ) -> tuple[list[tuple[list[Any], Any]], _Assigned]:
         """Each micro-batch's stage outputs, less the values only kept for attributes ``forward``
         assigns; and those values, by output name, with where the returned leaves sit among all."""
-        if not self._assigned_slots:
+        if not run.assigned_slots:
             return outputs, _Assigned()
         returned, taken = [], _Assigned()
         for leaves, spec in outputs:
             values = unflatten(leaves, spec)
-            returned.append(flatten(tuple(values[i] for i in self._returned_slots)))
-            taken.values.append({name: values[i] for name, i in self._assigned_slots.items()})
+            returned.append(flatten(tuple(values[i] for i in run.returned_slots)))
+            taken.values.append({name: values[i] for name, i in run.assigned_slots.items()})
             offsets = [0]
             for i in range(spec.num_children):
                 offsets.append(offsets[-1] + spec.child(i).num_leaves)
-            taken.leaf_positions = [p for i in self._returned_slots for p in range(offsets[i], offsets[i + 1])]
+            taken.leaf_positions = [p for i in run.returned_slots for p in range(offsets[i], offsets[i + 1])]
             taken.leaf_count = offsets[-1]
         return returned, taken
 
-    def _output_dims(self, outputs: list[tuple[list[Any], Any]], first: list[Any], sizes: list[int | None]
-                     ) -> list[int | None]:
+    def _output_dims(self, run: _Runnable, outputs: list[tuple[list[Any], Any]], first: list[Any],
+                     sizes: list[int | None]) -> list[int | None]:
         """The batch dim of each output leaf: the one dim that follows the micro-batch sizes, or, where
         several do, the one that grows when the batch grows."""
         micro_leaves = [leaves for leaves, _ in outputs]
@@ -329,7 +427,7 @@ class Pipeline(nn.Module):
             if len(candidates) <= 1:
                 dims.append(candidates[0] if candidates else None)
                 continue
-            grew = self._grown_dims(value, self._grown_run(first)[0][i], candidates)
+            grew = self._grown_dims(value, self._grown_run(run, first)[0][i], candidates)
             if len(grew) != 1:
                 raise microbatch.MicroBatchError(
                     f"an output of shape {tuple(value.shape)} grows in dims {grew} when the batch grows: it "
@@ -339,34 +437,35 @@ class Pipeline(nn.Module):
             dims.append(grew[0])
         return dims
 
-    def _assigned_dim(self, name: str, values: list[torch.Tensor], first: list[Any], sizes: list[int | None]
-                      ) -> int | None:
+    def _assigned_dim(self, run: _Runnable, name: str, values: list[torch.Tensor], first: list[Any],
+                      sizes: list[int | None]) -> int | None:
         """The batch dim of a per-sample value ``forward`` assigns to an attribute, as for outputs."""
         candidates = microbatch.batch_dim_candidates(values, sizes)
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
-        grew = self._grown_dims(values[0], self._grown_run(first)[1].get(name), candidates)
+        grew = self._grown_dims(values[0], self._grown_run(run, first)[1].get(name), candidates)
         return grew[0] if len(grew) == 1 else None
 
-    def _run_whole(self, values: list[Any]) -> tuple[list[tuple[list[Any], Any]], _Assigned]:
+    def _run_whole(self, run: _Runnable, values: list[Any]) -> tuple[list[tuple[list[Any], Any]], _Assigned]:
         """One forward of ``values`` through the stages as a single micro-batch, outside any step."""
-        leaves = flatten([values[i] for i in self._input_slots])
-        return self._take_assigned(run_forward(self._pool, [self._stages_for(values)], [leaves], None, 0))
+        leaves = flatten([values[i] for i in run.input_slots])
+        return self._take_assigned(run, run_forward(self._pool, [self._stages_for(run, values)], [leaves], None, 0))
 
-    def _grown_run(self, first: list[Any]) -> tuple[list[tuple[int, ...] | None], dict[str, tuple[int, ...] | None]]:
+    def _grown_run(self, run: _Runnable, first: list[Any]
+                   ) -> tuple[list[tuple[int, ...] | None], dict[str, tuple[int, ...] | None]]:
         """The shapes of the output leaves and of the assigned values when the first micro-batch has
         one more sample (run once per input shapes, side effects undone)."""
         key = tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in flatten(first)[0])
-        if key not in self._grown:
+        if key not in run.grown:
             with side_effects_undone(self.module), torch.no_grad():
-                outputs, taken = self._run_whole(grown_by_one(first, self._input_dims))
+                outputs, taken = self._run_whole(run, grown_by_one(first, run.input_dims))
 
             def shape(value: Any) -> tuple[int, ...] | None:
                 return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
-            self._grown[key] = ([shape(v) for v in outputs[0][0]],
-                                {n: shape(v) for n, v in (taken.values[0] if taken.values else {}).items()})
-        return self._grown[key]
+            run.grown[key] = ([shape(v) for v in outputs[0][0]],
+                              {n: shape(v) for n, v in (taken.values[0] if taken.values else {}).items()})
+        return run.grown[key]
 
     @staticmethod
     def _grown_dims(value: torch.Tensor, larger: tuple[int, ...] | None, candidates: list[int]) -> list[int]:
@@ -374,17 +473,68 @@ class Pipeline(nn.Module):
         return [d for d in candidates
                 if larger is not None and len(larger) == value.dim() and larger[d] == value.shape[d] + 1]
 
-    def _assign(self, assigned: _Assigned, first: list[Any], sizes: list[int | None]) -> None:
+    def _assign(self, run: _Runnable, assigned: _Assigned, first: list[Any], sizes: list[int | None]) -> None:
         """Give the attributes ``forward`` assigns the values a whole-batch call would."""
         if assigned.values:
-            assert self._graph is not None
-            assign(self.module, self._graph.assignments, assigned.values, sizes,
-                   lambda name, values: self._assigned_dim(name, values, first, sizes))
+            assign(self.module, run.graph.assignments, assigned.values, sizes,
+                   lambda name, values: self._assigned_dim(run, name, values, first, sizes))
 
-    def _assemble(self, leaves: list[Any], spec: Any) -> Any:
-        assert self._graph is not None and self._graph.signature is not None
-        by_name = dict(zip(self._output_names, unflatten(leaves, spec)))
-        return self._graph.signature.assemble(by_name)
+    def _assemble(self, run: _Runnable, leaves: list[Any], spec: Any) -> Any:
+        assert run.graph.signature is not None
+        by_name = dict(zip(run.output_names, unflatten(leaves, spec)))
+        return run.graph.signature.assemble(by_name)
+
+
+@dataclass
+class _Runnable:
+    """One capture of the module, ready to run: its graph, the plan its stages were cut by (the
+    Pipeline's, or that plan carried over to this graph), and how a call's values map onto the stages.
+
+    ``variants`` are the stages of graphs captured again for micro-batches of other shapes, by what
+    they specialised; ``grown`` the output shapes of a run with one sample more, by input shapes.
+    """
+
+    graph: OpGraph
+    plan: Plan
+    stages: list[StageModule]
+    input_slots: list[int]
+    returned_slots: list[int]
+    assigned_slots: dict[str, int]
+    output_names: tuple[str, ...]
+    input_dims: list[Any]
+    variants: dict[Hashable, list[StageModule]] = field(default_factory=dict)
+    grown: dict[Hashable, Any] = field(default_factory=dict)
+
+
+def _same_interface(plan: Plan, graph: OpGraph, like: Plan, like_graph: OpGraph) -> Plan:
+    """``plan`` (for ``graph``) with the first stage taking the inputs and the last stage giving the
+    outputs that ``like`` does for ``like_graph``, matched by their positions among the graphs'
+    placeholders and outputs, so the micro-batches of one call can run on either and be joined."""
+    by_position = {}
+    for kind in ("placeholder", "output"):
+        ours, theirs = _interface_names(graph, kind), _interface_names(like_graph, kind)
+        if len(ours) != len(theirs):
+            raise PlanMismatchError(f"it has {len(ours)} {kind}s where the first capture had {len(theirs)}")
+        by_position.update(zip(theirs, ours))
+    inputs = [by_position[name] for name in like.stages[0].inputs]
+    outputs = [by_position[name] for name in like.stages[-1].outputs]
+    needed_in, given_out = set(plan.stages[0].inputs), set(plan.stages[-1].outputs)
+    if not needed_in <= set(inputs) or set(outputs) != given_out:
+        raise PlanMismatchError("its inputs or outputs are not those of the first capture")
+    stages = list(plan.stages)
+    stages[0] = dataclasses.replace(stages[0], inputs=inputs)
+    stages[-1] = dataclasses.replace(stages[-1], outputs=outputs)
+    return dataclasses.replace(plan, stages=stages)
+
+
+def _interface_names(graph: OpGraph, kind: str) -> list[str]:
+    """The graph's placeholders in order, or its output values in the order the output node lists them."""
+    if kind == "placeholder":
+        return [n.name for n in graph.nodes if n.kind == "placeholder"]
+    assert graph.graph_module is not None
+    found: list[str] = []
+    fx.node.map_arg(graph.graph_module.graph.output_node().args[0], lambda n: found.append(n.name))
+    return list(dict.fromkeys(found))
 
 
 @dataclass
@@ -423,9 +573,9 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
-        output_device, join, stop, outcome, (busy, ran, timed, schedule, held), take_assigned = options
+        output_device, join, stop, outcome, (busy, ran, timed, schedule, held, seed), take_assigned = options
         pool, stage_sets = runtime
-        state = PassState(busy=busy, ran=ran, timed=timed, held=held)
+        state = PassState(busy=busy, ran=ran, timed=timed, held=held, seed=seed)
         outputs, outcome.assigned = take_assigned(run_forward(pool, stage_sets, micro_inputs, state, stop, schedule))
         dims = join.output_dims(outputs)
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, join.sizes, dims)
@@ -447,6 +597,14 @@ class _PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: ANN001
+        try:
+            return _PipelineFunction.pipelined_backward(ctx, grads)
+        except (KeyboardInterrupt, SystemExit):
+            ctx.pool.shutdown()  # wherever the interrupt landed, no worker outlives it
+            raise
+
+    @staticmethod
+    def pipelined_backward(ctx, grads: tuple) -> tuple:  # noqa: ANN001
         count = ctx.count
         per_output: list[list[Any]] = []
         it = iter(zip(grads, ctx.sizes, ctx.dims))

@@ -8,6 +8,8 @@ devices, unless told otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from torch import nn
 from . import calibration, microbatch
 from .batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
 from .capture import OpGraph, UntraceableModelError, capture_call
-from .capture.isolation import keeps_random_state
+from .capture.isolation import keeps_random_state, planned_in_training
 from .capture.signature import original_forward
 from .memory import device_memory_gb
 from .overhead import optimizer_step_s
@@ -66,7 +68,20 @@ def chunk_candidates(batch_size: int, stages: int) -> list[int]:
     return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
 
 
+def _in_training(fn: Callable[..., Planned]) -> Callable[..., Planned]:
+    """``fn(module, ...)`` with ``module`` captured and profiled in training mode (see
+    :func:`~lightning_antichain.capture.isolation.planned_in_training`)."""
+
+    @functools.wraps(fn)
+    def planned(module: nn.Module | None, *args: Any, **kwargs: Any) -> Planned:
+        with planned_in_training(module) if module is not None else contextlib.nullcontext():
+            return fn(module, *args, **kwargs)
+
+    return planned
+
+
 @keeps_random_state
+@_in_training
 def plan_model(
     module: nn.Module | None,
     args: tuple,
@@ -103,7 +118,8 @@ def plan_model(
     plan cannot run). ``bandwidth_gbps`` and ``memory_gb`` default to
     :func:`default_bandwidth_gbps` and :func:`default_memory_gb`. ``optimizers`` are timed (on
     copies of their parameters) so that the predicted step includes their ``step()``.
-    ``calibrate`` runs a plan whose stages share the CPU for a few steps and takes its stage times
+    Plans are made for training: a module entirely in eval mode is planned as in training mode,
+    and left in its mode. ``calibrate`` runs a plan whose stages share the CPU for a few steps and takes its stage times
     and parallel capacity from them (:mod:`~lightning_antichain.calibration`; cached with the
     profiles), since per-op profiles mispredict CPU pipelines at small micro-batches.
 

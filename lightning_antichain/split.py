@@ -27,6 +27,7 @@ from .capture.lifted import share_original_modules
 from .capture.mutations import is_in_place, may_alias
 from .plan import Plan
 from .pytrees import flatten, unflatten
+from .randomness import seed_random_nodes
 from .trace import OpGraph
 from .transfer import copy_stream_for
 
@@ -46,6 +47,9 @@ class StageModule:
     device: torch.device
     mutated: frozenset[int] = frozenset()
     copy_stream: Any = None
+    #: the operations that may draw random numbers, each drawing from its own generators
+    #: (:mod:`lightning_antichain.randomness`)
+    random_nodes: tuple[str, ...] = ()
 
     def __call__(self, leaves: list[Any], spec: Any) -> tuple[list[Any], Any]:
         """Run the stage on the flattened input values; returns its flattened output values."""
@@ -77,8 +81,19 @@ class StageModule:
 
     @cached_property
     def called_modules(self) -> list[nn.Module]:
-        """The original modules this stage calls (looked up once: the per-micro-batch paths use it)."""
-        return [self.module.get_submodule(n.target) for n in self.module.graph.nodes if n.op == "call_module"]
+        """The original modules this stage calls, directly or fetched to call them through a seeded
+        call (looked up once: the per-micro-batch paths use it)."""
+        found: dict[int, nn.Module] = {}
+        for node in self.module.graph.nodes:
+            if node.op == "call_module":
+                module = self.module.get_submodule(node.target)
+            elif node.op == "get_attr" and isinstance(value := _attr(self.module, node.target), nn.Module) and not (
+                    isinstance(value, fx.GraphModule)):
+                module = value
+            else:
+                continue
+            found.setdefault(id(module), module)
+        return list(found.values())
 
     def submodules(self) -> list[nn.Module]:
         """The original modules this stage calls."""
@@ -154,7 +169,8 @@ def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> lis
         retarget_devices(module, graph.capture_device, device)
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
         mutated = frozenset(i for i, p in enumerate(placeholders) if _changed_in_place(module, p))
-        stages.append(StageModule(spec.index, module, inputs, outputs, device, mutated))
+        random_nodes = tuple(seed_random_nodes(module))
+        stages.append(StageModule(spec.index, module, inputs, outputs, device, mutated, random_nodes=random_nodes))
     return stages
 
 

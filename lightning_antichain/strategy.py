@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from .batch_dims import batch_size_of, check_batch_dim, first_micro_batch
+from .batch_dims import batch_size_of, check_batch_dim, first_micro_batch, refuse_per_sample_lists
 from .capture import OpGraph
 from .capture.signature import FlatSignature, original_forward
 from .memory import optimizer_multiplier
@@ -159,6 +159,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._calls = 0
         self._checked_first_step = False
         self._checked_batch = False
+        self._checked_lists = False
         self._in_training_step = False
         self._installed: nn.Module | None = None
 
@@ -320,7 +321,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         example = getattr(self.lightning_module, "example_input_array", None)
         if example is not None and self.module_path is None and self._pipeline is None:
-            self._build(*split_inputs(move_data_to_device(example, self.root_device)))
+            args, kwargs = split_inputs(move_data_to_device(example, self.root_device))
+            self._build(args, kwargs)
+            assert self._pipeline is not None
+            # Lightning's model summary runs the example in eval mode with hooks on every layer,
+            # which tracing would run on traced values
+            with torch.inference_mode(False), torch.no_grad():
+                self._pipeline.prepare(*args, training=False, **kwargs)
         if trainer.state.fn == TrainerFn.FITTING:
             self._optimizer_state_to_parameters()
         self._install()
@@ -429,6 +436,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
             self._installed = None
 
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.check_batch and not self._checked_lists:
+            self._checked_lists = True
+            refuse_per_sample_lists(self._target(), args, kwargs, self.batch_dim)
         if self._in_training_step and not self._checked_batch:
             self._checked_batch = True
             size = batch_size_of(self._target(), args, kwargs, self.batch_dim)

@@ -58,7 +58,7 @@ def test_uneven_and_single_sample_micro_batches_are_captured_again_and_match(kin
     graph, plan = _planned(model, tuple(a[:2] for a in args))
     assert graph.frontend == kind
     pipe = _check_parity(model, graph, plan, args, chunks=4)
-    assert len(pipe._variants) == (0 if kind == "export" else 1)
+    assert len(pipe._run.variants) == (0 if kind == "export" else 1)
     pipe.close()
 
 

@@ -143,6 +143,20 @@ def test_bf16_mixed_on_cpu_trains_like_plain_bf16():
     assert runs[1][-1] < runs[1][0]
 
 
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+def test_bf16_mixed_with_recomputation_trains_as_without_it(checkpoint):
+    """The recomputed forward runs under the forward's autocast, though backward runs outside it."""
+    runs = []
+    for mode in ("never", checkpoint):
+        torch.manual_seed(0)
+        model = TinyClassifier()
+        fit(model, strategy(checkpoint=mode, calibrate=False), 2, max_steps=6, limit_val_batches=0,
+            precision="bf16-mixed")
+        runs.append(torch.tensor(model.losses))
+    assert len(runs[1]) == 6
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+
+
 def test_fixed_balance_and_saved_plan_skip_planning(tmp_path):
     t = fit(TinyClassifier(), strategy(balance=[3, 4]), 2, max_steps=2, limit_val_batches=0)
     assert t.strategy.plan.method == "balance" and t.strategy.plan.balance_counts == [4, 4]  # input pinned in 0

@@ -25,14 +25,14 @@ from torch import nn
 
 from .assignments import AssignmentError, assigned_paths, snapshot
 from .concrete import SpecializationError, capture_concrete
-from .errors import FrontendRefused, UntraceableModelError
+from .errors import FrontendRefused, UntraceableModelError, logging_call
 from .exported import capture_exported
-from .isolation import attributes_restored, own_forward
+from .isolation import attributes_restored, own_forward, training_flags
 from .leaves import capture_with_leaves
 from .opgraph import OpGraph, OpNode, RecordedCall, op_graph
 from .settle import settle
 from .signature import SignatureMismatchError, original_forward
-from .symbolic import capture_symbolic, constant_arguments, constants_specialization
+from .symbolic import call_specialization, capture_symbolic, constant_arguments
 
 FRONTENDS = ("fx", "export", "concrete", "leaves")
 NEEDS_EXAMPLE = ("export", "concrete")
@@ -102,6 +102,7 @@ def _capture(
         raise ValueError(f"frontends must be a non-empty sequence of {FRONTENDS}, got {list(frontends)}")
     refused: list[str] = []
     data_dependent: FrontendRefused | None = None
+    logs = ""
     name = type(module).__name__
     for frontend in frontends:
         if frontend in NEEDS_EXAMPLE and call is None:
@@ -123,14 +124,16 @@ def _capture(
             _report(progress, f"capturing {name}: {frontend} refused ({exc.reason[:120]})")
             if exc.data_dependent and data_dependent is None:
                 data_dependent = exc
+            logs = logs or logging_call(exc)
             continue
         if warm_start is not None:
             warm_start()
         graph.refused = tuple(refused)
+        graph.training = training_flags(module)
         _report(progress, f"captured {name} with {frontend}: {len(graph)} operations in "
                           f"{time.perf_counter() - started:.1f} s")
         return graph
-    raise UntraceableModelError(_explain(module, refused, data_dependent), refused)
+    raise UntraceableModelError(_explain(module, refused, data_dependent, logs), refused)
 
 
 def _report(enabled: bool, line: str) -> None:
@@ -150,10 +153,8 @@ def _capture_with(
         constants = None if call is None else constant_arguments(original_forward(module), *call)
         graph_module = capture_symbolic(module, leaf_modules, constants)
         _refuse_assignments(module, before)
-        specialization = None
-        if constants:
-            again = functools.partial(_capture_again, module, leaf_modules, frontend, batch_dim)
-            specialization = constants_specialization(graph_module, constants, again)
+        again = functools.partial(_capture_again, module, leaf_modules, frontend, batch_dim)
+        specialization = call_specialization(graph_module, constants or {}, call, again)
         return op_graph(module, graph_module, "fx", specialization=specialization)
     if frontend == "leaves":
         before = snapshot(module)
@@ -189,8 +190,15 @@ def _refuse_assignments(module: nn.Module, before: dict) -> None:
                               "(torch.export and concrete capture can)")
 
 
-def _explain(module: nn.Module, refused: list[str], data_dependent: FrontendRefused | None) -> str:
+def _explain(module: nn.Module, refused: list[str], data_dependent: FrontendRefused | None, logs: str = "") -> str:
     name = type(module).__name__
+    if logs:
+        return (
+            f"{name}.forward calls self.log at {logs}. Logging records a Python value for the logger, so it cannot be "
+            "part of the graph of tensor operations that the pipeline runs, and a pipelined forward runs on "
+            "micro-batches anyway. Log from training_step or validation_step, from what forward returns. Each "
+            "frontend said:\n  " + "\n  ".join(refused)
+        )
     lead = (
         f"{name} has Python control flow on its input's values at {data_dependent.location}, so no fixed "
         "graph of it is correct for every batch. "

@@ -48,6 +48,22 @@ def user_frame(tb: traceback.StackSummary | list[traceback.FrameSummary]) -> str
     return f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
 
 
+def logging_call(exc: BaseException) -> str:
+    """``file:line (code)`` where ``forward`` called ``self.log``/``self.log_dict`` of a
+    LightningModule on the way to ``exc`` (following its causes), or ""."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        frames = traceback.extract_tb(current.__traceback__)
+        for caller, frame in zip(frames, frames[1:]):
+            if frame.name in ("log", "log_dict") and frame.filename.endswith(os.path.join("core", "module.py")) and (
+                    "lightning" in frame.filename):
+                return f"{caller.filename}:{caller.lineno} ({(caller.line or '').strip()})"
+        current = current.__cause__ or current.__context__
+    return ""
+
+
 def location_of(exc: BaseException) -> str:
     """The user's file and line where ``exc`` was raised, or ""."""
     return user_frame(traceback.extract_tb(exc.__traceback__))

@@ -44,6 +44,7 @@ def capture_exported(
     args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     shapes = _dynamic_batch(module, args, kwargs, batch_dim)
+    traced_args, traced_kwargs = _two_samples(module, args, kwargs, batch_dim)
     try:
         # size-oblivious: prove the graph for every batch size, 1 included, instead of assuming >= 2
         with _quiet("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export"), \
@@ -51,7 +52,7 @@ def capture_exported(
                 recording_assignments(module, buffers=True) as recording:
             # export warns that tensor attributes were assigned; they are graph outputs here, replayed at run time
             warnings.filterwarnings("ignore", message="The tensor attribute")
-            exported = torch.export.export(module, args, kwargs, dynamic_shapes=shapes, strict=False)
+            exported = torch.export.export(module, traced_args, traced_kwargs, dynamic_shapes=shapes, strict=False)
     except Exception as exc:  # export raises many kinds: UserError, GuardOnDataDependentSymNode, ...
         where = location_of(exc)
         raise FrontendRefused(f"{type(exc).__name__}: {first_line(exc)}", location=where) from exc
@@ -92,6 +93,26 @@ def capture_exported(
                                     lambda a, k: capture_exported(module, a, k, batch_dim)[:3])
     assignments = assignments_of(recording, extra, {p.name for p in placeholders})
     return graph_module, flat, specialization, assignments
+
+
+def _two_samples(module: nn.Module, args: tuple, kwargs: dict, batch_dim: int | Mapping[str, int]
+                 ) -> tuple[tuple, dict]:
+    """The call with a batch of one sample repeated to two. Exported on one sample, a graph keeps
+    some sizes at 1 while claiming to hold for larger batches (GPT-2 exported on a micro-batch of 1
+    indexed out of bounds on 2); exported on two, it holds for every size, 1 included. Export
+    only sees shapes, so the values of the copy do not matter."""
+    try:
+        bound = inspect.signature(original_forward(module)).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    batched: list[tuple[torch.Tensor, int]] = []
+    for name, value in bound.arguments.items():
+        dim = batch_dim if isinstance(batch_dim, int) else batch_dim.get(name, 0)
+        batched += [(t, dim) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.dim() > dim]
+    if not batched or any(t.shape[dim] != 1 for t, dim in batched):
+        return args, kwargs
+    doubled = {id(t): torch.cat([t, t], dim) for t, dim in batched}
+    return pytree.tree_map(lambda v: doubled.get(id(v), v), (args, kwargs))
 
 
 def _dynamic_batch(module: nn.Module, args: tuple, kwargs: dict, batch_dim: int | Mapping[str, int]

@@ -35,6 +35,39 @@ def own_forward(module: nn.Module) -> Iterator[None]:
 
 
 
+def training_flags(module: nn.Module) -> tuple[bool, ...]:
+    """The ``training`` flag of ``module`` and every submodule, in ``module.modules()`` order: what
+    a captured graph's mode depends on."""
+    return tuple(m.training for m in module.modules())
+
+
+@contextlib.contextmanager
+def training_flags_set(module: nn.Module, flags: tuple[bool, ...] | bool) -> Iterator[None]:
+    """``module`` and its submodules in the mode ``flags`` (one flag for all, or one each) inside this
+    block, and back in the mode they were in after it."""
+    modules = list(module.modules())
+    before = [m.training for m in modules]
+    wanted = [flags] * len(modules) if isinstance(flags, bool) else list(flags)
+    try:
+        for m, flag in zip(modules, wanted):
+            m.training = flag
+        yield
+    finally:
+        for m, flag in zip(modules, before):
+            m.training = flag
+
+
+@contextlib.contextmanager
+def planned_in_training(module: nn.Module) -> Iterator[None]:
+    """Plans are made for training: a module entirely in eval mode (a validation batch arrived
+    first) is captured and profiled as after ``module.train()`` inside this block."""
+    if any(training_flags(module)):
+        yield
+        return
+    with training_flags_set(module, True):
+        yield
+
+
 @contextlib.contextmanager
 def attributes_restored(module: nn.Module) -> Iterator[None]:
     """Undo the plain attributes and buffer replacements that ``forward`` makes on any submodule

@@ -71,7 +71,9 @@ class OpGraph:
     back; ``specialization`` says which inputs the graph holds for (``None``: any);
     ``capture_device`` is the device the graph's tensor constructors name (``None``: none);
     ``assignments`` are the attributes ``forward`` assigns, replayed by the runtime after each call;
-    each group of ``together`` must share a stage (views read across an in-place change).
+    each group of ``together`` must share a stage (views read across an in-place change);
+    ``training`` holds the ``training`` flag of every submodule (``module.modules()`` order) at
+    capture, since the graph bakes in the mode (dropout, BatchNorm, ``if self.training:``).
     """
 
     module: nn.Module
@@ -88,6 +90,7 @@ class OpGraph:
     assignments: tuple[Assignment, ...] = ()
     together: tuple[tuple[str, ...], ...] = ()
     recorder: Callable[[OpGraph, tuple, dict], Iterator[RecordedCall]] | None = field(default=None, repr=False)
+    training: tuple[bool, ...] | None = None
     _by_name: dict[str, OpNode] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,7 +118,7 @@ class OpGraph:
         """The same graph over another copy of the module (the profiler's)."""
         return OpGraph(module, self.nodes, self.outputs, self.granularity, graph_module, self.note, self.frontend,
                        self.refused, self.signature, self.specialization, self.capture_device, self.assignments,
-                       self.together, self.recorder)
+                       self.together, self.recorder, self.training)
 
 
 def op_graph(module: nn.Module, graph_module: fx.GraphModule, frontend: str, signature: Any = None,

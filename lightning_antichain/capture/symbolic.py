@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import FrontendRefused, first_line, location_of
+from .signature import bind_placeholders
 from .specialization import Specialization, constant_key
 
 
@@ -96,8 +97,11 @@ def capture_symbolic(module: nn.Module, leaf_modules: Sequence[type | str] = (),
     return fx.GraphModule(tracer.root, graph, type(module).__name__)
 
 
-def _describe(value: Any) -> Hashable:
-    return "tensor" if isinstance(value, torch.Tensor) else constant_key(value)
+def _kind(value: Any) -> Hashable:
+    """What an fx graph depends on in an argument that it takes as a value: tensor, ``None`` or type."""
+    if isinstance(value, torch.Tensor):
+        return "tensor"
+    return "none" if value is None else type(value).__name__
 
 
 def _restore_parameters(graph: fx.Graph, signature: inspect.Signature) -> None:
@@ -116,7 +120,7 @@ def _restore_parameters(graph: fx.Graph, signature: inspect.Signature) -> None:
 
 def _drop_guards(graph: fx.Graph) -> None:
     """Remove fx's asserts on constant arguments: the runtime checks them before a call instead
-    (:func:`constants_specialization`), and traces again where they differ."""
+    (:func:`call_specialization`), and traces again where they differ."""
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and not node.users and any(
                 isinstance(a, str) and "has been specialized to have value" in a for a in node.args):
@@ -126,15 +130,20 @@ def _drop_guards(graph: fx.Graph) -> None:
                 graph.erase_node(guarded)  # the ``flag == False`` the assert read
 
 
-def constants_specialization(graph_module: fx.GraphModule, constants: dict[str, Any],
-                             recapture: Callable[[tuple, dict], Any]) -> Specialization:
-    """What an fx graph traced with ``constants`` holds for: calls with the same constants (a call
-    with others, a mask where there was none, is traced again)."""
+def call_specialization(graph_module: fx.GraphModule, constants: dict[str, Any], call: tuple[tuple, dict] | None,
+                        recapture: Callable[[tuple, dict], Any]) -> Specialization:
+    """What an fx graph traced on ``call`` with ``constants`` baked in holds for: calls with the same
+    constants, and tensors, ``None`` and other values where the call had them (a mask where there was
+    none, or ``None`` where a tensor was traced, is traced again). Traced without a call, every
+    argument was a traced value: the graph holds for tensors."""
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
-    slots = [i for i, n in enumerate(placeholders) if n.target in constants]
+    baked = [n.target in constants for n in placeholders]
 
     def describe(values: Sequence[Any]) -> Hashable:
-        return tuple(_describe(values[i]) for i in slots)
+        return tuple(constant_key(v) if is_constant and not isinstance(v, torch.Tensor) else _kind(v)
+                     for is_constant, v in zip(baked, values))
 
-    return Specialization(tuple(_describe(constants[placeholders[i].target]) for i in slots), (), recapture, describe)
-
+    if call is None:
+        return Specialization(("tensor",) * len(placeholders), (), recapture, describe)
+    bound = bind_placeholders(placeholders, *call)
+    return Specialization(describe([bound[n.name] for n in placeholders]), (), recapture, describe)

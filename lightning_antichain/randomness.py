@@ -1,0 +1,315 @@
+"""Random numbers that do not depend on which thread draws them, and that recomputation draws again.
+
+Stages run on worker threads that share the process's default generators, so what one stage draws
+would depend on what the others drew meanwhile, and a forward recomputed for backward
+(``checkpoint=...``) would draw other dropout masks than the forward whose output the loss saw: a
+gradient of a different function, silently.
+
+So every operation of a stage graph that may draw random numbers (dropout in any form, ``rand*``,
+``bernoulli``, ``multinomial``, RNNs with dropout, attention with ``dropout_p``, and modules whose
+code the graph cannot see) is called through :class:`SeededCall` (:func:`seed_random_nodes`).
+Inside a micro-batch's :func:`drawing` block it draws from generators of its own, seeded from the
+step's seed, the micro-batch index and the operation's name; outside one it runs as written. The
+step's seed is drawn once per pipelined call from the caller's default CPU generator
+(:func:`step_seed`), so ``seed_everything`` still decides the run.
+
+What follows: a pipelined run's random numbers are not the stream plain training draws, but they
+have the same distribution; they are the same for every ``checkpoint`` mode and for any number of
+stages or devices (only the micro-batch count changes them), and the same again under the same seed.
+
+The generators are supplied by a dispatch mode, which is local to the worker thread: an ATen op
+that takes ``generator=`` gets one, and ``native_dropout`` (which every CPU dropout comes down to)
+draws its mask with ``bernoulli_`` from one. Fused kernels that take no generator (CUDA attention
+with ``dropout_p``, cuDNN RNNs with dropout) run with their device's default generator swapped for
+the operation's own under a lock: other seeded operations wait for it, but a thread outside the
+pipeline drawing from that default generator at the same moment would change what they draw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .capture.opgraph import MethodCall
+
+_local = threading.local()
+_swap_lock = threading.Lock()
+
+#: torch.nn modules that draw random numbers in training; other torch.nn modules draw none
+_RANDOM_MODULES: tuple[type, ...] = (
+    nn.modules.dropout._DropoutNd,
+    nn.RReLU,
+    nn.RNNBase,
+    nn.MultiheadAttention,
+    nn.FractionalMaxPool2d,
+    nn.FractionalMaxPool3d,
+)
+#: random Python-level functions of torch that have no ATen op of the same name
+_RANDOM_FUNCTIONS = {
+    "dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout", "gumbel_softmax", "rrelu",
+    "scaled_dot_product_attention", "multi_head_attention_forward", "fractional_max_pool2d",
+    "fractional_max_pool3d", "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
+}
+_DETERMINISTIC_MODULES = ("_operator", "operator", "builtins", "math")
+#: arguments that switch a random op off when constant: a probability of 0, or eval mode
+_OFF = {"p": 0, "dropout_p": 0, "dropout": 0, "train": False, "training": False}
+
+
+def step_seed() -> int:
+    """A seed for one pipelined call, drawn from the caller's default CPU generator."""
+    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+
+
+@contextlib.contextmanager
+def drawing(seed: int | None, micro_batch: int) -> Iterator[None]:
+    """Inside this block, on this thread, seeded operations draw for micro-batch ``micro_batch`` of
+    the call seeded ``seed`` (``None``: from the default generators, as written)."""
+    previous = getattr(_local, "key", None)
+    _local.key = None if seed is None else (seed, micro_batch)
+    try:
+        yield
+    finally:
+        _local.key = previous
+
+
+def seed_of(*parts: object) -> int:
+    """A 63-bit seed that depends on every part and on nothing else (not on Python's hash seed)."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class SeededCall:
+    """A graph operation that draws from generators of its own inside a :func:`drawing` block."""
+
+    def __init__(self, call: Callable[..., Any], name: str) -> None:
+        self.call = call
+        self.name = name
+        # fx names the generated code's global after these
+        self.__name__ = "seeded_" + "".join(c if c.isalnum() else "_" for c in name)
+        self.__module__ = __name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = getattr(_local, "key", None)
+        if key is None:
+            return self.call(*args, **kwargs)
+        with _OwnGenerators(seed_of(*key, self.name)):
+            return self.call(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"SeededCall({self.name!r})"
+
+
+def _call_module(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module(*args, **kwargs)
+
+
+def seed_random_nodes(graph_module: fx.GraphModule) -> list[str]:
+    """Route every node of ``graph_module`` that may draw random numbers through :class:`SeededCall`,
+    in place; returns their names. ``call_module`` nodes become calls of the fetched module."""
+    seeded = []
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        if isinstance(node.target, SeededCall) or not may_draw(graph_module, node):
+            continue
+        if node.op == "call_module":
+            with graph.inserting_before(node):
+                fetch = graph.get_attr(node.target)
+            node.args = (fetch, *node.args)
+            call: Callable[..., Any] = _call_module
+        elif node.op == "call_method":
+            call = MethodCall(str(node.target))
+        else:
+            call = node.target
+        node.op = "call_function"
+        node.target = SeededCall(call, node.name)
+        seeded.append(node.name)
+    if seeded:
+        graph_module.recompile()
+    return seeded
+
+
+def may_draw(root: nn.Module, node: fx.Node) -> bool:
+    """Whether ``node`` may draw random numbers when it runs."""
+    if node.op == "call_module":
+        return module_may_draw(root.get_submodule(str(node.target)))
+    if node.op == "call_method":
+        return _name_may_draw(str(node.target)) and not _switched_off(node, None)
+    if node.op == "call_function":
+        return function_may_draw(node.target) and not _switched_off(node, node.target)
+    return False
+
+
+def module_may_draw(module: nn.Module) -> bool:
+    """A module draws if it or a submodule is a random torch.nn module, or code outside torch.nn
+    that the graph cannot see into (a leaf module)."""
+    for m in module.modules():
+        if isinstance(m, _RANDOM_MODULES):
+            if getattr(m, "p", 1) != 0 and getattr(m, "dropout", 1) != 0:
+                return True
+        elif not type(m).__module__.startswith("torch.nn."):
+            return True
+    return False
+
+
+def function_may_draw(fn: Any) -> bool:
+    """Whether calling ``fn`` may draw random numbers; unknown code is assumed to."""
+    if isinstance(fn, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in fn.tags
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        return _packet_may_draw(fn)
+    module = getattr(fn, "__module__", None) or ""
+    if module in _DETERMINISTIC_MODULES or module.startswith("lightning_antichain.") or fn is torch._assert:
+        return False  # our own graph helpers (guards) draw nothing
+    if module.startswith("torch") and not isinstance(fn, torch._ops.HigherOrderOperator):
+        return _name_may_draw(getattr(fn, "__name__", ""))
+    return True
+
+
+@functools.cache
+def _name_may_draw(name: str) -> bool:
+    bare = name.rstrip("_")
+    if bare in _RANDOM_FUNCTIONS:
+        return True
+    packet = getattr(torch.ops.aten, bare, None)
+    return isinstance(packet, torch._ops.OpOverloadPacket) and _packet_may_draw(packet)
+
+
+def _packet_may_draw(packet: torch._ops.OpOverloadPacket) -> bool:
+    return any(torch.Tag.nondeterministic_seeded in getattr(packet, name).tags for name in packet.overloads())
+
+
+def _switched_off(node: fx.Node, fn: Any) -> bool:
+    """Whether the node's constant arguments switch its randomness off (``p=0``, ``training=False``)."""
+    names = _argument_names(fn)
+    bound = dict(zip(names, node.args)) if names else {}
+    bound.update(node.kwargs)
+    return any(name in bound and not isinstance(bound[name], fx.Node) and bound[name] == off
+               for name, off in _OFF.items())
+
+
+def _argument_names(fn: Any) -> list[str]:
+    if isinstance(fn, torch._ops.OpOverload):
+        return [a.name for a in fn._schema.arguments]
+    if fn is None:
+        return []
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+class _OwnGenerators(TorchDispatchMode):
+    """Give the random ATen ops of this thread generators seeded from ``seed``, one per device."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if (torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None
+                or _off_at_run_time(func, args, kwargs)):
+            return func(*args, **kwargs)
+        device = _device_of(args, kwargs)
+        generator = self._generator(device)
+        if generator is None:
+            return func(*args, **kwargs)
+        if func is torch.ops.aten.native_dropout.default:
+            return _native_dropout(*args, generator=generator, **kwargs)
+        with_generator = _generator_overload(func)
+        if with_generator is not None:
+            return with_generator(*args, **{**kwargs, "generator": generator})
+        return _with_default_swapped(func, args, kwargs, generator, device)
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if device not in self.generators:
+            if device.type not in ("cpu", "cuda"):
+                return None
+            generator = torch.Generator(device)
+            generator.manual_seed(seed_of(self.seed, device))
+            self.generators[device] = generator
+        return self.generators[device]
+
+
+def _native_dropout(input: torch.Tensor, p: float, train: bool | None, *, generator: torch.Generator
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten.native_dropout`` (the op every CPU dropout comes down to) drawing its mask from
+    ``generator``: the output and the mask its backward multiplies by, as the native op returns."""
+    if p >= 1:
+        return torch.zeros_like(input), torch.zeros_like(input, dtype=torch.bool)
+    mask = torch.empty_like(input, dtype=torch.bool).bernoulli_(1 - p, generator=generator)
+    return input * mask * (1.0 / (1 - p)), mask
+
+
+def _off_at_run_time(func: Any, args: tuple, kwargs: dict) -> bool:
+    values = dict(zip((a.name for a in func._schema.arguments), args))
+    values.update(kwargs)
+    return any(name in values and values[name] == off for name, off in _OFF.items()
+               if not isinstance(values.get(name), torch.Tensor))
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    if kwargs.get("device") is not None:
+        return torch.device(kwargs["device"])
+    for leaf in pytree.tree_leaves(args):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.get_default_device()
+
+
+@functools.cache
+def _generator_overload(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """``func`` if it takes ``generator=``, else its overload that differs only by taking one."""
+    names = [a.name for a in func._schema.arguments]
+    if "generator" in names:
+        return func
+    packet = func.overloadpacket
+    for name in packet.overloads():
+        other = getattr(packet, name)
+        other_names = [a.name for a in other._schema.arguments]
+        if "generator" in other_names and [n for n in other_names if n != "generator"] == names:
+            return other
+    return None
+
+
+def _with_default_swapped(func: Any, args: tuple, kwargs: dict, generator: torch.Generator,
+                          device: torch.device) -> Any:
+    """Run ``func`` with ``device``'s default generator in ``generator``'s state, and keep the state
+    it leaves in ``generator``; the lock keeps other seeded operations off the default meanwhile."""
+    if device.type == "cuda":
+        default = torch.cuda.default_generators[device.index if device.index is not None
+                                                else torch.cuda.current_device()]
+    else:
+        default = torch.default_generator
+    with _swap_lock:
+        saved = default.get_state()
+        default.set_state(generator.get_state())
+        try:
+            return func(*args, **kwargs)
+        finally:
+            generator.set_state(default.get_state())
+            default.set_state(saved)
+
+
+__all__ = [
+    "SeededCall",
+    "drawing",
+    "function_may_draw",
+    "may_draw",
+    "module_may_draw",
+    "seed_of",
+    "seed_random_nodes",
+    "step_seed",
+]
