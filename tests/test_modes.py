@@ -189,13 +189,14 @@ def _tokens(n: int = 32, seed: int = 3) -> DataLoader:
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
 
 
-def test_hugging_face_gpt2_with_dropout_validates_in_eval_mode():
+@pytest.mark.parametrize("sanity", [0, 2])
+def test_hugging_face_gpt2_with_dropout_validates_in_eval_mode(sanity):
     torch.manual_seed(0)
     model = GPT2Module(dropout=0.1).double()
-    t = _trainer(sanity=2, chunks=2)
+    t = _trainer(sanity=sanity, chunks=2)
     t.fit(model, _tokens(), _tokens(16, seed=4))
     assert t.strategy.plan.frontend == "export"
-    assert len(model.checks) == 2 + 2 * 2
+    assert len(model.checks) == sanity + 2 * 2
     for pipelined, reference in model.checks:
         assert pipelined == pytest.approx(reference, rel=1e-9)
 
