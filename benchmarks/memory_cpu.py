@@ -27,7 +27,7 @@ import torch
 import torchvision
 
 import lightning_antichain as la
-from lightning_antichain.memory import optimizer_state_bytes
+from lightning_antichain.planner.optimizer_memory import optimizer_state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

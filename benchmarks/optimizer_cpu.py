@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_antichain import planning
-from lightning_antichain.overhead import optimizer_step_s
+from lightning_antichain.planner import planning
+from lightning_antichain.planner.overhead import optimizer_step_s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine, publish, section  # noqa: E402

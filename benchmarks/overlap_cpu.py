@@ -2,7 +2,7 @@
 
 The profile estimates ``parallel_capacity`` with a probe: two threads each running the whole
 model's forward and backward, against one. Planning then calibrates it on a few steps of the plan
-(:mod:`lightning_antichain.calibration`). This script measures the same quantity in the runtime,
+(:mod:`lightning_antichain.planner.calibration`). This script measures the same quantity in the runtime,
 on other steps than the calibration's. For each chunk count it runs the planned 2-stage pipeline (tasks overlap), then
 the same micro-batches one at a time (no overlap), and reads each task's start and end from
 ``Pipeline.last_timed``. With ``O`` the time both stages were busy, ``B`` the summed task time
@@ -24,7 +24,7 @@ import torch
 import torchvision
 
 import lightning_antichain as la
-from lightning_antichain import planning
+from lightning_antichain.planner import planning
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine, publish, section  # noqa: E402
@@ -32,7 +32,7 @@ from report import machine, publish, section  # noqa: E402
 START, END = "<!-- overlap-cpu:start -->", "<!-- overlap-cpu:end -->"
 
 
-def both_busy(timed: list[list[la.schedule.Timed]]) -> float:
+def both_busy(timed: list[list[la.runtime.schedule.Timed]]) -> float:
     """Seconds during which both stages ran a task."""
     total = 0.0
     for a in timed[0]:
@@ -41,7 +41,7 @@ def both_busy(timed: list[list[la.schedule.Timed]]) -> float:
     return total
 
 
-def task_seconds(timed: list[list[la.schedule.Timed]]) -> float:
+def task_seconds(timed: list[list[la.runtime.schedule.Timed]]) -> float:
     return sum(t.end - t.start for stage in timed for t in stage)
 
 

@@ -23,7 +23,7 @@ import lightning_antichain as la
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine, publish  # noqa: E402
 
-from lightning_antichain.graph import total_compute
+from lightning_antichain.planner.cost_graph import total_compute
 
 START, END = "<!-- profile-accuracy:start -->", "<!-- profile-accuracy:end -->"
 

@@ -4,17 +4,17 @@ Profile a model (:func:`profile`), cut it into balanced stages over its antichai
 (:func:`partition`), and inspect the resulting :class:`Plan`.
 """
 
-from .antichain import StateSpace, build_state_space, enumerate_down_sets
-from .batch_dims import BatchDependenceError, check_micro_batchable
+from .capture import OpGraph, UntraceableModelError, trace
 from .capture.assignments import AssignmentError
-from .graph import CostGraphError, load_cost_graph, save_cost_graph
-from .partition import CostModel, DeviceSpec, InfeasiblePlanError, partition, plan_from_balance
-from .pipeline import Pipeline
-from .plan import Plan, Stage
-from .profiler import profile
-from .split import PlanMismatchError
-from .strategy import AntichainPipelineStrategy, register
-from .trace import OpGraph, UntraceableModelError, trace
+from .lightning.strategy import AntichainPipelineStrategy, register
+from .planner.antichain import StateSpace, build_state_space, enumerate_down_sets
+from .planner.cost_graph import CostGraphError, load_cost_graph, save_cost_graph
+from .planner.partition import CostModel, DeviceSpec, InfeasiblePlanError, partition, plan_from_balance
+from .planner.profiler import profile
+from .runtime.batch_dims import BatchDependenceError, check_micro_batchable
+from .runtime.pipeline import Pipeline
+from .runtime.plan import Plan, Stage
+from .runtime.split import PlanMismatchError
 
 __version__ = "0.1.0"
 

@@ -17,9 +17,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .graph import load_cost_graph, save_cost_graph
-from .partition import METHODS, InfeasiblePlanError
-from .trace import UntraceableModelError
+from .capture import UntraceableModelError
+from .planner.cost_graph import load_cost_graph, save_cost_graph
+from .planner.partition import METHODS, InfeasiblePlanError
+from .runtime.options import PipelineOptions
+
+DEFAULTS = PipelineOptions()
+"""The settings the strategy starts from; the command line starts from the same."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,21 +62,24 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--stages", type=int, required=True, help="number of pipeline stages (devices)")
     plan.add_argument("--input-shape", type=_shape, help="shape of one sample, e.g. 3,32,32")
     plan.add_argument("--batch-size", type=int, default=32, help="samples per training step")
-    plan.add_argument("--chunks", type=_chunks, default=1,
-                      help='micro-batches per step (default 1), or "auto" for the count with the best predicted step')
+    plan.add_argument("--chunks", type=_chunks, default=DEFAULTS.chunks,
+                      help='micro-batches per step, or "auto" (the default, as in the strategy) for the count with '
+                           "the best predicted step")
     plan.add_argument("--device", default="cpu", help="device to profile on: cpu or cuda:N")
     plan.add_argument("--bandwidth", type=float,
                       help="link between stages in GB/s (default: 16 between GPUs, free between CPU devices)")
     plan.add_argument("--memory", type=float,
                       help="memory per device in GB (default: 90%% of each GPU's, unlimited on CPU)")
-    plan.add_argument("--optimizer-multiplier", type=float, default=2.0, help="optimizer state per parameter byte")
+    plan.add_argument("--optimizer-multiplier", type=float, default=DEFAULTS.optimizer_multiplier,
+                      help="optimizer state per parameter byte (default 2, as for Adam)")
     plan.add_argument("--model-kwargs", type=_json_object, default={}, help="JSON keyword arguments for MODEL")
-    plan.add_argument("--method", choices=METHODS, default="antichain", help="planner (baselines for comparison)")
+    plan.add_argument("--method", choices=METHODS, default=DEFAULTS.method, help="planner (baselines for comparison)")
     plan.add_argument(
         "--fallback",
         choices=["children", "none"],
         default="children",
-        help="what to do when torch.fx cannot trace the model",
+        help="what to do when no frontend captures the model: plan its top-level children for a look (the default "
+        "here; the strategy, which must run the plan, refuses instead), or refuse",
     )
     plan.add_argument("--load-profile", help="plan from a saved cost graph instead of profiling")
     plan.add_argument("--profile-cache", help="directory of cached profiles (default ~/.cache/lightning-antichain)")
@@ -183,16 +190,13 @@ def load_model_factory(path: str) -> Callable[..., Any]:
 def _plan(args: argparse.Namespace) -> int:
     import torch
 
-    from .planning import plan_model
+    from .planner.planning import plan_model
 
     auto = args.chunks == "auto"
     if args.stages < 1 or (not auto and args.chunks < 1) or args.batch_size < 1:
         raise ValueError("--stages, --chunks and --batch-size must be at least 1")
     if not auto and args.batch_size < args.chunks:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than --chunks {args.chunks}")
-    if auto and args.load_profile:
-        raise ValueError("--chunks auto profiles the model at each candidate micro-batch size; it cannot plan "
-                         "from --load-profile. Give --chunks as a number.")
     _check_device(args.device)
     _check_paths(args)
     micro_batch = args.batch_size if auto else -(-args.batch_size // args.chunks)
@@ -203,17 +207,16 @@ def _plan(args: argparse.Namespace) -> int:
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--load-profile {args.load_profile} is not a cost graph saved by --save-profile: "
                              f"{type(exc).__name__}: {exc}") from None
+        if auto:
+            raise ValueError("--chunks auto (the default) profiles the model at each candidate micro-batch size; it "
+                             "cannot plan from --load-profile. Give --chunks as a number.")
         model, example = None, None
     else:
         if args.input_shape is None:
             raise ValueError("--input-shape is required unless --load-profile is given")
         model = _build_model(args.model, args.model_kwargs)
         example = torch.randn(micro_batch, *args.input_shape)
-    planned = plan_model(
-        model,
-        (example,),
-        {},
-        _stage_devices(args.device, args.stages),
+    options = PipelineOptions(
         chunks=args.chunks,
         method=args.method,
         bandwidth_gbps=args.bandwidth,
@@ -224,16 +227,16 @@ def _plan(args: argparse.Namespace) -> int:
         use_profile_cache=not args.no_profile_cache,
         calibrate=not args.no_calibrate,
         progress=not args.quiet,
-        name=args.model,
-        cost=cost,
     )
+    planned = plan_model(model, (example,), {}, _stage_devices(args.device, args.stages), options, name=args.model,
+                         cost=cost)
     plan = planned.plan
     if args.save_profile:
         save_cost_graph(planned.cost, args.save_profile)
     if args.output:
         plan.save(args.output)
     if args.plot:
-        from .plot import plot_plan
+        from .planner.plot import plot_plan
 
         plot_plan(plan, args.plot)
     print(plan.to_json() if args.json else plan.table())

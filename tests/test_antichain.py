@@ -9,7 +9,7 @@ import torchvision
 from conftest import random_cost_graph
 
 import lightning_antichain as la
-from lightning_antichain.antichain import build_state_space, compress_branch_chains, enumerate_down_sets
+from lightning_antichain.planner.antichain import build_state_space, compress_branch_chains, enumerate_down_sets
 
 
 def graph_of(edges, nodes=()):

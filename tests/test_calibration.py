@@ -9,8 +9,9 @@ from models import LongSkip, SequentialCNN
 from torch import nn
 
 import lightning_antichain as la
-from lightning_antichain import calibration, planning, schedule
-from lightning_antichain.schedule import Task, gpipe
+from lightning_antichain.planner import calibration, planning
+from lightning_antichain.runtime import schedule
+from lightning_antichain.runtime.schedule import Task, gpipe
 
 
 def _timed_by_stage(timed, stages):

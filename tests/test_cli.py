@@ -30,6 +30,8 @@ def test_issue_command_prints_the_plan_as_json(tmp_path):
         "3,32,32",
         "--batch-size",
         "32",
+        "--chunks",
+        "4",
         "--json",
         "--output",
         str(output),
@@ -66,7 +68,8 @@ def test_table_and_saved_profile(tmp_path):
     )
     assert "stage" in first.stdout and "bottleneck" in first.stdout
     again = run_cli(
-        "plan", "torchvision.models.squeezenet1_0", "--stages", "3", "--load-profile", str(profile), "--json"
+        "plan", "torchvision.models.squeezenet1_0", "--stages", "3", "--chunks", "2", "--load-profile", str(profile),
+        "--json"
     )
     assert len(json.loads(again.stdout)["stages"]) == 3
     assert again.stderr == ""  # no profiling the second time
@@ -183,7 +186,8 @@ def test_the_cli_and_the_library_take_one_planning_path_with_the_same_defaults(t
     import torch
     import torchvision
 
-    from lightning_antichain import load_cost_graph, planning
+    from lightning_antichain import load_cost_graph
+    from lightning_antichain.planner import planning
 
     profile = tmp_path / "cost.json"
     run_cli("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32", "--batch-size", "8",
@@ -206,3 +210,24 @@ def test_the_cli_and_the_library_take_one_planning_path_with_the_same_defaults(t
     again = planning.plan_model(model, (torch.randn(2, 3, 32, 32),), {}, ["cpu", "cpu"], chunks=4,
                                 profile_cache=cache, progress=False)
     assert again.cached_from is not None and again.cached_from.parent == cache
+
+
+def test_the_cli_starts_from_the_strategys_defaults():
+    import lightning_antichain as la
+    from lightning_antichain.cli import _parser
+    from lightning_antichain.runtime.options import PipelineOptions
+
+    parsed = _parser().parse_args(["plan", "torch.nn.Linear", "--stages", "2"])
+    strategy = la.AntichainPipelineStrategy()
+    assert strategy.options == PipelineOptions()
+    for name in ("chunks", "method", "optimizer_multiplier"):
+        assert getattr(parsed, name) == getattr(strategy.options, name), name
+    assert parsed.no_calibrate is not strategy.options.calibrate
+    assert parsed.no_profile_cache is not strategy.options.use_profile_cache
+    # and by default it weighs the micro-batch counts, as the strategy does
+    result = run_cli("plan", "torchvision.models.squeezenet1_0", "--model-kwargs", '{"num_classes": 10}', "--stages",
+                     "2", "--input-shape", "3,32,32", "--batch-size", "4", "--quiet", "--json", "--no-profile-cache",
+                     "--no-calibrate")
+    plan = json.loads(result.stdout)
+    assert [c["chunks"] for c in plan["candidates"]] == [1, 2, 4]
+    assert plan["chunks"] in (1, 2, 4)

@@ -4,7 +4,9 @@ import doctest
 
 import pytest
 
-from lightning_antichain import antichain, graph, schedule
+from lightning_antichain.planner import antichain
+from lightning_antichain.planner import cost_graph as graph
+from lightning_antichain.runtime import schedule
 
 
 @pytest.mark.parametrize("module", [antichain, graph, schedule])

@@ -8,6 +8,7 @@ backward ran through the previous stage's graph); the long residual stream cross
 from __future__ import annotations
 
 import torch
+from pipelined import assert_pipelined
 from zoo import NanoGPT
 
 import lightning_antichain as la
@@ -36,6 +37,7 @@ def test_every_two_stage_cut_of_a_gpt_matches_the_plain_module():
         with la.Pipeline(model, plan, chunks=3, graph=graph) as pipe:
             output = pipe(tokens)
             (output * weights).sum().backward()
+            assert_pipelined(pipe)
         assert (output - expected).abs().max().item() <= 1e-12 * expected.abs().max().item(), f"cut after {first}"
         for n, p in model.named_parameters():
             floor = max(reference[n].abs().max().item(), 1e-6 * scale)
@@ -77,6 +79,7 @@ def test_every_cut_before_an_in_place_op_behind_an_alias_matches_the_plain_modul
         with la.Pipeline(model, plan, chunks=3, graph=graph) as pipe:
             output = pipe(x)
             output.sum().backward()
+            assert_pipelined(pipe)
         torch.testing.assert_close(output, expected, rtol=1e-12, atol=0, msg=f"cut after {first}")
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, reference[n], rtol=1e-12, atol=1e-15, msg=f"cut after {first}: {n}")

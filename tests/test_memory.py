@@ -7,7 +7,7 @@ from lit_models import loader, trainer
 from torch import nn
 
 import lightning_antichain as la
-from lightning_antichain.memory import optimizer_multiplier, optimizer_state_bytes
+from lightning_antichain.planner.optimizer_memory import optimizer_multiplier, optimizer_state_bytes
 
 
 class Wide(L.LightningModule):

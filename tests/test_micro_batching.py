@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_antichain as la
 from lightning_antichain.capture import capture
-from lightning_antichain.microbatch import MicroBatchError
+from lightning_antichain.runtime.microbatch import MicroBatchError
 
 
 class Net(nn.Module):

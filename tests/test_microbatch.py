@@ -5,7 +5,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from lightning_antichain import microbatch
+from lightning_antichain.runtime import microbatch
 
 Pair = namedtuple("Pair", "left right")
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lit_models import trainer
+from pipelined import assert_pipelined
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -117,6 +118,7 @@ def test_dropout_is_on_in_training_and_off_in_evaluation_in_any_order(sanity, or
         else:
             getattr(t, stage)(model, _data("dropout", seed=2), verbose=False)
     _check(model, list(order))
+    assert_pipelined(t)
 
 
 @pytest.mark.parametrize("sanity", [0, 2])
@@ -127,6 +129,7 @@ def test_a_training_branch_runs_in_training_only(sanity):
     t.fit(model, _data("branch"), _data("branch", seed=1))
     t.test(model, _data("branch", seed=2), verbose=False)
     _check(model, ["fit", "test"])
+    assert_pipelined(t)
     assert t.strategy.plan.frontend == "fx"
 
 
@@ -144,6 +147,7 @@ def test_exported_batchnorm_trains_its_statistics_as_plain_training_does(sanity)
     trainer(devices=1, max_steps=4, num_sanity_val_steps=sanity, limit_val_batches=2,
             val_check_interval=2).fit(plain, _data("batchnorm"), _data("batchnorm", seed=1))
     _check(model, ["fit"])
+    assert_pipelined(t)
     for (name, ours), theirs in zip(model.state_dict().items(), plain.state_dict().values()):
         torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-12, msg=name)
     assert int(model.net[1].num_batches_tracked) == 4
@@ -199,6 +203,7 @@ def test_hugging_face_gpt2_with_dropout_validates_in_eval_mode(sanity):
     assert len(model.checks) == sanity + 2 * 2
     for pipelined, reference in model.checks:
         assert pipelined == pytest.approx(reference, rel=1e-9)
+    assert_pipelined(t)
 
 
 def test_hugging_face_gpt2_with_dropout_trains_alike_with_and_without_recomputation():
@@ -209,7 +214,9 @@ def test_hugging_face_gpt2_with_dropout_trains_alike_with_and_without_recomputat
         model = GPT2Module(dropout=0.1).double()
         strategy = la.AntichainPipelineStrategy(chunks=2, checkpoint=checkpoint, use_profile_cache=False,
                                                 calibrate=False)
-        trainer(strategy=strategy, devices=2, max_steps=4, num_sanity_val_steps=0).fit(model, _tokens())
+        t = trainer(strategy=strategy, devices=2, max_steps=4, num_sanity_val_steps=0)
+        t.fit(model, _tokens())
+        assert_pipelined(t)
         runs[checkpoint] = model.losses
     assert len(runs["never"]) == 4
     torch.testing.assert_close(torch.tensor(runs["always"]), torch.tensor(runs["never"]), rtol=1e-12, atol=0)

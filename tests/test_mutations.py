@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import lightning_antichain as la
-from lightning_antichain.antichain import build_state_space
 from lightning_antichain.capture import capture
-from lightning_antichain.graph import normalize_cost_graph
-from lightning_antichain.partition import CostModel, DeviceSpec, _make_plan, evaluate_stages
+from lightning_antichain.planner.antichain import build_state_space
+from lightning_antichain.planner.cost_graph import normalize_cost_graph
+from lightning_antichain.planner.partition import CostModel, DeviceSpec, _make_plan, evaluate_stages
 
 
 class ReluInPlace(nn.Module):

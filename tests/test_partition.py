@@ -10,7 +10,7 @@ from conftest import random_cost_graph
 from test_antichain import brute_force_down_sets
 
 import lightning_antichain as la
-from lightning_antichain.partition import METHODS
+from lightning_antichain.planner.partition import METHODS
 
 
 def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunks=1, opt=2.0):

@@ -1,11 +1,13 @@
 """The pipeline runtime against the plain module: float64 parity of outputs and every gradient."""
 
 import threading
+from collections import Counter
 
 import pytest
 import torch
 import torchvision
 from models import FAIL, DictInTupleOut, Explosive, InceptionBlock, LongSkip, SequentialCNN
+from pipelined import assert_pipelined
 from torch import nn
 
 import lightning_antichain as la
@@ -327,7 +329,7 @@ def test_tied_parameters_shared_by_first_and_last_stage(stages):
 
 
 def test_a_task_that_raises_reaches_the_caller_and_leaves_its_worker_serving():
-    from lightning_antichain.worker import WorkerPool
+    from lightning_antichain.runtime.worker import WorkerPool
 
     pool = WorkerPool(2, name="raising")
     ran = []
@@ -342,3 +344,25 @@ def test_a_task_that_raises_reaches_the_caller_and_leaves_its_worker_serving():
         assert sorted(ran) == [1, 2, 3]
     finally:
         pool.shutdown()
+
+
+def test_the_evidence_of_a_pipelined_run_counts_each_stage_on_its_own_worker():
+    torch.manual_seed(0)
+    model = LongSkip().double()
+    x = torch.randn(8, 12, dtype=torch.float64)
+    cost = la.profile(model, x[:2], repeats=1, warmup=0, progress=False)
+    with la.Pipeline(model, la.partition(cost, 3, chunks=4), chunks=4) as pipe:
+        assert not pipe.tasks_run
+        pipe(x).sum().backward()  # the first call also checks the batch, with a forward of its own
+        first = assert_pipelined(pipe)
+        pipe(x).sum().backward()
+        tasks = assert_pipelined(pipe, since=first)
+    # 4 forwards and 4 backwards per stage, each stage always on the same worker, one worker per stage
+    assert sorted(tasks.values()) == [8, 8, 8]
+    assert len({thread for _, thread in tasks}) == 3
+    with pytest.raises(AssertionError, match="did not run"):
+        assert_pipelined(Counter({(0, 1): 8}))  # what a plain module would leave: no stage tasks at all
+    with pytest.raises(AssertionError, match="thread"):
+        assert_pipelined(Counter({(0, 1): 8, (1, 1): 8}))
+    with pytest.raises(AssertionError, match="calling thread"):
+        assert_pipelined(Counter({(0, 1): 8, (1, threading.get_ident()): 8}))

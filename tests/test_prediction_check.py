@@ -11,9 +11,9 @@ from lit_models import TinyClassifier, loader, trainer
 from models import LongSkip
 
 import lightning_antichain as la
-from lightning_antichain import planning
-from lightning_antichain.prediction_check import PredictionCheck, span_s
-from lightning_antichain.schedule import Timed
+from lightning_antichain.planner import planning
+from lightning_antichain.planner.prediction_check import PredictionCheck, span_s
+from lightning_antichain.runtime.schedule import Timed
 
 
 def _plan(tmp_path, span_s=0.1):

@@ -15,7 +15,7 @@ from lit_models import TinyClassifier, loader, trainer
 from torch import nn
 
 import lightning_antichain as la
-from lightning_antichain import profile_cache
+from lightning_antichain.planner import cache as profile_cache
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +58,8 @@ def test_with_no_writable_directory_at_all_planning_runs_without_a_cache(tmp_pat
 _WRITER = textwrap.dedent("""
     import sys, warnings
     from pathlib import Path
-    from lightning_antichain import profile_cache
-    from lightning_antichain.graph import load_cost_graph
+    from lightning_antichain.planner import cache as profile_cache
+    from lightning_antichain.planner.cost_graph import load_cost_graph
     directory, source, rounds = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     graph = load_cost_graph(source)
     errors = damaged = 0

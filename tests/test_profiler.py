@@ -99,7 +99,7 @@ def test_plan_json_round_trip_and_table(resnet_cost, tmp_path):
 
 def test_cost_graph_rejects_other_json():
     with pytest.raises(la.CostGraphError):
-        la.graph.cost_graph_from_dict({"format": "something else"})
+        la.planner.cost_graph.cost_graph_from_dict({"format": "something else"})
 
 
 def test_the_cost_graph_keeps_the_given_model_name():

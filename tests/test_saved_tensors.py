@@ -7,7 +7,7 @@ from zoo import ZOO
 
 import lightning_antichain as la
 from lightning_antichain.capture import capture_call
-from lightning_antichain.saved_tensors import HeldMemory
+from lightning_antichain.runtime.saved_tensors import HeldMemory
 
 MODES = ["never", "except_last", "always"]
 

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 from lit_models import TinyClassifier, loader, trainer
+from pipelined import assert_pipelined
 from torch import nn
 
 import lightning_antichain as la
@@ -40,6 +41,7 @@ def test_losses_and_accuracy_match_plain_training(plain_run, devices):
     torch.testing.assert_close(torch.tensor(model.losses), torch.tensor(losses), rtol=1e-5, atol=0)
     assert t.callback_metrics["val_acc"].item() == accuracy
     assert t.strategy.plan.num_stages == devices
+    assert {stage for stage, _ in assert_pipelined(t)} == set(range(devices))
 
 
 def test_registered_name_and_trainer_flags():
@@ -127,9 +129,10 @@ def test_optimization_features_match_plain(make, flags):
     for strategy_arg, devices in [("auto", 1), (strategy(), 3)]:
         torch.manual_seed(0)
         model = make()
-        fit(model, strategy_arg, devices, max_steps=8, limit_val_batches=0, **flags)
+        t = fit(model, strategy_arg, devices, max_steps=8, limit_val_batches=0, **flags)
         runs.append(model.losses)
     torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=1e-5, atol=0)
+    assert_pipelined(t)
 
 
 def test_bf16_mixed_on_cpu_trains_like_plain_bf16():
@@ -137,9 +140,10 @@ def test_bf16_mixed_on_cpu_trains_like_plain_bf16():
     for strategy_arg, devices in [("auto", 1), (strategy(), 2)]:
         torch.manual_seed(0)
         model = TinyClassifier()
-        fit(model, strategy_arg, devices, max_steps=10, limit_val_batches=0, precision="bf16-mixed")
+        t = fit(model, strategy_arg, devices, max_steps=10, limit_val_batches=0, precision="bf16-mixed")
         runs.append(torch.tensor(model.losses))
     torch.testing.assert_close(runs[1], runs[0], rtol=2e-2, atol=1e-2)
+    assert_pipelined(t)
     assert runs[1][-1] < runs[1][0]
 
 
@@ -150,8 +154,9 @@ def test_bf16_mixed_with_recomputation_trains_as_without_it(checkpoint):
     for mode in ("never", checkpoint):
         torch.manual_seed(0)
         model = TinyClassifier()
-        fit(model, strategy(checkpoint=mode, calibrate=False), 2, max_steps=6, limit_val_batches=0,
-            precision="bf16-mixed")
+        t = fit(model, strategy(checkpoint=mode, calibrate=False), 2, max_steps=6, limit_val_batches=0,
+                precision="bf16-mixed")
+        assert_pipelined(t)
         runs.append(torch.tensor(model.losses))
     assert len(runs[1]) == 6
     torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
@@ -306,9 +311,10 @@ def test_positional_and_keyword_arguments_together():
     for strategy_arg, devices in [("auto", 1), (strategy(), 2)]:
         torch.manual_seed(0)
         model = MixedArguments()
-        fit(model, strategy_arg, devices, max_steps=3, limit_val_batches=0)
+        t = fit(model, strategy_arg, devices, max_steps=3, limit_val_batches=0)
         runs.append(torch.tensor(model.losses))
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=0)
+    assert_pipelined(t)
 
 
 def _drop_a_node(data):

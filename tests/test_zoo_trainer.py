@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from lit_models import trainer
+from pipelined import assert_pipelined
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from zoo import TransformerLM
@@ -88,5 +89,6 @@ def test_zoo_transformer_trains_like_plain_lightning(kind):
         losses, model, t = _losses(kind, devices)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-5, atol=0)
         assert t.strategy.plan.num_stages == devices
+        assert {stage for stage, _ in assert_pipelined(t)} == set(range(devices))
         # forward(*inputs) is beyond fx, so the ViT goes to export; nn.Transformer's mask check needs values
         assert t.strategy.plan.frontend == {"gpt2": "export", "vit": "export", "nn_transformer": "concrete"}[kind]

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .assignments import AssignmentError, assigned_paths, snapshot
+from .children import children_instead, trace_children
 from .concrete import SpecializationError, capture_concrete
 from .errors import FrontendRefused, UntraceableModelError, logging_call
 from .exported import capture_exported
@@ -35,10 +36,12 @@ from .signature import SignatureMismatchError, original_forward
 from .symbolic import call_specialization, capture_symbolic, constant_arguments
 
 FRONTENDS = ("fx", "export", "concrete", "leaves")
+GRANULARITIES = ("ops", "children")
 NEEDS_EXAMPLE = ("export", "concrete")
 
 __all__ = [
     "FRONTENDS",
+    "GRANULARITIES",
     "AssignmentError",
     "OpGraph",
     "OpNode",
@@ -48,6 +51,8 @@ __all__ = [
     "UntraceableModelError",
     "capture",
     "capture_call",
+    "children_instead",
+    "trace",
 ]
 
 
@@ -69,10 +74,45 @@ def capture(
     ``progress`` reports each frontend tried on stderr. ``batch_dim`` (as for the Pipeline) is the
     dim torch.export keeps symbolic.
     """
-    from ..trace import split_inputs
+    from .signature import split_inputs
 
     call = None if example_inputs is None else split_inputs(example_inputs)
     return _capture(module, call, leaf_modules, frontends, progress, batch_dim)
+
+
+def trace(
+    module: nn.Module,
+    example_inputs: Any = None,
+    *,
+    granularity: str = "ops",
+    fallback: str | None = "children",
+    leaf_modules: Sequence[type | str] = (),
+    frontends: Sequence[str] = FRONTENDS,
+    batch_dim: int | Mapping[str, int] = 0,
+) -> OpGraph:
+    """Build the :class:`OpGraph` of ``module``.
+
+    ``granularity="ops"`` captures through the chain of ``frontends`` (export and concrete capture
+    need ``example_inputs``, one micro-batch). If no frontend succeeds and ``fallback="children"``,
+    the top-level children become the nodes, for planning only; with ``fallback=None`` an
+    :class:`UntraceableModelError` gives every frontend's reason. ``leaf_modules`` keeps the listed
+    module classes or dotted paths whole.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if fallback not in (None, "children"):
+        raise ValueError(f"fallback must be None or 'children', got {fallback!r}")
+    if granularity == "ops":
+        try:
+            return capture(module, example_inputs, leaf_modules=leaf_modules, frontends=frontends,
+                           batch_dim=batch_dim)
+        except UntraceableModelError as exc:
+            if fallback is None:
+                raise
+            return children_instead(module, example_inputs, exc)
+    if example_inputs is None:
+        raise ValueError("granularity='children' needs example_inputs to observe the data flow")
+    return trace_children(module, example_inputs)
 
 
 def capture_call(
@@ -146,7 +186,7 @@ def _capture_with(
     frontend: str, module: nn.Module, call: tuple[tuple, dict] | None, leaf_modules: Sequence[type | str],
     batch_dim: int | Mapping[str, int] = 0,
 ) -> OpGraph:
-    from ..trace import iter_tensors
+    from .pytrees import iter_tensors
 
     if frontend == "fx":
         before = snapshot(module)

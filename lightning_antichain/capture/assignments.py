@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ..microbatch import batch_dim_candidates
+from .batch_axis import batch_dim_candidates
 from .isolation import plain_attributes
 from .signature import original_forward
 

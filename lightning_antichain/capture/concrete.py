@@ -23,9 +23,10 @@ from torch import nn
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..runtime.device import rng_forked
 from .assignments import Assignment, assignments_of, recording_assignments
 from .errors import FrontendRefused, first_line, location_of, user_frame
-from .isolation import buffers_restored, rng_forked, side_effects_undone
+from .isolation import buffers_restored, side_effects_undone
 from .lifted import input_placeholder_names, rebuild_over_module
 from .signature import FlatSignature, original_forward, owner_name
 from .specialization import Specialization, input_key

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..runtime.device import same_device
+
 
 def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | None,
                      target: str | torch.device) -> fx.GraphModule:
@@ -20,13 +22,13 @@ def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | 
     if source is None:
         return graph_module
     source, target = torch.device(source), torch.device(target)
-    if _same(source, target):
+    if same_device(source, target):
         return graph_module
 
     swapped: list[bool] = []
 
     def swap(value: Any) -> Any:
-        if isinstance(value, torch.device) and _same(value, source):
+        if isinstance(value, torch.device) and same_device(value, source):
             swapped.append(True)
             return target
         return value
@@ -39,6 +41,3 @@ def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | 
         graph_module.recompile()
     return graph_module
 
-
-def _same(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index or 0) == (b.index or 0)

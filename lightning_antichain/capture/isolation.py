@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
+
+from ..runtime.device import rng_forked
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -106,23 +107,13 @@ def side_effects_undone(module: nn.Module) -> Iterator[None]:
                         b.copy_(buffers[name])
 
 
-@contextlib.contextmanager
-def rng_forked(example: Any) -> Iterator[None]:
-    """Random draws made inside this block do not advance the user's generators."""
-    devices = sorted({t.device.index or 0 for t in pytree.tree_leaves(example)
-                      if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        yield
-
-
 def keeps_random_state(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` with its random draws (the profiler's random gradients, calibration's dropout) not
     advancing the caller's generators: the CPU one and those of CUDA devices already in use."""
 
     @functools.wraps(fn)
     def kept(*args: P.args, **kwargs: P.kwargs) -> R:
-        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=devices):
+        with rng_forked():
             return fn(*args, **kwargs)
 
     return kept

@@ -18,6 +18,15 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """Lightning's ``example_input_array`` convention: tuple = positional, dict = keyword, else one arg."""
+    if isinstance(example_inputs, tuple):
+        return example_inputs, {}
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    return (example_inputs,), {}
+
+
 class SignatureMismatchError(TypeError):
     """A call does not have the structure of the call the graph was captured from."""
 

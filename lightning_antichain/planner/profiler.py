@@ -1,10 +1,10 @@
 """Measure what each operation costs on the device it will run on.
 
-For every node of an :class:`~lightning_antichain.trace.OpGraph` the profiler replays the node alone
+For every node of an :class:`~lightning_antichain.capture.OpGraph` the profiler replays the node alone
 on the concrete inputs it received in a real forward pass, and records the median forward time,
 the median backward time, the bytes of its output and of the parameters it owns, and the storages
-its backward keeps (:mod:`lightning_antichain.saved_tensors`). Timing is
-synchronised on CUDA. The result is a cost graph (see :mod:`lightning_antichain.graph`) that can be
+its backward keeps (:mod:`lightning_antichain.runtime.saved_tensors`). Timing is
+synchronised on CUDA. The result is a cost graph (see :mod:`lightning_antichain.planner.cost_graph`) that can be
 saved and planned again without profiling.
 """
 
@@ -21,16 +21,19 @@ import networkx as nx
 import torch
 from torch import nn
 
+from ..capture import OpGraph, RecordedCall, trace
+from ..capture.devices import retarget_devices
+from ..capture.isolation import keeps_random_state
+from ..capture.pytrees import iter_tensors, map_tensors
+from ..capture.signature import split_inputs
+from ..runtime.batch_dims import batch_size_of
+from ..runtime.device import device_name, shares_host, synchronize
+from ..runtime.microbatch import MicroBatchError
+from ..runtime.saved_tensors import saved_per_call, state_storages
+from ..runtime.worker import WorkerPool, share_malloc_arena
 from . import overhead
-from .batch_dims import batch_size_of
-from .capture.devices import retarget_devices
-from .capture.isolation import keeps_random_state
-from .graph import GRAPH_FORMAT
-from .microbatch import MicroBatchError
+from .cost_graph import GRAPH_FORMAT
 from .progress import Progress
-from .saved_tensors import saved_per_call, state_storages
-from .trace import OpGraph, RecordedCall, iter_tensors, map_tensors, split_inputs, trace
-from .worker import WorkerPool, share_malloc_arena
 
 
 @keeps_random_state
@@ -70,7 +73,7 @@ def profile(
     against one, at this micro-batch size, since small micro-batches contend for the interpreter
     lock and large ones for memory bandwidth); and,
     unless ``runtime_overhead=False``, the runtime's own cost per task and per step on ``device``
-    (:func:`lightning_antichain.overhead.runtime_overhead`, measured once per machine).
+    (:func:`lightning_antichain.planner.overhead.runtime_overhead`, measured once per machine).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -102,7 +105,7 @@ def profile(
             reporter.step()
     reporter.close()
     capacity, scale = None, 1.0
-    if device.type == "cpu":
+    if shares_host(device):
         call_args, call_kwargs = (replay.bind(args, kwargs), {}) if graph.graph_module is not None else (args, kwargs)
         capacity, whole_s = _parallel_capacity(
             [_training_step(work_module, *map_tensors(torch.Tensor.clone, (tuple(call_args), call_kwargs)))
@@ -147,7 +150,7 @@ def profile(
         format=GRAPH_FORMAT,
         model=name or type(module).__name__,
         device=str(device),
-        device_name=_device_name(device),
+        device_name=device_name(device),
         micro_batch_size=_micro_batch_size(module, args, kwargs, batch_dim),
         granularity=graph.granularity,
         frontend=graph.frontend if graph.granularity == "ops" else "children",
@@ -224,15 +227,13 @@ class _Timer:
     """Wall-clock seconds of a callable, synchronising the device around it."""
 
     def __init__(self, device: torch.device) -> None:
-        self.sync: Callable[[], None] = (
-            (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        )
+        self.device = device
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        self.sync()
+        synchronize(self.device)
         start = time.perf_counter()
         result = fn()
-        self.sync()
+        synchronize(self.device)
         return time.perf_counter() - start, result
 
 
@@ -308,9 +309,3 @@ def _micro_batch_size(module: nn.Module, args: tuple, kwargs: dict, batch_dim: i
         return batch_size_of(module, args, kwargs, batch_dim)
     except MicroBatchError:
         return None
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return device.type

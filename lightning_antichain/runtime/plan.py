@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .device import shares_host
 from .schedule import Task, Timed, make_schedule, stage_durations, timeline
 
 PLAN_FORMAT = "lightning-antichain/plan/1"
@@ -88,7 +89,7 @@ class Plan:
     ``bottleneck_s`` is the slowest stage's time per micro-batch; ``lower_bound_s`` is
     ``max(total compute / total device speed, slowest single operation)``, which no split can beat;
     ``predicted_step_s`` is one step of ``chunks`` micro-batches under ``schedule`` (see
-    :mod:`lightning_antichain.schedule`), fill and drain included, with what the runtime adds: each
+    :mod:`lightning_antichain.runtime.schedule`), fill and drain included, with what the runtime adds: each
     task's ``task_overhead_s``, each step's ``step_overhead_s`` and ``optimizer_step_s``, and, for
     CPU stages that run at once, the slowdown that the profile's ``parallel_capacity`` (two at once
     against one alone) implies on a machine of ``cpu_cores`` cores. ``compression`` says what the
@@ -98,7 +99,7 @@ class Plan:
     ``chunks="auto"`` for batches of ``batch_size``, every micro-batch count weighed, with its
     predicted step and peak stage memory. ``calibration`` holds what a few steps of this plan
     measured in the runtime, when its stage times and parallel capacity were taken from them
-    (:mod:`lightning_antichain.calibration`), with the profiled values they replaced.
+    (:mod:`lightning_antichain.planner.calibration`), with the profiled values they replaced.
     """
 
     stages: list[Stage]
@@ -269,7 +270,7 @@ class Plan:
             make_schedule(self.schedule, self.num_stages, self.chunks),
             duration,
             capacity=self.capacity(),
-            shared=[s.device.startswith("cpu") for s in self.stages],
+            shared=[shares_host(s.device) for s in self.stages],
         )
 
     def capacity(self) -> list[float]:

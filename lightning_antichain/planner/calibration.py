@@ -27,16 +27,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import microbatch
-from .batch_dims import call_dims
-from .capture.isolation import attributes_restored, side_effects_undone
-from .capture.opgraph import OpGraph
-from .plan import Plan, recomputed_micro_batches
+from ..capture.isolation import attributes_restored, side_effects_undone
+from ..capture.opgraph import OpGraph
+from ..capture.pytrees import iter_tensors
+from ..runtime import microbatch
+from ..runtime.batch_dims import call_dims
+from ..runtime.device import shares_host
+from ..runtime.plan import Plan, recomputed_micro_batches
+from ..runtime.schedule import Task, Timed
+from .cache import write_measurement
 from .prediction_check import span_s
-from .profile_cache import write_measurement
 from .progress import Progress
-from .schedule import Task, Timed
-from .trace import iter_tensors
 
 CALIBRATION_FORMAT = 3
 """Bumped whenever what a calibration measures changes, so older cached ones are measured again."""
@@ -48,7 +49,7 @@ class Calibration:
     nothing else runs; the work two CPU stages get through at once in units of one alone, read from
     the overlap of the pipelined steps (``None`` where they never overlapped); the median
     pipelined step measured (forward and backward, no optimizer); and the median span of its tasks
-    (:func:`~lightning_antichain.prediction_check.span_s`), which training steps are checked against."""
+    (:func:`~lightning_antichain.planner.prediction_check.span_s`), which training steps are checked against."""
 
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
@@ -60,7 +61,7 @@ class Calibration:
 
 def applies_to(plan: Plan, graph: OpGraph | None) -> bool:
     """Whether calibration can help ``plan``: two or more stages sharing the CPU, and a graph to run."""
-    cpu_stages = sum(s.device.startswith("cpu") for s in plan.stages)
+    cpu_stages = sum(shares_host(s.device) for s in plan.stages)
     return graph is not None and graph.granularity == "ops" and cpu_stages >= 2 and cpu_stages == plan.num_stages
 
 
@@ -82,13 +83,13 @@ def calibrate(
     micro-batch at a time in turn, and read its tasks' times: one round to warm up, then as many as
     fill ``seconds`` (at least ``steps``, at most ``max_steps``), so that a passing slowdown of a
     shared machine is outvoted by the median."""
-    from .pipeline import Pipeline
+    from ..runtime.pipeline import Pipeline
 
     call_args, call_kwargs, dims = call_dims(module, args, kwargs, batch_dim)
     micro_batches = microbatch.scatter((call_args, call_kwargs), plan.chunks, dims)
     count = len(micro_batches)
     recomputed = recomputed_micro_batches(checkpoint, count)
-    shared = [s.device.startswith("cpu") for s in plan.stages]
+    shared = [shares_host(s.device) for s in plan.stages]
     options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False}
     rounds: list[tuple[float, list[dict[Task, float]], list[list[Timed]]]] = []
     with untouched(module), Pipeline(module, plan, chunks=plan.chunks, checkpoint=checkpoint, **options) as piped, \

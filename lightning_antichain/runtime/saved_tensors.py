@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture.opgraph import identity
-from .trace import iter_tensors, map_tensors
+from ..capture.opgraph import identity
+from ..capture.pytrees import iter_tensors, map_tensors
 
 
 def storage_of(tensor: torch.Tensor) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,18 +34,18 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
+from typing_extensions import override
 
-from .batch_dims import batch_size_of, check_batch_dim, first_micro_batch, refuse_per_sample_lists
-from .capture import OpGraph
-from .capture.signature import FlatSignature, original_forward
-from .memory import optimizer_multiplier
-from .pipeline import Pipeline
-from .plan import CHECKPOINT_MODES, Plan, check_chunks
-from .planning import AUTO, plan_model
-from .prediction_check import PredictionCheck
-from .profile_cache import default_cache_dir
+from ..capture import OpGraph
+from ..capture.pytrees import map_tensors
+from ..capture.signature import FlatSignature, original_forward, split_inputs
+from ..planner.planning import AUTO, plan_model
+from ..planner.prediction_check import PredictionCheck
+from ..runtime.batch_dims import batch_size_of, first_micro_batch, refuse_per_sample_lists
+from ..runtime.options import PipelineOptions
+from ..runtime.pipeline import Pipeline
+from ..runtime.plan import Plan
 from .replicas import average_gradients
-from .trace import map_tensors, split_inputs
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
     Args:
         chunks: micro-batches per batch. A batch must have at least this many samples (a shorter
             last batch of an epoch runs with fewer micro-batches). ``"auto"`` profiles each count
-            of :func:`~lightning_antichain.planning.chunk_candidates` at its micro-batch size on the
+            of :func:`~lightning_antichain.planner.planning.chunk_candidates` at its micro-batch size on the
             first batch and takes the one with the shortest predicted step that fits in memory
             (under ``checkpoint``); the plan table lists them all.
         checkpoint: activation recomputation, ``"never"``, ``"except_last"`` or ``"always"``.
@@ -75,7 +76,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         profile_cache: directory of cached profiles; default ``~/.cache/lightning-antichain``.
         use_profile_cache: read and write that cache.
         calibrate: time a few steps of a plan whose stages share the CPU and predict from them
-            (:mod:`lightning_antichain.calibration`); seconds once, then cached with the profiles.
+            (:mod:`lightning_antichain.planner.calibration`); seconds once, then cached with the profiles.
         log_stage_times: log each stage's measured busy time of the previous step
             (``pipeline/stage{k}_busy_ms``) from ``training_step``.
         stages: devices per pipeline. Default: all of a node's devices, one pipeline per node. With
@@ -117,33 +118,18 @@ class AntichainPipelineStrategy(ParallelStrategy):
         check_batch: bool = True,
     ) -> None:
         super().__init__()
-        self.batch_dim = check_batch_dim(batch_dim)
-        self.check_batch = check_batch
-        chunks = check_chunks(chunks, auto=True)
-        if balance is not None and (
-            not balance or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance)
-        ):
-            raise ValueError(
-                f"balance lists how many operations each stage runs: one positive whole number per stage, got "
-                f"{balance!r}. Leave it out to let the planner choose."
-            )
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
         if plan is not None and balance is not None:
             raise ValueError("give either plan= or balance=, not both")
-        self.chunks = chunks
-        self.checkpoint = checkpoint
+        #: the planning and runtime settings, handed as one object to the planner and the Pipeline
+        self.options = PipelineOptions(
+            chunks=chunks, checkpoint=checkpoint, batch_dim=batch_dim, check_batch=check_batch,
+            leaf_modules=tuple(leaf_modules or ()), deferred_batch_norm=deferred_batch_norm,
+            balance=None if balance is None else tuple(balance), bandwidth_gbps=bandwidth_gbps, memory_gb=memory_gb,
+            optimizer_multiplier=optimizer_multiplier, profile_cache=Path(profile_cache) if profile_cache else None,
+            use_profile_cache=use_profile_cache, calibrate=calibrate,
+        )
         self.module_path = module
         self.plan_path = plan
-        self.balance = list(balance) if balance is not None else None
-        self.bandwidth_gbps = bandwidth_gbps
-        self.memory_gb = memory_gb
-        self.optimizer_multiplier = optimizer_multiplier
-        self.deferred_batch_norm = deferred_batch_norm
-        self.leaf_modules = list(leaf_modules or [])
-        self.profile_cache = Path(profile_cache) if profile_cache else default_cache_dir()
-        self.use_profile_cache = use_profile_cache
-        self.calibrate = calibrate
         self.log_stage_times = log_stage_times
         if stages is not None and stages < 1:
             raise ValueError(f"stages must be at least 1, got {stages}")
@@ -162,6 +148,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._checked_lists = False
         self._in_training_step = False
         self._installed: nn.Module | None = None
+        self._tasks_before: Counter[tuple[int, int]] = Counter()
 
     # -- one process, several devices ----------------------------------------------------------
 
@@ -169,6 +156,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def pipeline(self) -> Pipeline | None:
         """The running pipeline (after the first forward or setup), for inspection."""
         return self._pipeline
+
+    @property
+    def tasks_run(self) -> Counter[tuple[int, int]]:
+        """Micro-batch tasks this strategy's pipelines ran, by stage and worker thread (see
+        :attr:`Pipeline.tasks_run`), over every ``fit``/``validate``/``test``/``predict`` so far."""
+        current = self._pipeline.tasks_run if self._pipeline is not None else Counter()
+        return self._tasks_before + current
 
     @property
     def stages_per_replica(self) -> int:
@@ -193,26 +187,32 @@ class AntichainPipelineStrategy(ParallelStrategy):
         return list(self.parallel_devices[first : first + self.stages_per_replica])
 
     @property
+    @override
     def root_device(self) -> torch.device:
         return self.stage_devices[0]
 
     @property
+    @override
     def global_rank(self) -> int:
         return self.cluster_environment.global_rank() if self.is_distributed and self.cluster_environment else 0
 
     @property
+    @override
     def local_rank(self) -> int:
         return self.cluster_environment.local_rank() if self.is_distributed and self.cluster_environment else 0
 
     @property
+    @override
     def node_rank(self) -> int:
         return self.cluster_environment.node_rank() if self.is_distributed and self.cluster_environment else 0
 
     @property
+    @override
     def world_size(self) -> int:
         return self.num_nodes * self.num_processes
 
     @property
+    @override
     def is_global_zero(self) -> bool:
         return self.global_rank == 0
 
@@ -227,9 +227,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._num_nodes = num_nodes
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    @override
     def _configure_launcher(self) -> None:
         if not self.is_distributed:
             return  # one pipeline: Lightning runs in this process
@@ -245,15 +247,18 @@ class AntichainPipelineStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.world_size)
             rank_zero_only.rank = self.global_rank
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized():
             torch.distributed.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
@@ -261,6 +266,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         torch.distributed.broadcast_object_list(box, src)
         return box[0]
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Average the gradients of the replicas after the closure's backward, before the step."""
         if not (self.is_distributed and _distributed_is_initialized()):
@@ -276,6 +282,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     # -- setup ---------------------------------------------------------------------------------
 
+    @override
     def setup_environment(self) -> None:
         if not self.parallel_devices:
             raise ValueError("AntichainPipelineStrategy got no devices from the Trainer")
@@ -298,17 +305,19 @@ class AntichainPipelineStrategy(ParallelStrategy):
         super().setup_environment()
 
     def _requested_stages(self) -> int | None:
-        if self.balance is not None:
-            return len(self.balance)
+        if self.options.balance is not None:
+            return len(self.options.balance)
         if self.plan_path is not None:
             self.plan = Plan.load(self.plan_path)
             return self.plan.num_stages
         return None
 
+    @override
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
         self.lightning_module.to(self.root_device)
 
+    @override
     def setup(self, trainer: Any) -> None:
         # Strategy.setup, without moving all optimizer state onto the root device.
         assert self.accelerator is not None and self.model is not None
@@ -365,15 +374,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._pipeline = Pipeline(
             target,
             self.plan,
-            graph=graph,
-            chunks=self.plan.chunks,
-            checkpoint=self.checkpoint,
+            self.options.replace(chunks=self.plan.chunks, check_batch=self.options.check_batch and graph is None),
+            graph=graph,  # the graph planning captured and checked, if it is of this module
             devices=devices,
             output_device=self.root_device,
-            leaf_modules=self.leaf_modules,
-            deferred_batch_norm=self.deferred_batch_norm,
-            batch_dim=self.batch_dim,
-            check_batch=self.check_batch and graph is None,  # planning checked it already
         )
         self._optimizer_state_to_parameters()
 
@@ -383,31 +387,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
             positional, keywords = example
             if keywords and positional:  # keyword form: name the positional arguments too
                 positional, keywords = FlatSignature.canonical(original_forward(target), positional, keywords)
-            planned = plan_model(
-                target, positional, keywords, devices,
-                chunks=self.chunks,
-                checkpoint=self.checkpoint,
-                optimizers=self.optimizers,
-                balance=self.balance,
-                batch_dim=self.batch_dim,
-                check_batch=self.check_batch,
-                leaf_modules=self.leaf_modules,
-                bandwidth_gbps=self.bandwidth_gbps,
-                memory_gb=self.memory_gb,
-                optimizer_multiplier=self._optimizer_multiplier(),
-                profile_cache=self.profile_cache,
-                use_profile_cache=self.use_profile_cache,
-                calibrate=self.calibrate,
-            )
+            planned = plan_model(target, positional, keywords, devices, self.options, optimizers=self.optimizers)
         self._graph = planned.graph
         if planned.cached_from is not None:
             rank_zero_info(f"lightning-antichain: using the cached profile {planned.cached_from}")
         return planned.plan
-
-    def _optimizer_multiplier(self) -> float:
-        if self.optimizer_multiplier is not None:
-            return self.optimizer_multiplier
-        return optimizer_multiplier(self.optimizers) if self.optimizers else 2.0
 
     def _optimizer_state_to_parameters(self) -> None:
         """Optimizer state lives with its parameter: Lightning's default would move it all to the root."""
@@ -436,29 +420,30 @@ class AntichainPipelineStrategy(ParallelStrategy):
             self._installed = None
 
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.check_batch and not self._checked_lists:
+        if self.options.check_batch and not self._checked_lists:
             self._checked_lists = True
-            refuse_per_sample_lists(self._target(), args, kwargs, self.batch_dim)
+            refuse_per_sample_lists(self._target(), args, kwargs, self.options.batch_dim)
         if self._in_training_step and not self._checked_batch:
             self._checked_batch = True
-            size = batch_size_of(self._target(), args, kwargs, self.batch_dim)
+            size = batch_size_of(self._target(), args, kwargs, self.options.batch_dim)
             if size == 0:
                 raise ValueError(
                     "the first training batch is empty (0 samples). Check the DataLoader: the dataset's length, "
                     "its sampler, and drop_last."
                 )
-            if size is not None and self.chunks != AUTO and size < self.chunks:
+            if size is not None and self.options.chunks != AUTO and size < self.options.chunks:
                 raise ValueError(
-                    f"chunks={self.chunks} is larger than the batch of {size} samples; lower chunks or raise "
+                    f"chunks={self.options.chunks} is larger than the batch of {size} samples; lower chunks or raise "
                     "the batch size (a shorter last batch of an epoch is fine)"
                 )
             if size is not None:
                 self._plan_for_batch(size)
         if self._pipeline is None:
-            if self.chunks == AUTO:
+            if self.options.chunks == AUTO:
                 self._build(args, kwargs)  # a whole batch: auto weighs how to split it
             else:
-                self._build(*first_micro_batch(self._target(), args, kwargs, self.chunks, self.batch_dim))
+                self._build(*first_micro_batch(self._target(), args, kwargs, self.options.chunks,
+                                               self.options.batch_dim))
         assert self._pipeline is not None
         self._calls += 1
         return self._pipeline(*args, **kwargs)
@@ -472,10 +457,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
         """
         if self.plan is None or self.plan_path is not None or self._pipeline is None:
             return
-        if self.chunks == AUTO:
+        if self.options.chunks == AUTO:
             planned, wanted, what = self.plan.batch_size, size, "batches"
         else:
-            planned, wanted, what = self.plan.micro_batch_size, -(-size // self.chunks), "micro-batches"
+            planned, wanted, what = self.plan.micro_batch_size, -(-size // self.options.chunks), "micro-batches"
         if planned in (None, wanted):
             return
         rank_zero_info(
@@ -485,6 +470,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._pipeline.close()
         self._pipeline, self.plan, self._graph, self._prediction_check = None, None, None, None
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self.log_stage_times and self._pipeline is not None and any(self._pipeline.last_busy_s):
             for k, busy in enumerate(self._pipeline.last_busy_s):  # the previous step's, backward included
@@ -514,14 +500,17 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The original keys, as CPU tensors: loadable with any device count, or without the strategy."""
         state = super().lightning_module_state_dict()
         return type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return map_tensors(lambda t: t.detach().cpu(), super().optimizer_state(optimizer))
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         # torch puts each state tensor on its parameter's device; Lightning's default would then
         # move all of it to the root device.
@@ -529,27 +518,31 @@ class AntichainPipelineStrategy(ParallelStrategy):
             optimizer.load_state_dict(state)
         self._optimizer_state_to_parameters()
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.plan is not None:
             checkpoint[CHECKPOINT_KEY] = {
                 "chunks": self.plan.chunks,
-                "requested_chunks": self.chunks,
+                "requested_chunks": self.options.chunks,
                 "devices": [str(d) for d in self.parallel_devices or []],
                 "replicas": self.world_size,
                 "plan": self.plan.to_dict(),
             }
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
+    @override
     def teardown(self) -> None:
         self._uninstall()
         if self._pipeline is not None:
             self._pipeline.close()
+            self._tasks_before += self._pipeline.tasks_run
             self._pipeline = None  # modules go back to the CPU below; the plan is kept for the next run
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, torch.device("cpu"))
         super().teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name,

@@ -15,7 +15,8 @@ import dataclasses
 import functools
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +25,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..capture import NEEDS_EXAMPLE, OpGraph, UntraceableModelError, capture, capture_call
+from ..capture.assignments import Output, assign
+from ..capture.batch_axis import batch_dim_candidates
+from ..capture.isolation import own_forward, side_effects_undone, training_flags, training_flags_set
+from ..capture.pytrees import flatten, iter_tensors, unflatten
 from . import microbatch
 from .batch_dims import (
-    check_batch_dim,
     check_per_sample,
     first_micro_batch,
     grown_by_one,
@@ -34,24 +39,21 @@ from .batch_dims import (
     refuse_per_sample_lists,
 )
 from .batchnorm import deferred_batch_norm
-from .capture import NEEDS_EXAMPLE, UntraceableModelError, capture, capture_call
-from .capture.assignments import Output, assign
-from .capture.isolation import own_forward, side_effects_undone, training_flags, training_flags_set
+from .device import shares_host
 from .engine import PassState, run_backward, run_forward
-from .plan import CHECKPOINT_MODES, Plan, check_chunks, recomputed_micro_batches
+from .options import PipelineOptions
+from .plan import Plan, recomputed_micro_batches
 from .projection import project_plan
-from .pytrees import flatten, unflatten
 from .randomness import step_seed
 from .saved_tensors import HeldMemory, state_storages
 from .schedule import Task, Timed, make_schedule
 from .split import PlanMismatchError, StageModule, place_stages, split_stages
-from .trace import OpGraph, iter_tensors
 from .worker import WorkerPool, share_malloc_arena
 
 
 class Pipeline(nn.Module):
     """Run ``module`` as the stages of ``plan``, ``chunks`` micro-batches at a time (``"auto"``:
-    as many as the plan was made for, which :func:`~lightning_antichain.planning.plan_model` with
+    as many as the plan was made for, which :func:`~lightning_antichain.planner.planning.plan_model` with
     ``chunks="auto"`` chooses).
 
     ``graph`` is the captured graph the plan was made for (see :func:`lightning_antichain.capture`):
@@ -63,7 +65,7 @@ class Pipeline(nn.Module):
     on ``output_device`` (default: the device of the first input tensor, else the first stage's).
     A batch with fewer samples than ``chunks`` runs as that many micro-batches of one sample.
     On the first call it checks that ``forward`` treats each sample on its own
-    (:func:`lightning_antichain.batch_dims.check_per_sample`), as the strategy does before
+    (:func:`lightning_antichain.runtime.batch_dims.check_per_sample`), as the strategy does before
     profiling; ``check_batch=False`` skips that where the dependence is meant (a mixture of experts
     with a capacity per batch). With stages on several devices and a ``graph`` from torch.export or
     concrete capture, call :func:`lightning_antichain.check_micro_batchable` on the module before
@@ -71,7 +73,7 @@ class Pipeline(nn.Module):
     from the whole batch instead of once per micro-batch (normalisation itself always uses
     micro-batch statistics).
     ``share_cpu_allocator`` lets worker threads share glibc's main malloc arena when a stage runs
-    on CPU (see :func:`lightning_antichain.worker.share_malloc_arena` for why). ``batch_dim`` is
+    on CPU (see :func:`lightning_antichain.runtime.worker.share_malloc_arena` for why). ``batch_dim`` is
     the dim of the inputs that holds the samples, as DataParallel's ``dim`` (1 for a sequence-first
     ``nn.GRU``), or a dict by ``forward``'s argument names for inputs that differ (others: 0). Each
     output is joined on the dim that follows the micro-batch sizes (``batch_dim`` where several do).
@@ -84,27 +86,26 @@ class Pipeline(nn.Module):
         self,
         module: nn.Module,
         plan: Plan,
-        chunks: int | str = "auto",
-        checkpoint: str = "never",
+        options: PipelineOptions | None = None,
+        *,
         devices: Sequence[str | torch.device] | None = None,
         output_device: str | torch.device | None = None,
-        leaf_modules: Sequence[type | str] = (),
-        deferred_batch_norm: bool = False,
-        share_cpu_allocator: bool = True,
         graph: OpGraph | None = None,
-        batch_dim: int | Mapping[str, int] = 0,
-        check_batch: bool = True,
-        measure_activations: bool = False,
+        **settings: Any,
     ) -> None:
         super().__init__()
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        chunks = plan.chunks if chunks == "auto" else check_chunks(chunks)
+        options = (options or PipelineOptions()).replace(**settings)
+        self.options = options
+        chunks, checkpoint, batch_dim = options.chunks, options.checkpoint, options.batch_dim
+        check_batch, leaf_modules = options.check_batch, options.leaf_modules
+        deferred_batch_norm, share_cpu_allocator = options.deferred_batch_norm, options.share_cpu_allocator
+        measure_activations = options.measure_activations
+        chunks = plan.chunks if chunks == "auto" else chunks
         if graph is not None and graph.module is not module:
             raise ValueError("graph= was captured from another module than the one given to Pipeline")
         self.module = module
         self.plan = plan
-        self.batch_dim = check_batch_dim(batch_dim)
+        self.batch_dim = batch_dim
         self.check_batch = check_batch
         _warn_if_sequence_first(module, self.batch_dim)
         self.chunks = chunks
@@ -120,7 +121,7 @@ class Pipeline(nn.Module):
         self._runnables: dict[Hashable, _Runnable] = {}
         self._run: _Runnable | None = None  # the one the last call ran
         self._reference: OpGraph | None = None  # a capture with the plan's own operations
-        if share_cpu_allocator and any(d.type == "cpu" for d in self._devices):
+        if share_cpu_allocator and any(shares_host(d) for d in self._devices):
             share_malloc_arena()
         self._pool = WorkerPool(plan.num_stages)
         #: seconds each stage worked in the last training step (forward and backward; on CUDA the
@@ -129,7 +130,7 @@ class Pipeline(nn.Module):
         #: the tasks each stage ran in the last training step, in the order it ran them
         self.last_ran: list[list[Task]] = []
         #: the same tasks with when each ran (seconds from the start of the step's forward pass), to
-        #: set beside the plan's predicted :meth:`~lightning_antichain.plan.Plan.timeline`
+        #: set beside the plan's predicted :meth:`~lightning_antichain.runtime.plan.Plan.timeline`
         self.last_timed: list[list[Timed]] = []
         self.measure_activations = measure_activations
         self._held: list[HeldMemory] | None = None
@@ -171,6 +172,12 @@ class Pipeline(nn.Module):
     @property
     def devices(self) -> list[torch.device]:
         return list(self._devices)
+
+    @property
+    def tasks_run(self) -> Counter[tuple[int, int]]:
+        """Micro-batch tasks (a forward or a backward of one stage) run since the pipeline was made,
+        by stage and by the identity of the worker thread that ran them."""
+        return Counter(self._pool.tasks_run)
 
     @property
     def last_activation_bytes(self) -> list[int]:
@@ -300,7 +307,7 @@ class Pipeline(nn.Module):
     def _split(self, graph: OpGraph, call: tuple[tuple, dict] | None) -> tuple[Plan, list[StageModule]]:
         """The plan for ``graph`` and the stages cut by it: the Pipeline's plan where ``graph`` has
         its operations, else that plan projected onto ``graph``
-        (:func:`~lightning_antichain.projection.project_plan`)."""
+        (:func:`~lightning_antichain.runtime.projection.project_plan`)."""
         try:
             stages = split_stages(graph, self.plan, self._devices)
         except PlanMismatchError as mismatch:
@@ -423,7 +430,7 @@ class Pipeline(nn.Module):
             if not isinstance(value, torch.Tensor):
                 dims.append(None)
                 continue
-            candidates = microbatch.batch_dim_candidates([leaves[i] for leaves in micro_leaves], sizes)
+            candidates = batch_dim_candidates([leaves[i] for leaves in micro_leaves], sizes)
             if len(candidates) <= 1:
                 dims.append(candidates[0] if candidates else None)
                 continue
@@ -440,7 +447,7 @@ class Pipeline(nn.Module):
     def _assigned_dim(self, run: _Runnable, name: str, values: list[torch.Tensor], first: list[Any],
                       sizes: list[int | None]) -> int | None:
         """The batch dim of a per-sample value ``forward`` assigns to an attribute, as for outputs."""
-        candidates = microbatch.batch_dim_candidates(values, sizes)
+        candidates = batch_dim_candidates(values, sizes)
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         grew = self._grown_dims(values[0], self._grown_run(run, first)[1].get(name), candidates)

@@ -16,10 +16,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..capture import OpGraph
+from ..capture.isolation import attributes_restored, own_forward, side_effects_undone
+from ..capture.signature import FlatSignature, FxSignature, original_forward
 from . import microbatch
-from .capture.isolation import attributes_restored, own_forward, side_effects_undone
-from .capture.signature import FlatSignature, FxSignature, original_forward
-from .trace import OpGraph
 
 BatchDim = int | Mapping[str, int]
 

@@ -1,77 +1,22 @@
-"""Turn an ``nn.Module`` into a graph of operations that the planner can cost and cut.
+"""The planning-only view of a model no frontend captures: its top-level children as nodes.
 
-Two granularities exist:
-
-* ``"ops"``: the capture chain of :mod:`lightning_antichain.capture` (fx, then torch.export, then
-  concrete capture, then fx with blocks kept whole). Every operation is a node and tensors are the
-  edges: the fine cut points and exact data dependencies the method of the paper needs.
-* ``"children"``: a planning-only view for models no frontend captures. Each call of a top-level
-  child module is a node, in call order; edges follow the tensors handed from one child to the
-  next, found by running the model once. It can be planned and compared, not run as a pipeline.
+Each call of a top-level child module is a node, in call order; edges follow the tensors handed
+from one child to the next, found by running the model once with hooks. The graph can be planned
+and compared with others, not run as a pipeline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
-from .capture import FRONTENDS, OpGraph, OpNode, RecordedCall, UntraceableModelError, capture
-from .capture.opgraph import identity as _identity
-from .capture.signature import bind_placeholders
-from .pytrees import flatten, unflatten
-
-GRANULARITIES = ("ops", "children")
-
-__all__ = [
-    "GRANULARITIES",
-    "OpGraph",
-    "OpNode",
-    "RecordedCall",
-    "UntraceableModelError",
-    "bind_placeholders",
-    "iter_tensors",
-    "map_tensors",
-    "split_inputs",
-    "trace",
-]
-
-
-def trace(
-    module: nn.Module,
-    example_inputs: Any = None,
-    *,
-    granularity: str = "ops",
-    fallback: str | None = "children",
-    leaf_modules: Sequence[type | str] = (),
-    frontends: Sequence[str] = FRONTENDS,
-    batch_dim: int | Mapping[str, int] = 0,
-) -> OpGraph:
-    """Build the :class:`OpGraph` of ``module``.
-
-    ``granularity="ops"`` captures through the chain of ``frontends`` (export and concrete capture
-    need ``example_inputs``, one micro-batch). If no frontend succeeds and ``fallback="children"``,
-    the top-level children become the nodes, for planning only; with ``fallback=None`` an
-    :class:`UntraceableModelError` gives every frontend's reason. ``leaf_modules`` keeps the listed
-    module classes or dotted paths whole.
-    """
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
-    if fallback not in (None, "children"):
-        raise ValueError(f"fallback must be None or 'children', got {fallback!r}")
-    if granularity == "ops":
-        try:
-            return capture(module, example_inputs, leaf_modules=leaf_modules, frontends=frontends,
-                           batch_dim=batch_dim)
-        except UntraceableModelError as exc:
-            if fallback is None:
-                raise
-            return children_instead(module, example_inputs, exc)
-    if example_inputs is None:
-        raise ValueError("granularity='children' needs example_inputs to observe the data flow")
-    return _trace_children(module, example_inputs)
+from .errors import UntraceableModelError
+from .opgraph import OpGraph, OpNode, RecordedCall
+from .opgraph import identity as _identity
+from .pytrees import iter_tensors
+from .signature import split_inputs
 
 
 def children_instead(module: nn.Module, example_inputs: Any, refusal: UntraceableModelError) -> OpGraph:
@@ -80,19 +25,14 @@ def children_instead(module: nn.Module, example_inputs: Any, refusal: Untraceabl
         raise UntraceableModelError(
             f"{refusal}\nThe 'children' fallback needs example inputs to observe the data flow."
         ) from refusal
-    graph = _trace_children(module, example_inputs)
+    graph = trace_children(module, example_inputs)
     graph.note = "fell back to top-level children (planning only): no capture frontend succeeded"
     graph.refused = refusal.refused
     return graph
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``value`` with ``fn`` applied to every tensor inside it, containers and their types kept."""
-    leaves, spec = flatten(value)
-    return unflatten([fn(v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
 
-
-def _trace_children(module: nn.Module, example_inputs: Any) -> OpGraph:
+def trace_children(module: nn.Module, example_inputs: Any) -> OpGraph:
     if not any(True for _ in module.children()):
         raise UntraceableModelError(
             f"{type(module).__name__} has no child modules to fall back on; it cannot be pipelined."
@@ -162,17 +102,3 @@ def _observe_children(module: nn.Module, args: tuple, kwargs: dict) -> tuple[lis
         )
     outputs = tuple(dict.fromkeys(producer.get(id(t), records[-1].node.name) for t in iter_tensors(result)))
     return records, outputs or (records[-1].node.name,)
-
-
-def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
-    """Lightning's ``example_input_array`` convention: tuple = positional, dict = keyword, else one arg."""
-    if isinstance(example_inputs, tuple):
-        return example_inputs, {}
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    return (example_inputs,), {}
-
-
-def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside a nested value (tuples, lists, dicts, named tuples, dataclasses)."""
-    return (v for v in flatten(value)[0] if isinstance(v, torch.Tensor))

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..capture.batch_axis import batch_dim_candidates
+
 
 class MicroBatchError(ValueError):
     """The batch cannot be split as asked, or the outputs cannot be gathered."""
@@ -149,17 +151,3 @@ def output_batch_dim(chunks: Sequence[torch.Tensor], sizes: Sequence[int | None]
     if not candidates:
         return None
     return 0 if 0 in candidates else candidates[0]
-
-
-def batch_dim_candidates(chunks: Sequence[torch.Tensor], sizes: Sequence[int | None]) -> list[int]:
-    """The dims of an output whose size follows the micro-batch sizes while the others stay put.
-    More than one (a [3, 3] output of 3-sample micro-batches) means the sizes cannot tell."""
-    known = [(c, n) for c, n in zip(chunks, sizes) if n is not None]
-    first = chunks[0]
-    if not known:
-        return [0] if first.dim() > 0 else []
-    return [
-        d for d in range(first.dim())
-        if all(c.dim() == first.dim() and c.shape[d] == n for c, n in known)
-        and all(c.shape[:d] + c.shape[d + 1:] == first.shape[:d] + first.shape[d + 1:] for c in chunks)
-    ]

@@ -19,18 +19,22 @@ import networkx as nx
 import torch
 from torch import nn
 
-from . import calibration, microbatch
-from .batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
-from .capture import OpGraph, UntraceableModelError, capture_call
-from .capture.isolation import keeps_random_state, planned_in_training
-from .capture.signature import original_forward
-from .memory import device_memory_gb
+from ..capture import OpGraph, UntraceableModelError, capture_call, children_instead
+from ..capture.isolation import keeps_random_state, planned_in_training
+from ..capture.signature import original_forward
+from ..runtime import microbatch
+from ..runtime.batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
+from ..runtime.device import is_accelerator
+from ..runtime.device import memory_gb as device_memory_gb
+from ..runtime.options import PipelineOptions
+from ..runtime.plan import Plan
+from . import calibration
+from .cache import cache_file, default_cache_dir, load_cached, profile_key, store, usable_cache_dir
+from .optimizer_memory import UNKNOWN_OPTIMIZER_MULTIPLIER
+from .optimizer_memory import optimizer_multiplier as multiplier_of
 from .overhead import optimizer_step_s
 from .partition import InfeasiblePlanError, partition, plan_from_balance
-from .plan import Plan
-from .profile_cache import cache_file, default_cache_dir, load_cached, profile_key, store, usable_cache_dir
 from .profiler import profile
-from .trace import children_instead
 
 GPU_LINK_GBPS = 16.0
 """Bandwidth assumed between GPU stages when none is given: PCIe 4.0 x16 in one direction."""
@@ -49,7 +53,7 @@ class Planned:
 
 def default_bandwidth_gbps(devices: Sequence[torch.device]) -> float | None:
     """Bandwidth between stages: :data:`GPU_LINK_GBPS` where a stage is on a GPU, else free."""
-    return GPU_LINK_GBPS if any(d.type == "cuda" for d in devices) else None
+    return GPU_LINK_GBPS if any(is_accelerator(d) for d in devices) else None
 
 
 def default_memory_gb(devices: Sequence[torch.device]) -> list[float | None]:
@@ -87,30 +91,17 @@ def plan_model(
     args: tuple,
     kwargs: dict,
     devices: Sequence[str | torch.device],
+    options: PipelineOptions | None = None,
     *,
-    chunks: int | str,
-    checkpoint: str = "never",
-    balance: Sequence[int] | None = None,
-    method: str = "antichain",
-    batch_dim: int | Mapping[str, int] = 0,
-    check_batch: bool = True,
-    leaf_modules: Sequence[type | str] = (),
-    bandwidth_gbps: float | None = None,
-    memory_gb: float | Sequence[float | None] | None = None,
-    optimizer_multiplier: float = 2.0,
     optimizers: Sequence[torch.optim.Optimizer] = (),
-    fallback: str | None = None,
-    profile_cache: str | Path | None = None,
-    use_profile_cache: bool = True,
-    progress: bool = True,
     name: str | None = None,
     cost: nx.DiGraph | None = None,
-    calibrate: bool = True,
+    **settings: Any,
 ) -> Planned:
     """Plan ``module`` over ``devices`` (one stage each) for micro-batches like ``args, kwargs``.
 
     The module is captured on the micro-batch and checked (``check_batch``, see
-    :func:`~lightning_antichain.batch_dims.check_micro_batchable`); its profile is read from
+    :func:`~lightning_antichain.runtime.batch_dims.check_micro_batchable`); its profile is read from
     ``profile_cache`` (default ``~/.cache/lightning-antichain``) where a valid entry exists, else
     measured on ``devices[0]`` and stored. ``cost`` skips all that and plans a saved cost graph.
     ``balance`` fixes the operations per stage instead of planning. ``fallback="children"`` plans
@@ -120,7 +111,7 @@ def plan_model(
     copies of their parameters) so that the predicted step includes their ``step()``.
     Plans are made for training: a module entirely in eval mode is planned as in training mode,
     and left in its mode. ``calibrate`` runs a plan whose stages share the CPU for a few steps and takes its stage times
-    and parallel capacity from them (:mod:`~lightning_antichain.calibration`; cached with the
+    and parallel capacity from them (:mod:`~lightning_antichain.planner.calibration`; cached with the
     profiles), since per-op profiles mispredict CPU pipelines at small micro-batches.
 
     With ``chunks="auto"``, ``args, kwargs`` is a whole batch: each count of
@@ -128,6 +119,15 @@ def plan_model(
     the shortest predicted step whose stages fit ``memory_gb`` (under ``checkpoint``) is returned,
     listing every candidate in ``plan.candidates``.
     """
+    options = (options or PipelineOptions()).replace(**settings)
+    chunks, checkpoint, balance, method = options.chunks, options.checkpoint, options.balance, options.method
+    batch_dim, check_batch, leaf_modules = options.batch_dim, options.check_batch, options.leaf_modules
+    bandwidth_gbps, memory_gb, fallback = options.bandwidth_gbps, options.memory_gb, options.fallback
+    profile_cache, use_profile_cache = options.profile_cache, options.use_profile_cache
+    progress, calibrate = options.progress, options.calibrate
+    optimizer_multiplier = options.optimizer_multiplier
+    if optimizer_multiplier is None:
+        optimizer_multiplier = multiplier_of(optimizers) if optimizers else UNKNOWN_OPTIMIZER_MULTIPLIER
     devices = [torch.device(d) for d in devices]
     auto = chunks == AUTO
     if auto and (module is None or cost is not None):

@@ -41,7 +41,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .capture.opgraph import MethodCall
+from ..capture.opgraph import MethodCall
+from .device import default_generator, has_generator
 
 _local = threading.local()
 _swap_lock = threading.Lock()
@@ -235,7 +236,7 @@ class _OwnGenerators(TorchDispatchMode):
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if device not in self.generators:
-            if device.type not in ("cpu", "cuda"):
+            if not has_generator(device):
                 return None
             generator = torch.Generator(device)
             generator.manual_seed(seed_of(self.seed, device))
@@ -288,11 +289,7 @@ def _with_default_swapped(func: Any, args: tuple, kwargs: dict, generator: torch
                           device: torch.device) -> Any:
     """Run ``func`` with ``device``'s default generator in ``generator``'s state, and keep the state
     it leaves in ``generator``; the lock keeps other seeded operations off the default meanwhile."""
-    if device.type == "cuda":
-        default = torch.cuda.default_generators[device.index if device.index is not None
-                                                else torch.cuda.current_device()]
-    else:
-        default = torch.default_generator
+    default = default_generator(device)
     with _swap_lock:
         saved = default.get_state()
         default.set_state(generator.get_state())

@@ -38,13 +38,6 @@ def optimizer_multiplier(optimizers: Iterable[torch.optim.Optimizer]) -> float:
     return max(found)
 
 
-def device_memory_gb(device: torch.device, usable: float = 0.9) -> float | None:
-    """Usable memory of a CUDA device in GB (``usable`` of its total); ``None`` (unlimited) elsewhere."""
-    if device.type != "cuda":
-        return None
-    return usable * torch.cuda.get_device_properties(device).total_memory / 1e9
-
-
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.nn.Parameter]) -> int:
     """Bytes of the optimizer's per-parameter state tensors (those shaped like their parameter)."""
     total = 0

@@ -2,7 +2,7 @@
 
 Forward: the batch is split into micro-batches; stage k's worker takes micro-batch m from stage
 k-1 as soon as it is ready, so all stages work at once. Each worker runs its stage's tasks in the
-order the :class:`~lightning_antichain.schedule.Schedule` lists them (GPipe's fill-drain). Each stage
+order the :class:`~lightning_antichain.runtime.schedule.Schedule` lists them (GPipe's fill-drain). Each stage
 keeps the autograd graph of its own micro-batches, rooted at detached copies of its inputs.
 
 Backward: the gathered output is produced by one autograd Function. When the caller's loss is
@@ -11,7 +11,7 @@ worker runs its stage's backward for micro-batches M-1 .. 0 and passes the input
 upstream. PyTorch runs a CPU backward on the thread that calls it, so driving it from the stage's
 own worker is what lets the backward of different stages overlap.
 
-Nothing is left behind: the workers (:mod:`lightning_antichain.worker`) are stopped after a failed or
+Nothing is left behind: the workers (:mod:`lightning_antichain.runtime.worker`) are stopped after a failed or
 interrupted pass, and a stage that raises stops the pass; its exception reaches the caller with the
 stage and micro-batch named.
 """
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
+from .device import arrive, autocast_managers, autocast_settings, ship, use_device
 from .randomness import drawing
 from .saved_tensors import HeldMemory
 from .schedule import Schedule, Task, Timed, gpipe
 from .split import StageModule
-from .transfer import arrive, ship
 from .worker import WorkerPool
 
 
@@ -88,7 +88,7 @@ class PassState:
     started_at: float = 0.0
     #: per stage, the count of what it keeps for backward (``None``: not measured)
     held: Sequence[HeldMemory] | None = None
-    #: the seed random operations draw from (:mod:`lightning_antichain.randomness`; ``None``: none draw)
+    #: the seed random operations draw from (:mod:`lightning_antichain.runtime.randomness`; ``None``: none draw)
     seed: int | None = None
     #: the autocast settings of the forward, which a recomputed forward runs under again
     autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
@@ -119,27 +119,14 @@ class _ThreadContext:
     def __init__(self, grad: bool) -> None:
         self.grad = grad
         self.inference = torch.is_inference_mode_enabled()
-        self.autocast = [
-            (kind, torch.get_autocast_dtype(kind)) for kind in ("cpu", "cuda") if torch.is_autocast_enabled(kind)
-        ]
+        self.autocast = autocast_settings()
 
     def enter(self, device: torch.device) -> list[Any]:
-        managers: list[Any] = [torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad)]
-        if device.type == "cuda":
-            managers.append(torch.cuda.device(device))
-        managers += autocast_managers(self.autocast)
+        managers: list[Any] = [torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad),
+                               use_device(device), *autocast_managers(self.autocast)]
         for manager in managers:
             manager.__enter__()
         return managers
-
-
-def autocast_managers(settings: Sequence[tuple[str, torch.dtype]]) -> list[Any]:
-    """Context managers that enter the autocast ``settings`` (device kind, dtype) exactly, turning
-    off the kinds not listed (a recomputed forward runs inside backward, which is outside autocast
-    when Lightning runs it, and must see the forward's settings)."""
-    enabled = dict(settings)
-    return [torch.autocast(kind, dtype=enabled[kind]) if kind in enabled else torch.autocast(kind, enabled=False)
-            for kind in ("cpu", "cuda") if kind in enabled or torch.is_autocast_enabled(kind)]
 
 
 def _run_workers(
@@ -226,7 +213,7 @@ def run_forward(
     ``micro_batches[m]`` is the flattened first-stage input of micro-batch m (leaves and spec), and
     ``stage_sets[m]`` the stage modules it runs with. Each stage runs its forwards in the order of
     ``schedule`` (default: GPipe's). Random operations draw from ``seed`` (``state.seed`` when a
-    state is given; see :mod:`lightning_antichain.randomness`). With ``state`` given, autograd
+    state is given; see :mod:`lightning_antichain.runtime.randomness`). With ``state`` given, autograd
     graphs (or, for micro-batches below ``checkpoint_stop``, just the inputs to recompute them from)
     are kept in it for :func:`run_backward`, which follows the same schedule.
     """
@@ -282,6 +269,7 @@ def run_forward(
                 raise _StageFailed(_Failure(k, m, "forward", exc)) from exc
             if state is not None:
                 state.record(Task("forward", k, m), started)
+            pool.count_task(k)
             outbox.put((m, shipped, out_spec, event, out_flags))
 
     _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
@@ -385,6 +373,7 @@ def run_backward(
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, "backward", exc)) from exc
             state.record(Task("backward", k, m), started)
+            pool.count_task(k)
             outbox.put((m, shipped, event))
 
     _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), grad=False)

@@ -20,6 +20,7 @@ import os
 import queue
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable
 
 _STOP = object()
@@ -55,6 +56,13 @@ class WorkerPool:
         # reentrant: an interrupt that lands as ``with`` leaves ``run`` can leave the lock taken
         # (Python's ``with`` is not signal-safe there); the same thread's ``shutdown`` must still get it
         self._lock = threading.RLock()
+        #: tasks done, by (stage, identity of the thread that did it), since the pool was made: the
+        #: evidence that work really ran on the workers, spread over stages and threads
+        self.tasks_run: Counter[tuple[int, int]] = Counter()
+
+    def count_task(self, stage: int) -> None:
+        """Note that the calling thread finished one task of ``stage``."""
+        self.tasks_run[stage, threading.get_ident()] += 1
 
     def _start(self) -> None:
         self._inboxes = [queue.Queue() for _ in range(self.size)]

@@ -26,8 +26,10 @@ import networkx as nx
 import torch
 from torch import nn
 
-from .graph import cost_graph_from_dict, cost_graph_to_dict
-from .trace import OpGraph, iter_tensors
+from ..capture import OpGraph
+from ..capture.pytrees import iter_tensors
+from ..runtime.device import autocast_settings, device_name
+from .cost_graph import cost_graph_from_dict, cost_graph_to_dict
 
 # Bumped whenever what the profiler records changes, so older entries are profiled again.
 # 3: dependencies from in-place operations (``OpNode.after``) and the ``together`` groups.
@@ -53,8 +55,8 @@ def profile_key(graph: OpGraph, module: nn.Module, example: Any, device: torch.d
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
     for tensor in iter_tensors(example):
         digest.update(f"in:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    autocast = [str(torch.get_autocast_dtype(k)) for k in ("cpu", "cuda") if torch.is_autocast_enabled(k)]
+    name = device_name(device)
+    autocast = [str(dtype) for _, dtype in autocast_settings()]
     digest.update(f"{name}|{autocast}|{torch.__version__}".encode())
     return digest.hexdigest()[:32]
 

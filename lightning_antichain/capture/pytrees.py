@@ -10,8 +10,10 @@ their tensor fields are never passed across as one opaque object.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.utils._pytree as pytree
 
 _refused: set[type] = set()
@@ -25,6 +27,17 @@ def flatten(value: Any) -> tuple[list[Any], pytree.TreeSpec]:
 
 def unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
     return pytree.tree_unflatten(list(leaves), spec)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``value`` with ``fn`` applied to every tensor inside it, containers and their types kept."""
+    leaves, spec = flatten(value)
+    return unflatten([fn(v) if isinstance(v, torch.Tensor) else v for v in leaves], spec)
+
+
+def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside a nested value (tuples, lists, dicts, named tuples, dataclasses)."""
+    return (v for v in flatten(value)[0] if isinstance(v, torch.Tensor))
 
 
 def _register_dataclasses(value: Any) -> None:

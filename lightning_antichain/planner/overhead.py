@@ -13,17 +13,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import networkx as nx
 import torch
 from torch import nn
 
-from .profile_cache import default_cache_dir, write_measurement
+from ..capture import OpGraph, capture
+from ..runtime.device import device_name, synchronize
+from ..runtime.pipeline import Pipeline
+from .cache import default_cache_dir, write_measurement
+from .partition import partition
 
 OVERHEAD_FORMAT = 1
 
@@ -57,16 +61,11 @@ def runtime_overhead(device: str | torch.device = "cpu", cache_dir: Path | None 
 def measure_runtime_overhead(device: torch.device, repeats: int = 15, chunks: int = 8) -> RuntimeOverhead:
     """Fit ``step_s + 2 * chunks * task_s`` to a one-stage pipeline's extra time over plain training
     on the same micro-batches, at 1 and at ``chunks`` micro-batches."""
-    from .partition import partition
-    from .pipeline import Pipeline
-    from .profiler import profile
-
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, 8)).to(device)
     x = torch.randn(4 * chunks, 8, device=device)
-    cost = profile(module, x[:4], device, warmup=0, repeats=1, progress=False, runtime_overhead=False)
+    cost = _untimed_cost_graph(capture(module, x[:4]))
     pipes = {m: Pipeline(module, partition(cost, 1, chunks=m, devices=[str(device)]), chunks=m) for m in (1, chunks)}
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def plain(m: int) -> Callable[[], None]:
         return lambda: [module(part).sum().backward() for part in torch.tensor_split(x, m)]
@@ -78,10 +77,10 @@ def measure_runtime_overhead(device: torch.device, repeats: int = 15, chunks: in
     try:
         for i in range(repeats + 2):
             for name, run in variants.items():
-                sync()
+                synchronize(device)
                 start = time.perf_counter()
                 run()
-                sync()
+                synchronize(device)
                 if i >= 2:
                     times[name].append(time.perf_counter() - start)
     finally:
@@ -92,9 +91,18 @@ def measure_runtime_overhead(device: torch.device, repeats: int = 15, chunks: in
     return RuntimeOverhead(task_s=task_s, step_s=max(0.0, extra[1] - 2 * task_s))
 
 
+def _untimed_cost_graph(graph: OpGraph) -> nx.DiGraph:
+    """The cost graph of ``graph`` with every cost zero: enough to place it on one stage."""
+    cost = nx.DiGraph(outputs=list(graph.outputs))
+    for order, node in enumerate(graph.nodes):
+        cost.add_node(node.name, order=order, pinned=node.kind == "placeholder")
+        cost.add_edges_from((src, node.name) for src in (*node.inputs, *node.after))
+    return cost
+
+
 def _machine_key(device: torch.device) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    text = f"v{OVERHEAD_FORMAT}|{device.type}|{name}|{os.cpu_count()}|{torch.__version__}|{torch.get_num_threads()}"
+    text = (f"v{OVERHEAD_FORMAT}|{device.type}|{device_name(device)}|{os.cpu_count()}|{torch.__version__}"
+            f"|{torch.get_num_threads()}")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -138,19 +146,15 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
             fresh = type(optimizer)(groups)
         except Exception:  # noqa: BLE001 - an optimizer with its own constructor: not measured
             continue
-        gpus = {p.device for g in groups for p in g["params"] if p.device.type == "cuda"}
+        devices = {p.device for g in groups for p in g["params"]}
 
         times = []
         for _ in range(4):
-            _synchronize(gpus)
+            synchronize(devices)
             start = time.perf_counter()
             fresh.step()
-            _synchronize(gpus)
+            synchronize(devices)
             times.append(time.perf_counter() - start)
         total += statistics.median(times[1:]) * all_bytes / copied
     return total
 
-
-def _synchronize(gpus: set[torch.device]) -> None:
-    for gpu in gpus:
-        torch.cuda.synchronize(gpu)

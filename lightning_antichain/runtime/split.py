@@ -22,14 +22,14 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .capture.devices import retarget_devices
-from .capture.lifted import share_original_modules
-from .capture.mutations import is_in_place, may_alias
+from ..capture import OpGraph
+from ..capture.devices import retarget_devices
+from ..capture.lifted import share_original_modules
+from ..capture.mutations import is_in_place, may_alias
+from ..capture.pytrees import flatten, unflatten
+from .device import new_copy_stream
 from .plan import Plan
-from .pytrees import flatten, unflatten
 from .randomness import seed_random_nodes
-from .trace import OpGraph
-from .transfer import copy_stream_for
 
 
 class PlanMismatchError(ValueError):
@@ -48,7 +48,7 @@ class StageModule:
     mutated: frozenset[int] = frozenset()
     copy_stream: Any = None
     #: the operations that may draw random numbers, each drawing from its own generators
-    #: (:mod:`lightning_antichain.randomness`)
+    #: (:mod:`lightning_antichain.runtime.randomness`)
     random_nodes: tuple[str, ...] = ()
 
     def __call__(self, leaves: list[Any], spec: Any) -> tuple[list[Any], Any]:
@@ -221,7 +221,7 @@ def place_stages(stages: list[StageModule]) -> None:
             module.to(stage.device)
         for tensor in [*stage.parameters(), *stage.buffers()]:
             _move_in_place(tensor, stage.device)
-        stage.copy_stream = copy_stream_for(stage.device)
+        stage.copy_stream = new_copy_stream(stage.device)
 
 
 def _move_in_place(tensor: torch.Tensor, device: torch.device) -> None:

@@ -1,7 +1,7 @@
 """Cut a cost graph into pipeline stages.
 
 :func:`partition` with ``method="antichain"`` is the method of the paper: a dynamic program over the
-down-set states of :mod:`lightning_antichain.antichain` that minimises the bottleneck stage time,
+down-set states of :mod:`lightning_antichain.planner.antichain` that minimises the bottleneck stage time,
 where a stage costs its compute (forward + backward, divided by its device's speed) plus shipping
 its input and output cuts both ways over the link, subject to each device's memory. Devices that
 differ are matched to stages by the same program: its state counts how many devices of each kind
@@ -28,11 +28,12 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
+from ..runtime.options import PLANNING_METHODS
+from ..runtime.plan import CHECKPOINT_MODES, Plan, Stage
 from .antichain import DEFAULT_MAX_STATES, StateSpace, build_state_space
-from .graph import node_compute, normalize_cost_graph, ordered_nodes, total_compute
-from .plan import CHECKPOINT_MODES, Plan, Stage
+from .cost_graph import node_compute, normalize_cost_graph, ordered_nodes, total_compute
 
-METHODS = ("antichain", "uniform", "parameters", "blocks")
+METHODS = PLANNING_METHODS
 
 
 class InfeasiblePlanError(ValueError):

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .capture import OpGraph, OpNode
-from .capture.opgraph import AttrFetch
+from ..capture import OpGraph, OpNode
+from ..capture.opgraph import AttrFetch
 from .plan import Plan
 from .split import PlanMismatchError
 

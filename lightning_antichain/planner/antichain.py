@@ -27,7 +27,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from .graph import node_compute, normalize_cost_graph, ordered_nodes
+from .cost_graph import node_compute, normalize_cost_graph, ordered_nodes
 
 DEFAULT_MAX_STATES = 3000
 MAX_CHAIN_PIECES = 4

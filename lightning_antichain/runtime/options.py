@@ -1,0 +1,95 @@
+"""The settings of one pipeline, planning and running alike, in one checked object.
+
+The strategy and the CLI build a :class:`PipelineOptions` from what the user gave and hand the same
+object to the planner (:func:`~lightning_antichain.planner.planning.plan_model`) and to the
+:class:`~lightning_antichain.runtime.pipeline.Pipeline`, so a setting has one name, one default and
+one check, wherever it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .batch_dims import check_batch_dim
+from .plan import CHECKPOINT_MODES, check_chunks
+
+PLANNING_METHODS = ("antichain", "uniform", "parameters", "blocks")
+FALLBACKS = (None, "children")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """How to plan and run a pipeline.
+
+    Running: ``chunks`` micro-batches per batch (``"auto"``: the planner chooses; a Pipeline runs
+    its plan's count), ``checkpoint`` (activation recomputation: ``"never"``, ``"except_last"``,
+    ``"always"``), ``batch_dim`` (the inputs' dim that holds the samples, or a dict of them by
+    argument name), ``check_batch`` (refuse a forward whose samples depend on each other),
+    ``leaf_modules`` (kept whole by capture), ``deferred_batch_norm`` (update running statistics
+    once per batch), ``share_cpu_allocator`` (one malloc arena for CPU stages) and
+    ``measure_activations`` (count what each stage keeps for backward).
+
+    Planning: ``balance`` (operations per stage instead of planning), ``method`` (the antichain DP
+    or a baseline), ``bandwidth_gbps`` and ``memory_gb`` (``None``: from the devices),
+    ``optimizer_multiplier`` (optimizer state per parameter byte; ``None``: from the optimizers,
+    else 2), ``profile_cache`` and ``use_profile_cache``, ``calibrate`` (time a few steps of CPU
+    stages), ``fallback`` (``"children"`` plans a model no frontend captures, for a look only) and
+    ``progress`` (progress on stderr).
+    """
+
+    chunks: int | str = "auto"
+    checkpoint: str = "never"
+    batch_dim: int | Mapping[str, int] = 0
+    check_batch: bool = True
+    leaf_modules: tuple[type | str, ...] = ()
+    deferred_batch_norm: bool = False
+    share_cpu_allocator: bool = True
+    measure_activations: bool = False
+    balance: tuple[int, ...] | None = None
+    method: str = "antichain"
+    bandwidth_gbps: float | None = None
+    memory_gb: float | tuple[float | None, ...] | None = None
+    optimizer_multiplier: float | None = None
+    profile_cache: Path | None = None
+    use_profile_cache: bool = True
+    calibrate: bool = True
+    fallback: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_chunks(self.chunks, auto=True)
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
+        check_batch_dim(self.batch_dim)
+        if self.method not in PLANNING_METHODS:
+            raise ValueError(f"method must be one of {PLANNING_METHODS}, got {self.method!r}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be None or 'children', got {self.fallback!r}")
+        balance = self.balance
+        if balance is not None and (
+            isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence) or not balance
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance)
+        ):
+            raise ValueError(
+                f"balance lists how many operations each stage runs: one positive whole number per stage, got "
+                f"{balance!r}. Leave it out to let the planner choose."
+            )
+        # Sequences become tuples, so that options compare, hash and print by value.
+        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules or ()))
+        if balance is not None:
+            object.__setattr__(self, "balance", tuple(balance))
+        if isinstance(self.memory_gb, Sequence):
+            object.__setattr__(self, "memory_gb", tuple(self.memory_gb))
+        if self.profile_cache is not None:
+            object.__setattr__(self, "profile_cache", Path(self.profile_cache))
+
+    def replace(self, **changes: Any) -> PipelineOptions:
+        """These options with ``changes``, checked again; an unknown name is a clear error."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - fields)
+        if unknown:
+            raise TypeError(f"unknown pipeline option(s) {unknown}; the options are {sorted(fields)}")
+        return dataclasses.replace(self, **changes)
