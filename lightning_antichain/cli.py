@@ -197,6 +197,9 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("--stages, --chunks and --batch-size must be at least 1")
     if not auto and args.batch_size < args.chunks:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than --chunks {args.chunks}")
+    if auto and args.load_profile:
+        raise ValueError("--chunks auto (the default) profiles the model at each candidate micro-batch size; it "
+                         "cannot plan from --load-profile. Give --chunks as a number.")
     _check_device(args.device)
     _check_paths(args)
     micro_batch = args.batch_size if auto else -(-args.batch_size // args.chunks)
@@ -207,9 +210,6 @@ def _plan(args: argparse.Namespace) -> int:
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--load-profile {args.load_profile} is not a cost graph saved by --save-profile: "
                              f"{type(exc).__name__}: {exc}") from None
-        if auto:
-            raise ValueError("--chunks auto (the default) profiles the model at each candidate micro-batch size; it "
-                             "cannot plan from --load-profile. Give --chunks as a number.")
         model, example = None, None
     else:
         if args.input_shape is None:

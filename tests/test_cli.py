@@ -153,7 +153,7 @@ RESNET = ["torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32
         (["collections.OrderedDict", "--stages", "2", "--input-shape", "4"],
          "returned a OrderedDict, not a torch.nn.Module"),
         ([*RESNET, "--device", "gpu0"], "is not a device; use cpu or cuda:N"),
-        ([*RESNET, "--load-profile", "missing.json"], "--load-profile missing.json: no such file"),
+        ([*RESNET, "--chunks", "2", "--load-profile", "missing.json"], "--load-profile missing.json: no such file"),
         ([*RESNET[:-1], "--output", "no/such/dir/plan.json"], "--output no/such/dir/plan.json: the directory"),
         (["torchvision.models.resnet18", "--stages", "2", "--input-shape", "-3,32,32"], "dimensions must be positive"),
     ],
@@ -177,7 +177,7 @@ def test_a_gpu_device_without_a_gpu_is_one_line_and_status_2():
 def test_a_damaged_saved_profile_names_the_file(tmp_path):
     path = tmp_path / "cost.json"
     path.write_text('{"format": "lightning-antichain/cost-graph/1", "nodes": null}')
-    result = run_cli("plan", *RESNET, "--load-profile", str(path), check=False)
+    result = run_cli("plan", *RESNET, "--chunks", "2", "--load-profile", str(path), check=False)
     assert result.returncode == 2
     assert f"--load-profile {path} is not a cost graph saved by --save-profile" in result.stderr
 
