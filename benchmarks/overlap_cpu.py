@@ -5,7 +5,7 @@ model's forward and backward, against one. Planning then calibrates it on a few 
 (:mod:`lightning_antichain.planner.calibration`). This script measures the same quantity in the runtime,
 on other steps than the calibration's. For each chunk count it runs the planned 2-stage pipeline (tasks overlap), then
 the same micro-batches one at a time (no overlap), and reads each task's start and end from
-``Pipeline.last_timed``. With ``O`` the time both stages were busy, ``B`` the summed task time
+``Pipeline.last_step.timed``. With ``O`` the time both stages were busy, ``B`` the summed task time
 overlapped and ``A`` the summed task time alone, the work done during ``O`` is ``A - (B - 2 O)``,
 so the runtime's capacity is ``(A - B + 2 O) / O`` (2.0: no slowdown at all).
 
@@ -77,12 +77,12 @@ def main() -> None:
                 one_by_one = 0.0
                 for m in range(chunks):
                     single(x[m * micro:(m + 1) * micro]).square().mean().backward()
-                    one_by_one += task_seconds(single.last_timed)
+                    one_by_one += task_seconds(single.last_step.timed)
                 if step:
                     steps.append(elapsed)
-                    overlapped.append(task_seconds(pipe.last_timed))
+                    overlapped.append(task_seconds(pipe.last_step.timed))
                     alone.append(one_by_one)
-                    both.append(both_busy(pipe.last_timed))
+                    both.append(both_busy(pipe.last_step.timed))
         model.zero_grad(set_to_none=True)
         o, b, a = statistics.median(both), statistics.median(overlapped), statistics.median(alone)
         runtime_capacity = (a - b + 2 * o) / o if o > 0 else float("nan")

@@ -472,11 +472,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self.log_stage_times and self._pipeline is not None and any(self._pipeline.last_busy_s):
-            for k, busy in enumerate(self._pipeline.last_busy_s):  # the previous step's, backward included
+        step = self._pipeline.last_step if self._pipeline is not None else None
+        if self.log_stage_times and step is not None:
+            for k, busy in enumerate(step.busy_s):  # the previous step's, backward included
                 self.lightning_module.log(f"pipeline/stage{k}_busy_ms", 1e3 * busy, on_step=True, on_epoch=False)
-        if self._prediction_check is not None and self._pipeline is not None:
-            stale = self._prediction_check.observe(self._pipeline.last_timed)  # the previous step's
+        if self._prediction_check is not None and step is not None:
+            stale = self._prediction_check.observe(step.timed)  # the previous step's
             if stale:
                 rank_zero_warn(stale)
         calls = self._calls

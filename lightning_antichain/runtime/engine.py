@@ -70,6 +70,33 @@ class _Saved:
 
 
 @dataclass
+class StepRecord:
+    """What the stages did in one training step: each stage's tasks, forward then backward, in the
+    order it ran them, with when (seconds from the start of the forward pass)."""
+
+    timed: list[list[Timed]]
+    started_at: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def for_stages(cls, count: int) -> StepRecord:
+        return cls([[] for _ in range(count)])
+
+    def add(self, task: Task, started: float) -> None:
+        """Note that ``task`` ran from ``started`` (a ``time.perf_counter()`` reading) until now."""
+        self.timed[task.stage].append(Timed(task, started - self.started_at, time.perf_counter() - self.started_at))
+
+    @property
+    def ran(self) -> list[list[Task]]:
+        """The tasks each stage ran, in the order it ran them."""
+        return [[t.task for t in stage] for stage in self.timed]
+
+    @property
+    def busy_s(self) -> list[float]:
+        """Seconds each stage worked (on CUDA: the time to issue its work, not to run it)."""
+        return [sum(t.end - t.start for t in stage) for stage in self.timed]
+
+
+@dataclass
 class PassState:
     """Everything one forward pass leaves for its backward pass.
 
@@ -77,28 +104,16 @@ class PassState:
     unless the graph was captured again for a micro-batch of another shape.
     """
 
+    record: StepRecord
     saved: list[dict[int, _Saved]] = field(default_factory=list)  # per stage, by micro-batch
-    busy: list[float] = field(default_factory=list)  # seconds each stage worked, forward + backward
     stage_sets: list[Sequence[StageModule]] = field(default_factory=list)
     schedule: Schedule | None = None
-    #: the tasks each stage ran, in the order it ran them
-    ran: list[list[Task]] = field(default_factory=list)
-    #: the same tasks with when they ran, in seconds from the start of the forward pass
-    timed: list[list[Timed]] = field(default_factory=list)
-    started_at: float = 0.0
     #: per stage, the count of what it keeps for backward (``None``: not measured)
     held: Sequence[HeldMemory] | None = None
     #: the seed random operations draw from (:mod:`lightning_antichain.runtime.randomness`; ``None``: none draw)
     seed: int | None = None
     #: the autocast settings of the forward, which a recomputed forward runs under again
     autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
-
-    def record(self, task: Task, started: float) -> None:
-        """Note that ``task`` ran from ``started`` until now."""
-        now = time.perf_counter()
-        self.busy[task.stage] += now - started
-        self.ran[task.stage].append(task)
-        self.timed[task.stage].append(Timed(task, started - self.started_at, now - self.started_at))
 
     def counting(self, k: int) -> Any:
         """Count what stage ``k``'s autograd saves inside the block, when measuring."""
@@ -228,52 +243,60 @@ def run_forward(
         seed = state.seed
         state.autocast = _ThreadContext(True).autocast
         state.saved = [{} for _ in stages]
-        state.busy[:] = [0.0] * len(stages)
         state.stage_sets = stage_sets
         state.schedule = schedule
-        state.ran[:] = [[] for _ in stages]
-        state.timed[:] = [[] for _ in stages]
-        state.started_at = time.perf_counter()
 
-    def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
+    def forward(k: int, m: int, values: tuple, spec: Any, event: Any, flags: tuple) -> tuple:
         device = stages[k].device
         target = stages[k + 1].device if k + 1 < len(stages) else None
+        stage = stage_sets[m][k]
+        leaves = arrive(values, event, device, flags if state is not None else [False] * len(values))
+        if state is not None and m < checkpoint_stop:  # recomputed in backward: keep the inputs only
+            with torch.no_grad(), drawing(seed, m):
+                outputs, out_spec = stage(leaves, spec)
+            out_flags = _recompute_flags(stage, leaves, outputs)
+            state.saved[k][m] = _Saved(leaves, None, spec, state.count(k, leaves))
+        elif state is not None:
+            with state.counting(k), drawing(seed, m):
+                outputs, out_spec = stage(leaves, spec)
+            out_flags = tuple(_wants_grad(v) for v in outputs)
+            state.saved[k][m] = _Saved(leaves, tuple(outputs), spec, state.count(k, [*leaves, *outputs]))
+        else:
+            with drawing(seed, m):
+                outputs, out_spec = stage(leaves, spec)
+            out_flags = tuple(_wants_grad(v) for v in outputs)
+        shipped, event = ship(outputs, device, target or device, target and stages[k].copy_stream)
+        return shipped, out_spec, event, out_flags
+
+    body = _stage_loop("forward", schedule, pool, state.record if state is not None else None, forward)
+    _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
+    return _collect(last, len(micro_batches), width=2)
+
+
+def _stage_loop(phase: str, schedule: Schedule, pool: WorkerPool, record: StepRecord | None,
+                task: Callable[..., tuple]) -> Callable[[int, queue.Queue, queue.Queue, threading.Event], None]:
+    """A stage worker's loop for ``phase``: take each micro-batch's item from the inbox in the
+    schedule's order, run ``task(k, m, *item)`` on it, record it, and pass what it returns on.
+    A failing task stops the pass with the stage, micro-batch and phase named."""
+
+    def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
         arrived: dict[int, Any] = {}
-        for m in schedule.micro_batches(k, "forward"):
+        for m in schedule.micro_batches(k, phase):
             item = _next(m, inbox, arrived, abort)
             if item is ABORT:
                 outbox.put(ABORT)
                 return
-            m, values, spec, event, flags = item
-            stage = stage_sets[m][k]
             started = time.perf_counter()
             try:
-                leaves = arrive(values, event, device, flags if state is not None else [False] * len(values))
-                recompute = state is not None and m < checkpoint_stop
-                if recompute:
-                    with torch.no_grad(), drawing(seed, m):
-                        outputs, out_spec = stage(leaves, spec)
-                    out_flags = _recompute_flags(stage, leaves, outputs)
-                    state.saved[k][m] = _Saved(leaves, None, spec, state.count(k, leaves))
-                elif state is not None:
-                    with state.counting(k), drawing(seed, m):
-                        outputs, out_spec = stage(leaves, spec)
-                    out_flags = tuple(_wants_grad(v) for v in outputs)
-                    state.saved[k][m] = _Saved(leaves, tuple(outputs), spec, state.count(k, [*leaves, *outputs]))
-                else:
-                    with drawing(seed, m):
-                        outputs, out_spec = stage(leaves, spec)
-                    out_flags = tuple(_wants_grad(v) for v in outputs)
-                shipped, event = ship(outputs, device, target or device, target and stages[k].copy_stream)
+                result = task(k, m, *item[1:])
             except Exception as exc:
-                raise _StageFailed(_Failure(k, m, "forward", exc)) from exc
-            if state is not None:
-                state.record(Task("forward", k, m), started)
+                raise _StageFailed(_Failure(k, m, phase, exc)) from exc
+            if record is not None:
+                record.add(Task(phase, k, m), started)
             pool.count_task(k)
-            outbox.put((m, shipped, out_spec, event, out_flags))
+            outbox.put((m, *result))
 
-    _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
-    return _collect(last, len(micro_batches), width=2)
+    return body
 
 
 def _next(m: int, inbox: queue.Queue, arrived: dict[int, Any], abort: threading.Event) -> Any:
@@ -336,46 +359,29 @@ def run_backward(
     for m in schedule.micro_batches(len(stages) - 1, "backward"):
         first.put((m, output_grads[m], None))
 
-    def body(k: int, inbox: queue.Queue, outbox: queue.Queue, abort: threading.Event) -> None:
+    def backward(k: int, m: int, grads: tuple, event: Any) -> tuple:
         target = stages[k - 1].device if k > 0 else None
-        arrived: dict[int, Any] = {}
-        for m in schedule.micro_batches(k, "backward"):
-            item = _next(m, inbox, arrived, abort)
-            if item is ABORT:
-                outbox.put(ABORT)
-                return
-            m, grads, event = item
-            stage = state.stage_sets[m][k]
-            started = time.perf_counter()
-            try:
-                saved = state.saved[k][m]
-                inputs, outputs = saved.inputs, saved.outputs
-                restore = counted = None
-                if outputs is None:
-                    with state.counting(k):
-                        outputs, restore = _recompute(stage, saved, state, m)
-                    counted = state.count(k, outputs)
-                grads = arrive(grads, event, stage.device, [False] * len(grads))
-                pairs = [
-                    (o, g)
-                    for o, g in zip(outputs, grads)
-                    if g is not None and isinstance(o, torch.Tensor) and o.requires_grad
-                ]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-                if restore is not None:
-                    restore()
-                input_grads = tuple(_grad_of(v) for v in inputs)
-                state.saved[k][m] = _Saved((), None)  # free the activations as soon as possible
-                del saved, inputs, outputs, pairs, counted
-                device = stage.device
-                shipped, event = ship(input_grads, device, target or device, target and stages[k].copy_stream)
-            except Exception as exc:
-                raise _StageFailed(_Failure(k, m, "backward", exc)) from exc
-            state.record(Task("backward", k, m), started)
-            pool.count_task(k)
-            outbox.put((m, shipped, event))
+        stage = state.stage_sets[m][k]
+        saved = state.saved[k][m]
+        inputs, outputs = saved.inputs, saved.outputs
+        restore = counted = None
+        if outputs is None:
+            with state.counting(k):
+                outputs, restore = _recompute(stage, saved, state, m)
+            counted = state.count(k, outputs)
+        grads = arrive(grads, event, stage.device, [False] * len(grads))
+        pairs = [(o, g) for o, g in zip(outputs, grads)
+                 if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if restore is not None:
+            restore()
+        input_grads = tuple(_grad_of(v) for v in inputs)
+        state.saved[k][m] = _Saved((), None)  # free the activations as soon as possible
+        del saved, inputs, outputs, pairs, counted
+        return ship(input_grads, stage.device, target or stage.device, target and stages[k].copy_stream)
 
+    body = _stage_loop("backward", schedule, pool, state.record, backward)
     _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), grad=False)
     return _collect(last, count)
 

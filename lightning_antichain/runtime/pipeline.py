@@ -12,11 +12,10 @@ where and in what order its operations run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,13 +39,13 @@ from .batch_dims import (
 )
 from .batchnorm import deferred_batch_norm
 from .device import shares_host
-from .engine import PassState, run_backward, run_forward
+from .engine import PassState, StepRecord, run_backward, run_forward
 from .options import PipelineOptions
 from .plan import Plan, recomputed_micro_batches
 from .projection import project_plan
 from .randomness import step_seed
 from .saved_tensors import HeldMemory, state_storages
-from .schedule import Task, Timed, make_schedule
+from .schedule import make_schedule
 from .split import PlanMismatchError, StageModule, place_stages, split_stages
 from .worker import WorkerPool, share_malloc_arena
 
@@ -124,14 +123,9 @@ class Pipeline(nn.Module):
         if share_cpu_allocator and any(shares_host(d) for d in self._devices):
             share_malloc_arena()
         self._pool = WorkerPool(plan.num_stages)
-        #: seconds each stage worked in the last training step (forward and backward; on CUDA the
-        #: time to issue the work, not to run it)
-        self.last_busy_s: list[float] = [0.0] * plan.num_stages
-        #: the tasks each stage ran in the last training step, in the order it ran them
-        self.last_ran: list[list[Task]] = []
-        #: the same tasks with when each ran (seconds from the start of the step's forward pass), to
-        #: set beside the plan's predicted :meth:`~lightning_antichain.runtime.plan.Plan.timeline`
-        self.last_timed: list[list[Timed]] = []
+        #: what the stages did in the last training step, forward and backward: each task with when
+        #: it ran, to set beside the plan's predicted :meth:`~lightning_antichain.runtime.plan.Plan.timeline`
+        self.last_step: StepRecord | None = None
         self.measure_activations = measure_activations
         self._held: list[HeldMemory] | None = None
         weakref.finalize(self, self._pool.shutdown)
@@ -226,21 +220,34 @@ class Pipeline(nn.Module):
         whole = [leaf for leaves in per_slot for leaf in leaves]
         leaf_dims = [run.input_dims[i] for i, leaves in zip(run.input_slots, per_slot) for _ in leaves]
         grad_inputs = [v for v in whole if _is_grad_tensor(v)]
-        phony = torch.empty(0, device=output_device, requires_grad=True)
-        outcome = _Outcome()
-        self.last_busy_s = [0.0] * len(run.stages)
         held = self._start_measuring(run) if self.measure_activations else None
-        deferral = deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext()
-        with deferral:
-            join = _Join(sizes, [d for v, d in zip(whole, leaf_dims) if _is_grad_tensor(v)],
-                         lambda outputs: self._output_dims(run, outputs, micro_values[0], sizes))
-            records = (self.last_busy_s, self.last_ran, self.last_timed, schedule, held, seed)
-            options = (output_device, join, stop, outcome, records, functools.partial(self._take_assigned, run))
-            tensors = _PipelineFunction.apply((self._pool, stage_sets), micro_inputs, options, phony, *grad_inputs)
-        it = iter(tensors)
-        leaves = [next(it) if is_tensor else constant for is_tensor, constant in outcome.layout]
-        result = self._assemble(run, leaves, outcome.spec)
-        self._assign(run, outcome.assigned, micro_values[0], sizes)
+        state = PassState(StepRecord.for_stages(len(run.stages)), held=held, seed=seed)
+        self.last_step = state.record
+        with deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext():
+            outputs = run_forward(self._pool, stage_sets, micro_inputs, state, stop, schedule)
+        outputs, assigned = self._take_assigned(run, outputs)
+        dims = self._output_dims(run, outputs, micro_values[0], sizes)
+        gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
+        tensor_at = [i for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)]
+        backward = _Backward(
+            pool=self._pool,
+            state=state,
+            count=len(micro_inputs),
+            outputs=tuple(gathered[i] for i in tensor_at),
+            output_dims=[dims[i] for i in tensor_at],
+            output_sizes=[[leaves[i].shape[dims[i]] for leaves, _ in outputs] for i in tensor_at],
+            output_is_tensor=[isinstance(v, torch.Tensor) for v in gathered],
+            leaf_positions=assigned.leaf_positions,
+            leaf_count=assigned.leaf_count,
+            grad_input_slots=[i for i, v in enumerate(micro_inputs[0][0]) if _is_grad_tensor(v)],
+            input_dims=[d for v, d in zip(whole, leaf_dims) if _is_grad_tensor(v)],
+            input_devices=[v.device for v in grad_inputs],
+        )
+        phony = torch.empty(0, device=output_device, requires_grad=True)
+        tensors = iter(_PipelineFunction.apply(backward, phony, *grad_inputs))
+        result = self._assemble(run, [next(tensors) if isinstance(v, torch.Tensor) else v for v in gathered],
+                                outputs[0][1])
+        self._assign(run, assigned, micro_values[0], sizes)
         return result
 
     # -- helpers -------------------------------------------------------------------------------
@@ -545,23 +552,23 @@ def _interface_names(graph: OpGraph, kind: str) -> list[str]:
 
 
 @dataclass
-class _Outcome:
-    """How the gathered output leaves nest (``spec``), and which are tensors returned by the
-    autograd Function versus constants (``layout``: ``(is_tensor, constant)`` per leaf)."""
+class _Backward:
+    """What the backward of one training call needs: the engine's pass state, the gathered output
+    tensors (handed to autograd by the Function, then dropped here), how they split back into
+    micro-batches, and where the caller's inputs that want gradients sit."""
 
-    spec: Any = None
-    layout: list[tuple[bool, Any]] = field(default_factory=list)
-    assigned: _Assigned = field(default_factory=lambda: _Assigned())
-
-
-@dataclass
-class _Join:
-    """How one call's micro-batches join: their sizes, the batch dims of the inputs that collect
-    gradients, and how to find the outputs' batch dims."""
-
-    sizes: list[int | None]
+    pool: WorkerPool
+    state: PassState | None
+    count: int
+    outputs: tuple[torch.Tensor, ...]
+    output_dims: list[int | None]
+    output_sizes: list[list[int]]
+    output_is_tensor: list[bool]
+    leaf_positions: list[int] | None
+    leaf_count: int
+    grad_input_slots: list[int]
     input_dims: list[int]
-    output_dims: Callable[[list[tuple[list[Any], Any]]], list[int | None]]
+    input_devices: list[torch.device]
 
 
 @dataclass
@@ -576,55 +583,42 @@ class _Assigned:
 
 
 class _PipelineFunction(torch.autograd.Function):
-    """Connects the pipeline to the caller's autograd graph: backward runs the stages' backward."""
+    """Connects a pipelined forward, already run, to the caller's autograd graph: its backward runs
+    the stages' backward."""
 
     @staticmethod
-    def forward(ctx, runtime, micro_inputs, options, phony, *grad_inputs):  # noqa: ANN001
-        output_device, join, stop, outcome, (busy, ran, timed, schedule, held, seed), take_assigned = options
-        pool, stage_sets = runtime
-        state = PassState(busy=busy, ran=ran, timed=timed, held=held, seed=seed)
-        outputs, outcome.assigned = take_assigned(run_forward(pool, stage_sets, micro_inputs, state, stop, schedule))
-        dims = join.output_dims(outputs)
-        gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, join.sizes, dims)
-        outcome.spec = outputs[0][1]
-        outcome.layout = [(isinstance(v, torch.Tensor), None if isinstance(v, torch.Tensor) else v) for v in gathered]
-        tensors = tuple(v for v in gathered if isinstance(v, torch.Tensor))
-        ctx.pool, ctx.state = pool, state
-        ctx.dims = [dims[i] for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)]
-        ctx.sizes = [[leaves[i].shape[d] for leaves, _ in outputs] for (i, v), d in
-                     zip([(i, v) for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)], ctx.dims)]
-        ctx.input_dims = join.input_dims
-        ctx.count = len(micro_inputs)
-        ctx.leaf_positions, ctx.leaf_count = outcome.assigned.leaf_positions, outcome.assigned.leaf_count
-        ctx.is_tensor = [isinstance(v, torch.Tensor) for v in gathered]
-        ctx.grad_input_slots = [i for i, v in enumerate(micro_inputs[0][0]) if _is_grad_tensor(v)]
-        ctx.input_devices = [v.device for v in grad_inputs]
-        ctx.mark_non_differentiable(*[t for t in tensors if not t.is_floating_point()])
-        return tensors
+    def forward(ctx, backward: _Backward, phony: torch.Tensor, *grad_inputs: torch.Tensor):  # noqa: ANN001
+        outputs, backward.outputs = backward.outputs, ()  # autograd keeps them; the plan must not
+        ctx.backward = backward
+        ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
+        return outputs
 
     @staticmethod
     def backward(ctx, *grads):  # noqa: ANN001
         try:
-            return _PipelineFunction.pipelined_backward(ctx, grads)
+            return _PipelineFunction.pipelined_backward(ctx.backward, grads)
         except (KeyboardInterrupt, SystemExit):
-            ctx.pool.shutdown()  # wherever the interrupt landed, no worker outlives it
+            ctx.backward.pool.shutdown()  # wherever the interrupt landed, no worker outlives it
             raise
 
     @staticmethod
-    def pipelined_backward(ctx, grads: tuple) -> tuple:  # noqa: ANN001
-        count = ctx.count
+    def pipelined_backward(plan: _Backward, grads: tuple) -> tuple:
+        count = plan.count
         per_output: list[list[Any]] = []
-        it = iter(zip(grads, ctx.sizes, ctx.dims))
-        for is_tensor in ctx.is_tensor:
+        it = iter(zip(grads, plan.output_sizes, plan.output_dims))
+        for is_tensor in plan.output_is_tensor:
             grad, sizes, dim = next(it) if is_tensor else (None, None, 0)
             per_output.append(list(torch.split(grad, sizes, dim)) if grad is not None else [None] * count)
         output_grads = [tuple(g[m] for g in per_output) for m in range(count)]
-        if ctx.leaf_positions is not None:  # leaves only kept for attributes get no gradient
-            output_grads = [_spread(grads, ctx.leaf_positions, ctx.leaf_count) for grads in output_grads]
-        input_grads = run_backward(ctx.pool, ctx.state, output_grads)
-        ctx.state = None
-        result: list[Any] = [None, None, None, None]
-        for slot, device, dim in zip(ctx.grad_input_slots, ctx.input_devices, ctx.input_dims):
+        if plan.leaf_positions is not None:  # leaves only kept for attributes get no gradient
+            output_grads = [_spread(grads, plan.leaf_positions, plan.leaf_count) for grads in output_grads]
+        if plan.state is None:
+            raise RuntimeError("backward ran twice through one pipelined forward (retain_graph=True?): the stages "
+                               "free what they keep for backward as they go, so call the pipeline again instead")
+        input_grads = run_backward(plan.pool, plan.state, output_grads)
+        plan.state = None
+        result: list[Any] = [None, None]
+        for slot, device, dim in zip(plan.grad_input_slots, plan.input_devices, plan.input_dims):
             parts = [input_grads[m][slot] for m in range(count)]
             if any(p is None for p in parts):
                 result.append(None)
