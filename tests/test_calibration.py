@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -79,7 +80,7 @@ def test_a_calibrated_plan_predicts_from_the_measured_stage_times_and_is_read_ba
                                   progress=False)
     plan = planned.plan
     found = plan.calibration
-    assert found is not None and len(list((tmp_path / "calibrations").glob("*.json"))) == 1
+    assert found is not None and len(list(tmp_path.glob("calibration-*.json"))) == 1
     for stage, f, b in zip(plan.stages, found["forward_s"], found["backward_s"]):
         assert stage.forward_s == pytest.approx(max(0.0, f - plan.task_overhead_s))
         assert stage.backward_s == pytest.approx(max(0.0, b - plan.task_overhead_s))
@@ -95,7 +96,7 @@ def test_a_calibrated_plan_predicts_from_the_measured_stage_times_and_is_read_ba
     again = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4, profile_cache=tmp_path,
                                 progress=False).plan
     assert again.predicted_step_s == plan.predicted_step_s  # read back, not measured again
-    (cached,) = (tmp_path / "calibrations").glob("*.json")
+    (cached,) = tmp_path.glob("calibration-*.json")
     assert found["read_from"] is None and again.calibration == {**found, "read_from": str(cached)}
 
 
@@ -106,7 +107,7 @@ def test_calibration_is_only_for_plans_whose_stages_share_the_cpu(tmp_path):
     assert one.plan.calibration is None
     off = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4, profile_cache=tmp_path,
                               progress=False, calibrate=False)
-    assert off.plan.calibration is None and not list((tmp_path / "calibrations").glob("*.json"))
+    assert off.plan.calibration is None and not list(tmp_path.glob("calibration-*.json"))
 
 
 @pytest.mark.parametrize("checkpoint", ["except_last", "always"])
@@ -129,10 +130,12 @@ def test_a_damaged_cached_calibration_is_measured_again(tmp_path):
     model = LongSkip()
     micro = torch.randn(4, 12)
     planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=2, profile_cache=tmp_path, progress=False)
-    (cached,) = (tmp_path / "calibrations").glob("*.json")
+    (cached,) = tmp_path.glob("calibration-*.json")
+    key = cached.stem.removeprefix("calibration-")
     for damage in ('{"forward_s": [1.0], "backward_s": [1.0]}', "not json", '{"forward_s": [-1, 1]}'):
         cached.write_text(damage)
-        plan = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=2, profile_cache=tmp_path,
-                                   progress=False).plan
+        with pytest.warns(UserWarning, match=f"ignoring the cached calibration {re.escape(str(cached))}"):
+            plan = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=2, profile_cache=tmp_path,
+                                       progress=False).plan
         assert plan.calibration is not None and len(plan.calibration["forward_s"]) == 2
-        assert calibration.load(tmp_path, cached.stem, 2) is not None  # rewritten whole
+        assert calibration.load(tmp_path, key, 2) is not None  # rewritten whole

@@ -58,17 +58,17 @@ def test_with_no_writable_directory_at_all_planning_runs_without_a_cache(tmp_pat
 _WRITER = textwrap.dedent("""
     import sys, warnings
     from pathlib import Path
-    from lightning_antichain.planner import cache as profile_cache
+    from lightning_antichain.planner import profile_store
     from lightning_antichain.planner.cost_graph import load_cost_graph
     directory, source, rounds = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     graph = load_cost_graph(source)
     errors = damaged = 0
     for _ in range(rounds):
         try:
-            profile_cache.store(directory, "shared-key", graph)
+            profile_store.store_profile(directory, "shared-key", graph)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                read = profile_cache.load_cached(directory, "shared-key")
+                read = profile_store.load_profile(directory, "shared-key")
             damaged += read is None or bool(caught)
         except Exception as exc:
             errors += 1
@@ -88,5 +88,5 @@ def test_processes_writing_one_entry_at_once_never_fail_or_read_half_a_file(tmp_
         assert writer.returncode == 0, err
         errors, damaged = map(int, out.split())
         assert (errors, damaged) == (0, 0), err
-    assert list((tmp_path / "cache").iterdir()) == [tmp_path / "cache" / "shared-key.json"], "no temporary file left"
-    json.loads((tmp_path / "cache" / "shared-key.json").read_text())
+    assert list((tmp_path / "cache").iterdir()) == [tmp_path / "cache" / "profile-shared-key.json"], "no temporary file left"
+    json.loads((tmp_path / "cache" / "profile-shared-key.json").read_text())

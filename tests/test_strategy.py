@@ -180,7 +180,7 @@ def test_profile_cache_skips_profiling_the_second_time(tmp_path, capsys):
             max_steps=1,
             limit_val_batches=0,
         )
-    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert len(list(tmp_path.glob("profile-*.json"))) == 1
     assert capsys.readouterr().err.count("profiling TinyClassifier: 1/") == 1  # profiled once, not twice
 
 
@@ -348,7 +348,7 @@ def test_a_damaged_profile_cache_entry_is_ignored_with_a_warning_and_rewritten(t
                    limit_val_batches=0)
 
     run()
-    (entry,) = tmp_path.glob("*.json")
+    (entry,) = tmp_path.glob("profile-*.json")
     data = json.loads(entry.read_text())
     replaced = damage(data)
     entry.write_text(replaced if isinstance(replaced, str) else json.dumps(data))

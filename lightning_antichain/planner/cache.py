@@ -1,13 +1,12 @@
-"""A disk cache of cost graphs, so a rerun with the same model and shapes skips profiling.
+"""The one disk cache of measurements: profiles, the runtime's overheads and calibrations.
 
-The key covers everything that changes the measurements: the cache format, the traced graph's code, every parameter
-and buffer's name, shape and dtype, the example inputs' shapes and dtypes, the device's name, the
-autocast dtype, and the torch version. Weights' values do not change costs and are not part of it.
-
-A file can still be damaged or edited, and a plan from a wrong cost graph is a wrong plan. So an
-entry is only used if it describes the captured graph exactly (the same operations, the same
-dependencies, numbers where numbers belong); otherwise it is ignored with a warning that names the
-file, and profiled and written again.
+Every entry is JSON in one directory (``$LIGHTNING_ANTICHAIN_CACHE``, else
+``~/.cache/lightning-antichain``), named ``<kind>-<key>.json``. One key scheme: the key hashes the
+kind, its format version (bumped whenever what is measured changes, so older entries are measured
+again) and everything the measurement depends on. One writer: whole or not at all, and a cache
+that cannot be written only costs measuring again. One validation: an entry is used only if the
+kind's parser accepts it; a damaged or edited entry is ignored with a warning that names the file,
+and measured and written again.
 """
 
 from __future__ import annotations
@@ -15,29 +14,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import networkx as nx
-import torch
-from torch import nn
+T = TypeVar("T")
 
-from ..capture import OpGraph
-from ..capture.pytrees import iter_tensors
-from ..runtime.device import autocast_settings, device_name
-from .cost_graph import cost_graph_from_dict, cost_graph_to_dict
+#: the format version of each kind of entry
+FORMATS = {
+    # 6: op times scaled to the measured whole (CPU); 4: parallel capacity and overheads; 3: in-place dependencies
+    "profile": 6,
+    "overhead": 1,
+    "calibration": 3,
+}
 
-# Bumped whenever what the profiler records changes, so older entries are profiled again.
-# 3: dependencies from in-place operations (``OpNode.after``) and the ``together`` groups.
-# 4: the parallel capacity of CPU stages and the runtime's overheads.
-# 5: op times scaled to the measured whole (CPU).
-CACHE_VERSION = 6
-
-_NUMBERS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "buffer_bytes")
+NOUNS = {"profile": "profile", "overhead": "runtime overhead", "calibration": "calibration"}
 
 
 def default_cache_dir() -> Path:
@@ -46,88 +40,50 @@ def default_cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "lightning-antichain"
 
 
-def profile_key(graph: OpGraph, module: nn.Module, example: Any, device: torch.device) -> str:
-    """A stable hash of what the costs of ``module`` on ``example`` at ``device`` depend on."""
-    digest = hashlib.sha256(f"v{CACHE_VERSION}".encode())
-    code = graph.graph_module.code if graph.graph_module is not None else repr([n.name for n in graph.nodes])
-    digest.update(code.encode())
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-    for tensor in iter_tensors(example):
-        digest.update(f"in:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-    name = device_name(device)
-    autocast = [str(dtype) for _, dtype in autocast_settings()]
-    digest.update(f"{name}|{autocast}|{torch.__version__}".encode())
-    return digest.hexdigest()[:32]
+def entry_key(kind: str, *depends_on: Any) -> str:
+    """The key of an entry of ``kind`` measured under ``depends_on`` (JSON-encodable values)."""
+    text = json.dumps([kind, FORMATS[kind], *depends_on], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def cache_file(directory: Path, key: str) -> Path:
-    """Where the cost graph of ``key`` is cached in ``directory``."""
-    return directory / f"{key}.json"
+def entry_path(directory: Path, kind: str, key: str) -> Path:
+    """Where the entry ``key`` of ``kind`` is kept in ``directory``."""
+    return directory / f"{kind}-{key}.json"
 
 
-def load_cached(directory: Path, key: str, graph: OpGraph | None = None) -> nx.DiGraph | None:
-    """The cached cost graph of ``key``, if there is one and it describes ``graph`` exactly."""
-    path = cache_file(directory, key)
-    if not path.exists():
+def read_entry(directory: Path, kind: str, key: str, parse: Callable[[Any], T]) -> T | None:
+    """The entry, as ``parse`` (which raises on anything wrong with it) makes it from its JSON; ``None``
+    where there is none, or, with a warning naming the file, where it is damaged."""
+    path = entry_path(directory, kind, key)
+    try:
+        text = path.read_text()
+    except OSError:
         return None
     try:
-        data = json.loads(path.read_text())
-        listed = {node["name"] for node in data["nodes"]}  # edges alone would re-create a missing node
-        cost = cost_graph_from_dict(data)
-        problem = None if graph is None else (
-            "it lists operations that are only named by its edges" if listed != set(cost.nodes) else None
-        ) or mismatch(cost, graph, data)
-    except Exception as exc:  # noqa: BLE001 - any damage: null, [], strings for numbers, bad JSON
-        problem = f"it cannot be read ({type(exc).__name__}: {exc})"
-    if problem is None:
-        return cost
-    warnings.warn(f"lightning-antichain: ignoring the cached profile {path}: {problem}. Profiling again.", stacklevel=2)
+        return parse(json.loads(text))
+    except Exception as exc:  # noqa: BLE001 - any damage: null, [], strings for numbers, bad JSON, a wrong graph
+        problem = str(exc) if isinstance(exc, DamagedEntry) else f"it cannot be read ({type(exc).__name__}: {exc})"
+    warnings.warn(f"lightning-antichain: ignoring the cached {NOUNS[kind]} {path}: {problem}. Measuring again.",
+                  stacklevel=2)
     return None
 
 
-def mismatch(cost: nx.DiGraph, graph: OpGraph, data: dict[str, Any]) -> str | None:
-    """Why ``cost`` (read from ``data``) is not the cost graph of ``graph`` (``None`` if it is)."""
-    expected_nodes = {n.name for n in graph.nodes}
-    nodes = set(cost.nodes)
-    if nodes != expected_nodes:
-        missing, unknown = sorted(expected_nodes - nodes)[:5], sorted(nodes - expected_nodes)[:5]
-        return f"its operations differ from the model's (missing {missing}, unknown {unknown})"
-    expected_edges = {(src, n.name) for n in graph.nodes for src in (*n.inputs, *n.after)}
-    if set(cost.edges) != expected_edges:
-        return "its dependencies differ from the model's"
-    for attrs in data["nodes"]:
-        name = attrs["name"]
-        for field in _NUMBERS:
-            value = attrs.get(field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                return f"operation {name!r} has {field} = {value!r}, not a non-negative number"
-    if sorted(map(sorted, cost.graph.get("together", []))) != sorted(map(sorted, graph.together)):
-        return "its groups of operations that must share a stage differ from the model's"
-    return None
+class DamagedEntry(ValueError):
+    """What is wrong with a cache entry, said as the rest of a warning's sentence."""
 
 
-def store(directory: Path, key: str, graph: nx.DiGraph) -> Path | None:
-    """Cache ``graph`` under ``key``; returns the file, or ``None`` where it could not be written
-    (a cache that cannot be written only costs profiling again)."""
-    path = cache_file(directory, key)
+def write_entry(directory: Path, kind: str, key: str, data: Any) -> Path | None:
+    """Keep ``data`` as the entry ``key`` of ``kind``; returns the file, or ``None`` (with one warning)
+    where it could not be written."""
+    path = entry_path(directory, kind, key)
     try:
-        write_atomically(path, json.dumps(cost_graph_to_dict(graph), indent=1))
+        write_atomically(path, json.dumps(data, indent=1))
     except OSError as exc:
-        _warn_once(directory, f"lightning-antichain: cannot write the profile cache {path} ({exc}); profiles will be "
-                              "measured again next time. Set LIGHTNING_ANTICHAIN_CACHE (or profile_cache=) to a "
-                              "writable directory.")
+        _warn_once(directory, f"lightning-antichain: cannot write the cache {path} ({exc}); it will be measured "
+                              "again next time. Set LIGHTNING_ANTICHAIN_CACHE (or profile_cache=) to a writable "
+                              "directory.")
         return None
     return path
-
-
-def write_measurement(path: Path, data: dict[str, Any]) -> None:
-    """Save a measurement as JSON in the cache, whole or not at all; a cache that cannot be written
-    only costs measuring again."""
-    try:
-        write_atomically(path, json.dumps(data))
-    except OSError:
-        pass
 
 
 def write_atomically(path: Path, text: str) -> None:

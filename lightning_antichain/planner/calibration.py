@@ -14,8 +14,6 @@ module is left as it was found: parameters, gradients, buffers, attributes and r
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import math
 import statistics
 import time
@@ -35,12 +33,9 @@ from ..runtime.batch_dims import call_dims
 from ..runtime.device import shares_host
 from ..runtime.plan import Plan, recomputed_micro_batches
 from ..runtime.schedule import Task, Timed
-from .cache import write_measurement
+from .cache import DamagedEntry, entry_key, entry_path, read_entry, write_entry
 from .prediction_check import span_s
 from .progress import Progress
-
-CALIBRATION_FORMAT = 3
-"""Bumped whenever what a calibration measures changes, so older cached ones are measured again."""
 
 
 @dataclass(frozen=True)
@@ -99,11 +94,11 @@ def calibrate(
             started = time.perf_counter()
             backward_from(piped(*call_args, **call_kwargs))
             elapsed = time.perf_counter() - started
-            timed = [list(stage) for stage in piped.last_timed]
+            timed = [list(stage) for stage in piped.last_step.timed]
             alone = []
             for micro_args, micro_kwargs in micro_batches:
                 backward_from(single(*micro_args, **micro_kwargs))
-                alone.append({t.task: t.end - t.start for stage in single.last_timed for t in stage})
+                alone.append({t.task: t.end - t.start for stage in single.last_step.timed for t in stage})
             return elapsed, alone, timed
 
         started = time.perf_counter()
@@ -198,34 +193,34 @@ def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) ->
 
 
 def calibration_key(profile_key: str, plan: Plan, checkpoint: str) -> str:
-    """A stable hash of what a calibration depends on beyond the profile: the cut, the devices,
+    """The cache key of a calibration: what it depends on beyond the profile is the cut, the devices,
     the micro-batch count, the recompute mode and the threads each stage has."""
-    text = json.dumps([CALIBRATION_FORMAT, profile_key, plan.chunks, checkpoint, [s.nodes for s in plan.stages],
-                       [s.device for s in plan.stages], torch.get_num_threads(), plan.cpu_cores])
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return entry_key("calibration", profile_key, plan.chunks, checkpoint, [s.nodes for s in plan.stages],
+                     [s.device for s in plan.stages], torch.get_num_threads(), plan.cpu_cores)
 
 
 def load(directory: Path, key: str, stages: int) -> Calibration | None:
-    """The calibration cached under ``key``, if the file is there and whole."""
-    try:
-        data = json.loads(cache_file(directory, key).read_text())
-        found = Calibration(tuple(map(float, data["forward_s"])), tuple(map(float, data["backward_s"])),
-                            None if data["parallel_capacity"] is None else float(data["parallel_capacity"]),
-                            float(data["pipelined_step_s"]), float(data["pipelined_span_s"]), int(data["steps"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    times = found.forward_s + found.backward_s
-    whole = len(found.forward_s) == len(found.backward_s) == stages and all(t >= 0 for t in times)
-    return found if whole else None
+    """The calibration cached under ``key``, if there is one and it is whole."""
+    return read_entry(directory, "calibration", key, lambda data: _parsed(data, stages))
+
+
+def _parsed(data: Any, stages: int) -> Calibration:
+    found = Calibration(tuple(map(float, data["forward_s"])), tuple(map(float, data["backward_s"])),
+                        None if data["parallel_capacity"] is None else float(data["parallel_capacity"]),
+                        float(data["pipelined_step_s"]), float(data["pipelined_span_s"]), int(data["steps"]))
+    if not len(found.forward_s) == len(found.backward_s) == stages:
+        raise DamagedEntry(f"it has times for {len(found.forward_s)} stages, not {stages}")
+    if any(t < 0 for t in found.forward_s + found.backward_s):
+        raise DamagedEntry("it has negative stage times")
+    return found
 
 
 def store(directory: Path, key: str, found: Calibration) -> None:
-    write_measurement(cache_file(directory, key), asdict(found))
+    write_entry(directory, "calibration", key, asdict(found))
 
 
-def cache_file(directory: Path, key: str) -> Path:
-    """Where the calibration of ``key`` is cached: beside the profiles of ``directory``, in a folder of its own."""
-    return directory / "calibrations" / f"{key}.json"
+def calibration_file(directory: Path, key: str) -> Path:
+    return entry_path(directory, "calibration", key)
 
 
 def backward_from(output: Any) -> None:

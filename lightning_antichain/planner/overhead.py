@@ -10,14 +10,13 @@ next to the profiles.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 import torch
@@ -26,10 +25,8 @@ from torch import nn
 from ..capture import OpGraph, capture
 from ..runtime.device import device_name, synchronize
 from ..runtime.pipeline import Pipeline
-from .cache import default_cache_dir, write_measurement
+from .cache import DamagedEntry, default_cache_dir, entry_key, read_entry, write_entry
 from .partition import partition
-
-OVERHEAD_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -46,14 +43,15 @@ _measured: dict[str, RuntimeOverhead] = {}
 def runtime_overhead(device: str | torch.device = "cpu", cache_dir: Path | None = None) -> RuntimeOverhead:
     """The runtime's overhead on ``device``: from memory, else from the cache, else measured (about a second)."""
     device = torch.device(device)
-    key = _machine_key(device)
+    key = entry_key("overhead", device.type, device_name(device), os.cpu_count(), torch.__version__,
+                    torch.get_num_threads())
     if key in _measured:
         return _measured[key]
-    path = (cache_dir or default_cache_dir()) / f"overhead-{key}.json"
-    found = _read(path)
+    directory = cache_dir or default_cache_dir()
+    found = read_entry(directory, "overhead", key, _parsed)
     if found is None:
         found = measure_runtime_overhead(device)
-        write_measurement(path, asdict(found))
+        write_entry(directory, "overhead", key, asdict(found))
     _measured[key] = found
     return found
 
@@ -100,19 +98,11 @@ def _untimed_cost_graph(graph: OpGraph) -> nx.DiGraph:
     return cost
 
 
-def _machine_key(device: torch.device) -> str:
-    text = (f"v{OVERHEAD_FORMAT}|{device.type}|{device_name(device)}|{os.cpu_count()}|{torch.__version__}"
-            f"|{torch.get_num_threads()}")
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _read(path: Path) -> RuntimeOverhead | None:
-    try:
-        data = json.loads(path.read_text())
-        found = RuntimeOverhead(float(data["task_s"]), float(data["step_s"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return found if found.task_s >= 0 and found.step_s >= 0 else None
+def _parsed(data: Any) -> RuntimeOverhead:
+    found = RuntimeOverhead(float(data["task_s"]), float(data["step_s"]))
+    if found.task_s < 0 or found.step_s < 0:
+        raise DamagedEntry("it has a negative overhead")
+    return found
 
 
 def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int = 256 * 2**20) -> float:

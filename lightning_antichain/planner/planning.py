@@ -29,11 +29,12 @@ from ..runtime.device import memory_gb as device_memory_gb
 from ..runtime.options import PipelineOptions
 from ..runtime.plan import Plan
 from . import calibration
-from .cache import cache_file, default_cache_dir, load_cached, profile_key, store, usable_cache_dir
+from .cache import default_cache_dir, usable_cache_dir
 from .optimizer_memory import UNKNOWN_OPTIMIZER_MULTIPLIER
 from .optimizer_memory import optimizer_multiplier as multiplier_of
 from .overhead import optimizer_step_s
 from .partition import InfeasiblePlanError, partition, plan_from_balance
+from .profile_store import load_profile, profile_file, profile_key, store_profile
 from .profiler import profile
 
 GPU_LINK_GBPS = 16.0
@@ -153,7 +154,7 @@ def plan_model(
         assert module is not None and graph is not None
         calibration_key = calibration.calibration_key(key, plan, checkpoint)
         found = calibration.load(directory, calibration_key, plan.num_stages) if use_profile_cache else None
-        read_from = calibration.cache_file(directory, calibration_key) if found is not None else None
+        read_from = calibration.calibration_file(directory, calibration_key) if found is not None else None
         if found is None:
             found = calibration.calibrate(module, graph, plan, args, kwargs, batch_dim=batch_dim, checkpoint=checkpoint,
                                           progress=progress)
@@ -214,14 +215,14 @@ def _profiled(module: nn.Module, graph: OpGraph, args: tuple, kwargs: dict, devi
     """The cost graph of ``graph`` on one micro-batch (from the cache if it has it, else profiled and
     stored in ``directory``), the cache file it came from, and its cache key."""
     key = profile_key(graph, module, (args, kwargs), device)
-    cost = load_cached(directory, key, graph) if use_profile_cache else None
+    cost = load_profile(directory, key, graph) if use_profile_cache else None
     if cost is not None:
-        return cost, cache_file(directory, key), key
+        return cost, profile_file(directory, key), key
     example: Any = kwargs if kwargs else args
     cost = profile(module, example, device, op_graph=graph, name=name or type(module).__name__,
                    batch_dim=batch_dim, progress=progress)
     if use_profile_cache:
-        store(directory, key, cost)
+        store_profile(directory, key, cost)
     return cost, None, key
 
 
