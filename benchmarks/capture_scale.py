@@ -54,7 +54,7 @@ def main() -> None:
             times.append(plan.solve_s)
         assert plan is not None
         solve = statistics.median(times)
-        print(f"| {stages} | {plan.num_nodes} | {plan.num_states} | {solve:.3f} | {plan.balance:.3f} |")
+        print(f"| {stages} | {plan.num_nodes} | {plan.num_states} | {solve:.3f} | {plan.bound_ratio:.3f} |")
     print()
     print(plan.table())
 

@@ -1,7 +1,7 @@
 """Predicted against measured memory per stage: what each stage keeps for backward, and its
 parameters, gradients and optimizer state.
 
-For each model: profile one micro-batch, plan K stages for each checkpoint mode, run one training
+For each model: profile one micro-batch, plan K stages for each recompute mode, run one training
 step with Adam through the pipeline with ``measure_activations=True``, and compare per stage:
 
 * kept for backward: the plan's prediction (``memory_bytes`` less parameters, gradients, Adam state
@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     lines = [
-        "| model | checkpoint | kept for backward per stage, predicted MB | measured MB | predicted / measured "
+        "| model | recompute | kept for backward per stage, predicted MB | measured MB | predicted / measured "
         "(worst stage) | same, by output sizes (before) | parameters, gradients, Adam state: worst error |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -92,12 +92,12 @@ def main() -> None:
         by_outputs = cost.copy()
         by_outputs.graph["saved_counted"] = False
         for mode in MODES:
-            plan = la.partition(cost, args.stages, chunks=args.chunks, checkpoint=mode)
+            plan = la.partition(cost, args.stages, chunks=args.chunks, recompute=mode)
             before = la.plan_from_balance(by_outputs, [len([v for v in s.nodes if not cost.nodes[v]["pinned"]])
-                                                       for s in plan.stages], chunks=args.chunks, checkpoint=mode)
+                                                       for s in plan.stages], chunks=args.chunks, recompute=mode)
             optimizer = torch.optim.Adam(model.parameters())
             optimizer.zero_grad(set_to_none=True)
-            with la.Pipeline(model, plan, chunks=args.chunks, checkpoint=mode, measure_activations=True) as pipe:
+            with la.Pipeline(model, plan, chunks=args.chunks, recompute=mode, measure_activations=True) as pipe:
                 loss_of(pipe(*batch_args, **batch_kwargs)).backward()
                 optimizer.step()
                 measured = pipe.last_activation_bytes
@@ -128,7 +128,7 @@ def main() -> None:
         END,
         [
             f"Machine: {machine(1)}; batch {args.batch_size} in {args.chunks} micro-batches, {args.stages} stages, "
-            "Adam, one training step per checkpoint mode. GPT: nanoGPT-style, "
+            "Adam, one training step per recompute mode. GPT: nanoGPT-style, "
             f"{GPT_CONFIG}; hf_gpt2: the tests' tiny GPT-2 config.",
             "",
             *lines,

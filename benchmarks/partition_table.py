@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "profile_s": cost.graph["profile_s"],
                 "solve_s": statistics.median(solves),
                 "seed_solve_s": seed_s,
-                "ours": plan.balance,
-                **{m: p.balance for m, p in baselines.items()},
+                "ours": plan.bound_ratio,
+                **{m: p.bound_ratio for m, p in baselines.items()},
             }
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)

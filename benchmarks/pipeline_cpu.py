@@ -113,7 +113,7 @@ def main() -> None:
         t = measure(variants, args.warmup, args.repeats, zero)
         plain_s = t["plain"]
         k = args.stages
-        bound = k * chunks / (chunks + k - 1) / plan.balance
+        bound = k * chunks / (chunks + k - 1) / plan.bound_ratio
         speedup_micro = t["micro"] / t["pipeline"]
         rows.append(
             {
@@ -125,7 +125,7 @@ def main() -> None:
                 "vs_micro": speedup_micro,
                 "bound": bound,
                 "efficiency": speedup_micro / bound,
-                "balance": plan.balance,
+                "balance": plan.bound_ratio,
                 "predicted_ms": 1e3 * plan.predicted_step_s,
                 "measured_ms": 1e3 * t["pipeline"],
                 "one_stage_overhead": (t["one_stage"] / t["plain"] - 1) if "one_stage" in t else None,

@@ -42,7 +42,7 @@ def main() -> None:
     for method in ("uniform", "parameters", "blocks"):
         baseline = la.partition(cost, args.stages, chunks=args.chunks, method=method)
         ms = 1e3 * baseline.bottleneck_s
-        print(f"{method:>10}: bottleneck {ms:.2f} ms (x{baseline.balance:.3f} the bound)")
+        print(f"{method:>10}: bottleneck {ms:.2f} ms (x{baseline.bound_ratio:.3f} the bound)")
     plan.save(out / f"{args.model}.plan.json")
 
 

@@ -38,12 +38,12 @@ def test_auto_picks_the_count_whose_own_plan_predicts_the_shortest_step(tmp_path
 def test_auto_keeps_to_the_memory_limit_under_the_recompute_mode(tmp_path):
     model = SequentialCNN()
     batch = torch.randn(16, 3, 16, 16)
-    free = planning.plan_model(model, (batch,), {}, ["cpu", "cpu"], chunks="auto", checkpoint="always",
+    free = planning.plan_model(model, (batch,), {}, ["cpu", "cpu"], chunks="auto", recompute="always",
                                profile_cache=tmp_path, progress=False).plan
     peaks = sorted({r["peak_memory_bytes"] for r in free.candidates})
     assert len(peaks) > 1  # with recomputation, fewer samples per micro-batch hold less
     limit = (peaks[0] + peaks[1]) / 2
-    capped = planning.plan_model(model, (batch,), {}, ["cpu", "cpu"], chunks="auto", checkpoint="always",
+    capped = planning.plan_model(model, (batch,), {}, ["cpu", "cpu"], chunks="auto", recompute="always",
                                  memory_gb=limit / 1e9, profile_cache=tmp_path, progress=False).plan
     assert all(s.memory_bytes <= limit for s in capped.stages)
     fitting = [r for r in capped.candidates if r["fits"]]

@@ -110,15 +110,15 @@ def test_calibration_is_only_for_plans_whose_stages_share_the_cpu(tmp_path):
     assert off.plan.calibration is None and not list(tmp_path.glob("calibration-*.json"))
 
 
-@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
-def test_a_recomputed_micro_batch_is_charged_its_forward_again_in_backward(checkpoint):
+@pytest.mark.parametrize("recompute", ["except_last", "always"])
+def test_a_recomputed_micro_batch_is_charged_its_forward_again_in_backward(recompute):
     model = SequentialCNN()
     cost = la.profile(model, torch.randn(2, 3, 16, 16), repeats=1, warmup=0, progress=False)
     cost.graph["parallel_capacity"] = None  # stages at full speed: a task's span is its duration
     plain = {t.task: t.end - t.start for t in la.partition(cost, 2, chunks=4).timeline()}
-    plan = la.partition(cost, 2, chunks=4, checkpoint=checkpoint)
+    plan = la.partition(cost, 2, chunks=4, recompute=recompute)
     recomputing = {t.task: t.end - t.start for t in plan.timeline()}
-    last = 3 if checkpoint == "except_last" else 4
+    last = 3 if recompute == "except_last" else 4
     for m in range(4):
         for k, stage in enumerate(plan.stages):
             again = stage.forward_s if m < last else 0.0

@@ -212,7 +212,7 @@ def test_hugging_face_gpt2_with_dropout_trains_alike_with_and_without_recomputat
     for checkpoint in ("never", "always"):
         torch.manual_seed(0)
         model = GPT2Module(dropout=0.1).double()
-        strategy = la.AntichainPipelineStrategy(chunks=2, checkpoint=checkpoint, use_profile_cache=False,
+        strategy = la.AntichainPipelineStrategy(chunks=2, recompute=checkpoint, use_profile_cache=False,
                                                 calibrate=False)
         t = trainer(strategy=strategy, devices=2, max_steps=4, num_sanity_val_steps=0)
         t.fit(model, _tokens())

@@ -80,7 +80,7 @@ def plan_for(name, model, stages):
     return _plans[key]
 
 
-def check_parity(name, stages, chunks, checkpoint="never", batch=10, input_grad=False, plan=None):
+def check_parity(name, stages, chunks, recompute="never", batch=10, input_grad=False, plan=None):
     torch.manual_seed(0)
     model = CASES[name][0]()
     plan = plan or plan_for(name, model, stages)
@@ -97,7 +97,7 @@ def check_parity(name, stages, chunks, checkpoint="never", batch=10, input_grad=
     for a in args:
         a.grad = None
 
-    pipe = la.Pipeline(model, plan, chunks=chunks, checkpoint=checkpoint)
+    pipe = la.Pipeline(model, plan, chunks=chunks, recompute=recompute)
     output = pipe(*args, **kwargs)
     for got, want in zip(_flat(output), _flat(expected)):
         assert got.shape == want.shape
@@ -141,10 +141,10 @@ def test_long_skip_really_spans_stages(balance):
     assert "tanh" in middle.inputs and "tanh" in middle.outputs  # relayed through it
 
 
-@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+@pytest.mark.parametrize("recompute", ["except_last", "always"])
 @pytest.mark.parametrize("name", ["sequential_cnn", "resnet18", "long_skip"])
-def test_recompute_modes_give_the_same_gradients(name, checkpoint):
-    check_parity(name, 3, 4, checkpoint=checkpoint, input_grad=True)
+def test_recompute_modes_give_the_same_gradients(name, recompute):
+    check_parity(name, 3, 4, recompute=recompute, input_grad=True)
 
 
 def test_input_gradients_flow_back():
@@ -268,7 +268,7 @@ def test_recompute_does_not_update_batchnorm_statistics_twice():
     stats = {}
     for mode in ("never", "always"):
         model.load_state_dict(state)
-        la.Pipeline(model, plan, chunks=4, checkpoint=mode)(x).sum().backward()
+        la.Pipeline(model, plan, chunks=4, recompute=mode)(x).sum().backward()
         stats[mode] = {k: v.clone() for k, v in model.state_dict().items() if "running" in k or "num_batches" in k}
     for key, value in stats["never"].items():
         assert torch.equal(value, stats["always"][key]), key
@@ -290,13 +290,13 @@ def test_deferred_batch_norm_stores_whole_batch_statistics(momentum):
     for _ in range(2):
         model(x)  # the plain module on the whole batch, twice
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    for checkpoint in ("never", "always"):
+    for recompute in ("never", "always"):
         model.load_state_dict(state)
-        pipe = la.Pipeline(model, plan, chunks=3, deferred_batch_norm=True, checkpoint=checkpoint)
+        pipe = la.Pipeline(model, plan, chunks=3, deferred_batch_norm=True, recompute=recompute)
         for _ in range(2):
             pipe(x).sum().backward()
         for key in ("1.running_mean", "1.running_var"):
-            assert max_relative_error(model.state_dict()[key], expected[key]) <= 1e-12, (checkpoint, key)
+            assert max_relative_error(model.state_dict()[key], expected[key]) <= 1e-12, (recompute, key)
         assert model.state_dict()["1.num_batches_tracked"].item() == 2
         assert "forward" not in vars(model[1])  # nothing left patched
     model.load_state_dict(state)

@@ -88,5 +88,6 @@ def test_processes_writing_one_entry_at_once_never_fail_or_read_half_a_file(tmp_
         assert writer.returncode == 0, err
         errors, damaged = map(int, out.split())
         assert (errors, damaged) == (0, 0), err
-    assert list((tmp_path / "cache").iterdir()) == [tmp_path / "cache" / "profile-shared-key.json"], "no temporary file left"
-    json.loads((tmp_path / "cache" / "profile-shared-key.json").read_text())
+    entry = tmp_path / "cache" / "profile-shared-key.json"
+    assert list((tmp_path / "cache").iterdir()) == [entry], "no temporary file left"
+    json.loads(entry.read_text())

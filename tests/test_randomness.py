@@ -57,20 +57,20 @@ def _true_gradients(model: nn.Module, y: torch.Tensor, c: torch.Tensor) -> list[
     return [(c * y).sum(0) / w.detach() for w in model.w]
 
 
-def _pipeline(model: nn.Module, stages: int, chunks: int, checkpoint: str) -> la.Pipeline:
+def _pipeline(model: nn.Module, stages: int, chunks: int, recompute: str) -> la.Pipeline:
     cost = la.profile(model, torch.rand(2, 64, dtype=torch.float64) + 0.1, repeats=1, warmup=0, progress=False)
     ops = sum(1 for v in cost.nodes if not cost.nodes[v].get("pinned"))
     balance = [ops // stages] * stages
     balance[-1] += ops - sum(balance)
-    return la.Pipeline(model, la.plan_from_balance(cost, balance), chunks=chunks, checkpoint=checkpoint)
+    return la.Pipeline(model, la.plan_from_balance(cost, balance), chunks=chunks, recompute=recompute)
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
 @pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
-def test_gradients_are_those_of_the_masks_the_output_saw(kind, stages, checkpoint):
+@pytest.mark.parametrize("recompute", ["never", "except_last", "always"])
+def test_gradients_are_those_of_the_masks_the_output_saw(kind, stages, recompute):
     model = MODELS[kind](layers=2 * stages).double()
-    pipe = _pipeline(model, stages, chunks=4, checkpoint=checkpoint)
+    pipe = _pipeline(model, stages, chunks=4, recompute=recompute)
     assert all(stage.random_nodes for stage in pipe.stages), "every stage must draw"
     for seed in range(3):
         torch.manual_seed(seed)
@@ -91,8 +91,8 @@ def test_every_checkpoint_mode_and_stage_count_draws_the_same_numbers_under_one_
     x = torch.rand(16, 64, dtype=torch.float64) + 0.1
     outputs = []
     for stages in (1, 2, 3):
-        for checkpoint in ("never", "always"):
-            with _pipeline(model, stages, 4, checkpoint) as pipe:
+        for recompute in ("never", "always"):
+            with _pipeline(model, stages, 4, recompute) as pipe:
                 torch.manual_seed(7)
                 outputs.append(pipe(x))
     for other in outputs[1:]:

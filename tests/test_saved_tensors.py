@@ -58,8 +58,8 @@ def test_predicted_stage_memory_equals_the_bytes_counted_in_a_training_step(prof
     chunks, batch = 4, 8
     model, graph, cost, args, kwargs = profiled(name, chunks, batch)
     assert cost.graph["saved_counted"]
-    plan = la.partition(cost, 3, chunks=chunks, checkpoint=mode)
-    with la.Pipeline(model.train(), plan, chunks=chunks, checkpoint=mode, graph=graph,
+    plan = la.partition(cost, 3, chunks=chunks, recompute=mode)
+    with la.Pipeline(model.train(), plan, chunks=chunks, recompute=mode, graph=graph,
                      measure_activations=True) as pipe:
         _loss(pipe(*args, **kwargs)).backward()
         measured = pipe.last_activation_bytes
@@ -70,13 +70,13 @@ def test_predicted_stage_memory_equals_the_bytes_counted_in_a_training_step(prof
 
 def test_recomputation_keeps_less_and_the_modes_meet_at_the_first_backward(profiled):
     model, graph, cost, args, kwargs = profiled("resnet18", 4, 8)
-    held = {mode: _held_prediction(la.partition(cost, 2, chunks=4, checkpoint=mode)) for mode in MODES}
+    held = {mode: _held_prediction(la.partition(cost, 2, chunks=4, recompute=mode)) for mode in MODES}
     assert held["except_last"] == held["always"]
     assert all(a < n for a, n in zip(held["always"], held["never"]))
-    one = la.partition(cost, 2, chunks=1, checkpoint="always")
+    one = la.partition(cost, 2, chunks=1, recompute="always")
     assert _held_prediction(one) == [s.activation_bytes for s in one.stages]
-    with pytest.raises(ValueError, match="checkpoint must be one of"):
-        la.partition(cost, 2, checkpoint="sometimes")
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        la.partition(cost, 2, recompute="sometimes")
 
 
 def test_measuring_changes_no_gradient():
@@ -87,7 +87,7 @@ def test_measuring_changes_no_gradient():
     grads = []
     for measure in (False, True):
         model.zero_grad()
-        with la.Pipeline(model, la.partition(cost, 2, chunks=4), checkpoint="except_last",
+        with la.Pipeline(model, la.partition(cost, 2, chunks=4), recompute="except_last",
                          measure_activations=measure) as pipe:
             pipe(x).square().sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -137,8 +137,8 @@ def test_a_saved_profile_predicts_the_same_memory(profiled, tmp_path):
     la.save_cost_graph(cost, tmp_path / "cost.json")
     again = la.load_cost_graph(tmp_path / "cost.json")
     for mode in MODES:
-        assert (_held_prediction(la.partition(again, 3, chunks=4, checkpoint=mode))
-                == _held_prediction(la.partition(cost, 3, chunks=4, checkpoint=mode)))
+        assert (_held_prediction(la.partition(again, 3, chunks=4, recompute=mode))
+                == _held_prediction(la.partition(cost, 3, chunks=4, recompute=mode)))
 
 
 def test_the_search_never_counts_less_than_the_exact_stage(profiled):

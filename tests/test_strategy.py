@@ -147,14 +147,14 @@ def test_bf16_mixed_on_cpu_trains_like_plain_bf16():
     assert runs[1][-1] < runs[1][0]
 
 
-@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
-def test_bf16_mixed_with_recomputation_trains_as_without_it(checkpoint):
+@pytest.mark.parametrize("recompute", ["except_last", "always"])
+def test_bf16_mixed_with_recomputation_trains_as_without_it(recompute):
     """The recomputed forward runs under the forward's autocast, though backward runs outside it."""
     runs = []
-    for mode in ("never", checkpoint):
+    for mode in ("never", recompute):
         torch.manual_seed(0)
         model = TinyClassifier()
-        t = fit(model, strategy(checkpoint=mode, calibrate=False), 2, max_steps=6, limit_val_batches=0,
+        t = fit(model, strategy(recompute=mode, calibrate=False), 2, max_steps=6, limit_val_batches=0,
                 precision="bf16-mixed")
         assert_pipelined(t)
         runs.append(torch.tensor(model.losses))
@@ -164,7 +164,7 @@ def test_bf16_mixed_with_recomputation_trains_as_without_it(checkpoint):
 
 def test_fixed_balance_and_saved_plan_skip_planning(tmp_path):
     t = fit(TinyClassifier(), strategy(balance=[3, 4]), 2, max_steps=2, limit_val_batches=0)
-    assert t.strategy.plan.method == "balance" and t.strategy.plan.balance_counts == [4, 4]  # input pinned in 0
+    assert t.strategy.plan.method == "balance" and t.strategy.plan.balance == [4, 4]  # input pinned in 0
     path = tmp_path / "plan.json"
     t.strategy.plan.save(path)
     t2 = fit(TinyClassifier(), strategy(plan=str(path)), 2, max_steps=2, limit_val_batches=0)

@@ -42,7 +42,7 @@ from ..capture.signature import FlatSignature, original_forward, split_inputs
 from ..planner.planning import AUTO, plan_model
 from ..planner.prediction_check import PredictionCheck
 from ..runtime.batch_dims import batch_size_of, first_micro_batch, refuse_per_sample_lists
-from ..runtime.options import PipelineOptions
+from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
 from .replicas import average_gradients
@@ -60,8 +60,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
             last batch of an epoch runs with fewer micro-batches). ``"auto"`` profiles each count
             of :func:`~lightning_antichain.planner.planning.chunk_candidates` at its micro-batch size on the
             first batch and takes the one with the shortest predicted step that fits in memory
-            (under ``checkpoint``); the plan table lists them all.
-        checkpoint: activation recomputation, ``"never"``, ``"except_last"`` or ``"always"``.
+            (under ``recompute``); the plan table lists them all.
+        recompute: activation recomputation, ``"never"``, ``"except_last"`` or ``"always"``: which
+            micro-batches keep only their stage inputs and run their forward again in backward.
+            (``checkpoint=`` is its old name, still taken with a warning.)
         module: dotted path of the submodule to pipeline (e.g. ``"backbone"``); default: the
             LightningModule's own ``forward``. Its forward must be what the steps call.
         plan: path of a saved plan JSON to use instead of profiling and planning.
@@ -98,7 +100,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def __init__(
         self,
         chunks: int | Literal["auto"] = "auto",
-        checkpoint: Literal["never", "except_last", "always"] = "never",
+        recompute: Literal["never", "except_last", "always"] = "never",
         module: str | None = None,
         plan: str | None = None,
         balance: list[int] | None = None,
@@ -116,13 +118,15 @@ class AntichainPipelineStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         batch_dim: int | dict[str, int] = 0,
         check_batch: bool = True,
+        checkpoint: Literal["never", "except_last", "always"] | None = None,
     ) -> None:
         super().__init__()
+        recompute = renamed_recompute(recompute, checkpoint)
         if plan is not None and balance is not None:
             raise ValueError("give either plan= or balance=, not both")
         #: the planning and runtime settings, handed as one object to the planner and the Pipeline
         self.options = PipelineOptions(
-            chunks=chunks, checkpoint=checkpoint, batch_dim=batch_dim, check_batch=check_batch,
+            chunks=chunks, recompute=recompute, batch_dim=batch_dim, check_batch=check_batch,
             leaf_modules=tuple(leaf_modules or ()), deferred_batch_norm=deferred_batch_norm,
             balance=None if balance is None else tuple(balance), bandwidth_gbps=bandwidth_gbps, memory_gb=memory_gb,
             optimizer_multiplier=optimizer_multiplier, profile_cache=Path(profile_cache) if profile_cache else None,

@@ -68,7 +68,7 @@ def calibrate(
     kwargs: dict,
     *,
     batch_dim: int | Mapping[str, int] = 0,
-    checkpoint: str = "never",
+    recompute: str = "never",
     steps: int = 3,
     max_steps: int = 15,
     seconds: float = 6.0,
@@ -83,11 +83,11 @@ def calibrate(
     call_args, call_kwargs, dims = call_dims(module, args, kwargs, batch_dim)
     micro_batches = microbatch.scatter((call_args, call_kwargs), plan.chunks, dims)
     count = len(micro_batches)
-    recomputed = recomputed_micro_batches(checkpoint, count)
+    recomputed = recomputed_micro_batches(recompute, count)
     shared = [shares_host(s.device) for s in plan.stages]
     options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False}
     rounds: list[tuple[float, list[dict[Task, float]], list[list[Timed]]]] = []
-    with untouched(module), Pipeline(module, plan, chunks=plan.chunks, checkpoint=checkpoint, **options) as piped, \
+    with untouched(module), Pipeline(module, plan, chunks=plan.chunks, recompute=recompute, **options) as piped, \
             Pipeline(module, plan, chunks=1, **options) as single:
 
         def one_round() -> tuple[float, list[dict[Task, float]], list[list[Timed]]]:
@@ -192,10 +192,10 @@ def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) ->
     return new
 
 
-def calibration_key(profile_key: str, plan: Plan, checkpoint: str) -> str:
+def calibration_key(profile_key: str, plan: Plan, recompute: str) -> str:
     """The cache key of a calibration: what it depends on beyond the profile is the cut, the devices,
     the micro-batch count, the recompute mode and the threads each stage has."""
-    return entry_key("calibration", profile_key, plan.chunks, checkpoint, [s.nodes for s in plan.stages],
+    return entry_key("calibration", profile_key, plan.chunks, recompute, [s.nodes for s in plan.stages],
                      [s.device for s in plan.stages], torch.get_num_threads(), plan.cpu_cores)
 
 

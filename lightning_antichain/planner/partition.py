@@ -28,8 +28,8 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from ..runtime.options import PLANNING_METHODS
-from ..runtime.plan import CHECKPOINT_MODES, Plan, Stage
+from ..runtime.options import PLANNING_METHODS, renamed_recompute
+from ..runtime.plan import RECOMPUTE_MODES, Plan, Stage
 from .antichain import DEFAULT_MAX_STATES, StateSpace, build_state_space
 from .cost_graph import node_compute, normalize_cost_graph, ordered_nodes, total_compute
 
@@ -61,7 +61,7 @@ class CostModel:
     chunks: int = 1
     bandwidth: float = math.inf
     optimizer_multiplier: float = 2.0
-    checkpoint: str = "never"
+    recompute: str = "never"
 
     def transfer_s(self, nbytes: float | np.ndarray) -> Any:
         """Seconds to ship ``nbytes`` forward and its gradient back."""
@@ -73,7 +73,7 @@ class CostModel:
         (inputs included), at the end of the forward pass. With it, the peak comes at the first
         backward, which recomputes one micro-batch's activations while the others keep only their
         ``inputs``; ``"except_last"`` and ``"always"`` meet the same peak there."""
-        recomputes = self.checkpoint != "never" and self.chunks > 1
+        recomputes = self.recompute != "never" and self.chunks > 1
         held = inputs * (self.chunks - 1) + activations if recomputes else activations * self.chunks
         return params * (2.0 + self.optimizer_multiplier) + buffers + held
 
@@ -91,7 +91,8 @@ def partition(
     optimizer_multiplier: float = 2.0,
     max_states: int = DEFAULT_MAX_STATES,
     colocate_tied: bool | None = None,
-    checkpoint: str = "never",
+    recompute: str = "never",
+    checkpoint: str | None = None,
 ) -> Plan:
     """Split the profiled model into ``stages`` pipeline stages and predict what it will cost.
 
@@ -101,7 +102,7 @@ def partition(
     transfers are free. ``chunks`` is the number of micro-batches per step; the cost graph's times
     are per micro-batch. ``colocate_tied`` keeps operations that use the same parameter (tied
     weights) in one stage; by default it does so when the stages are on different devices, since
-    a parameter lives on one device. ``checkpoint`` is the runtime's recompute mode, which sets the
+    a parameter lives on one device. ``recompute`` is the runtime's recompute mode, which sets the
     activations a stage holds (see :meth:`CostModel.memory_bytes`). Raises
     :class:`InfeasiblePlanError` when no split fits.
     """
@@ -115,7 +116,7 @@ def partition(
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
     if bandwidth <= 0:
         raise ValueError(f"bandwidth_gbps must be positive, got {bandwidth_gbps}")
-    model = CostModel(chunks, bandwidth, optimizer_multiplier, _checked_mode(checkpoint))
+    model = CostModel(chunks, bandwidth, optimizer_multiplier, _checked_mode(renamed_recompute(recompute, checkpoint)))
     free = [v for v in ordered_nodes(graph) if not graph.nodes[v]["pinned"]]
     if len(free) < stages:
         raise InfeasiblePlanError(
@@ -140,14 +141,14 @@ def partition(
                     f"these operations share parameters: {names}. Use fewer stages, or untie the weights."
                 ) from exc
             raise
-        stage_sets = _stage_sets(space, chain)
+        stage_nodes = _stage_nodes_of_chain(space, chain)
         specs = order
         compression, num_states = space.compression, len(space)
     else:
-        stage_sets = _baseline(graph, free, stages, method)
+        stage_nodes = _baseline(graph, free, stages, method)
         pinned = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]]
-        stage_sets[0] = pinned + stage_sets[0]
-    built = evaluate_stages(graph, stage_sets, specs, model)
+        stage_nodes[0] = pinned + stage_nodes[0]
+    built = evaluate_stages(graph, stage_nodes, specs, model)
     return _make_plan(graph, built, specs, model, method, time.perf_counter() - started, num_states, compression)
 
 
@@ -159,7 +160,8 @@ def plan_from_balance(
     devices: Sequence[str | DeviceSpec] | None = None,
     bandwidth_gbps: float | None = None,
     optimizer_multiplier: float = 2.0,
-    checkpoint: str = "never",
+    recompute: str = "never",
+    checkpoint: str | None = None,
 ) -> Plan:
     """A plan that puts ``balance[k]`` consecutive operations (in execution order) on stage k.
 
@@ -175,25 +177,25 @@ def plan_from_balance(
         )
     specs = _device_specs(len(balance), devices, None, None)
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
-    model = CostModel(chunks, bandwidth, optimizer_multiplier, _checked_mode(checkpoint))
+    model = CostModel(chunks, bandwidth, optimizer_multiplier, _checked_mode(renamed_recompute(recompute, checkpoint)))
     bounds = np.cumsum([0, *balance])
-    stage_sets = [free[bounds[k] : bounds[k + 1]] for k in range(len(balance))]
-    stage_sets[0] = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]] + stage_sets[0]
+    stage_nodes = [free[bounds[k] : bounds[k + 1]] for k in range(len(balance))]
+    stage_nodes[0] = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]] + stage_nodes[0]
     for group in graph.graph.get("together", []):
-        stages_of = {k for k, members in enumerate(stage_sets) if set(group) & set(members)}
+        stages_of = {k for k, members in enumerate(stage_nodes) if set(group) & set(members)}
         if len(stages_of) > 1:
             raise InfeasiblePlanError(
                 f"balance {list(balance)} separates {', '.join(group)}, which must share a stage: a view taken "
                 "before an in-place change and read after it. Move the boundary before or after them."
             )
-    built = evaluate_stages(graph, stage_sets, specs, model)
+    built = evaluate_stages(graph, stage_nodes, specs, model)
     return _make_plan(graph, built, specs, model, "balance", time.perf_counter() - started, len(free) + 1, [])
 
 
-def _checked_mode(checkpoint: str) -> str:
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-    return checkpoint
+def _checked_mode(recompute: str) -> str:
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    return recompute
 
 
 def _device_specs(
@@ -335,7 +337,7 @@ def tied_groups(graph: nx.DiGraph) -> list[set[Any]]:
     return groups
 
 
-def _stage_sets(space: StateSpace, chain: Sequence[int]) -> list[list[Any]]:
+def _stage_nodes_of_chain(space: StateSpace, chain: Sequence[int]) -> list[list[Any]]:
     """The operations of each stage of a chain of states; pinned inputs go to the first stage."""
     sets, before = [], set()
     for j in chain:
@@ -363,7 +365,7 @@ def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
             )
     unlimited = [DeviceSpec(s.name, s.speed, None) for s in specs]
     chain, order = solve_bottleneck(space, unlimited, model)
-    built = evaluate_stages(graph, _stage_sets(space, chain), order, model)
+    built = evaluate_stages(graph, _stage_nodes_of_chain(space, chain), order, model)
     worst = max(built, key=lambda st: st.memory_bytes)
     listed = ", ".join(f"{m / 1e9:.3g}" for m in limits)
     return InfeasiblePlanError(
@@ -407,7 +409,7 @@ def kept_bytes(graph: nx.DiGraph, nodes: Sequence[Any], cut_in: Sequence[Any], c
 
 
 def evaluate_stages(
-    graph: nx.DiGraph, stage_sets: Sequence[Sequence[Any]], specs: Sequence[DeviceSpec], model: CostModel
+    graph: nx.DiGraph, stage_nodes: Sequence[Sequence[Any]], specs: Sequence[DeviceSpec], model: CostModel
 ) -> list[Stage]:
     """Cost each stage of a split directly from the graph (the program's arrays are not used).
 
@@ -427,7 +429,7 @@ def evaluate_stages(
         ]
 
     cut_in = cut(set(seen))
-    for k, (nodes, spec) in enumerate(zip(stage_sets, specs, strict=False)):
+    for k, (nodes, spec) in enumerate(zip(stage_nodes, specs, strict=False)):
         seen |= set(nodes)
         if not any(not graph.nodes[v]["pinned"] for v in nodes):
             raise InfeasiblePlanError(f"stage {k} is empty")
@@ -495,7 +497,7 @@ def _make_plan(
         micro_batch_size=meta.get("micro_batch_size"),
         bandwidth_gbps=None if math.isinf(model.bandwidth) else model.bandwidth / 1e9,
         optimizer_multiplier=model.optimizer_multiplier,
-        checkpoint=model.checkpoint,
+        recompute=model.recompute,
         num_nodes=sum(1 for v in graph.nodes if not graph.nodes[v]["pinned"]),
         num_states=num_states,
         solve_s=solve_s,

@@ -117,11 +117,11 @@ def plan_model(
 
     With ``chunks="auto"``, ``args, kwargs`` is a whole batch: each count of
     :func:`chunk_candidates` is profiled at its own micro-batch size and planned, and the plan with
-    the shortest predicted step whose stages fit ``memory_gb`` (under ``checkpoint``) is returned,
+    the shortest predicted step whose stages fit ``memory_gb`` (under ``recompute``) is returned,
     listing every candidate in ``plan.candidates``.
     """
     options = (options or PipelineOptions()).replace(**settings)
-    chunks, checkpoint, balance, method = options.chunks, options.checkpoint, options.balance, options.method
+    chunks, recompute, balance, method = options.chunks, options.recompute, options.balance, options.method
     batch_dim, check_batch, leaf_modules = options.batch_dim, options.check_batch, options.leaf_modules
     bandwidth_gbps, memory_gb, fallback = options.bandwidth_gbps, options.memory_gb, options.fallback
     profile_cache, use_profile_cache = options.profile_cache, options.use_profile_cache
@@ -136,7 +136,7 @@ def plan_model(
                          "module and a whole batch, not a saved cost graph, or give chunks as a number")
 
     def cut(cost: nx.DiGraph, count: int) -> Plan:
-        return _cut(cost, devices, count, checkpoint, balance, method, bandwidth_gbps, memory_gb, optimizer_multiplier)
+        return _cut(cost, devices, count, recompute, balance, method, bandwidth_gbps, memory_gb, optimizer_multiplier)
 
     directory = Path(profile_cache) if profile_cache else default_cache_dir()
     if use_profile_cache:
@@ -152,11 +152,11 @@ def plan_model(
         if not calibrate or not calibration.applies_to(plan, graph):
             return plan
         assert module is not None and graph is not None
-        calibration_key = calibration.calibration_key(key, plan, checkpoint)
+        calibration_key = calibration.calibration_key(key, plan, recompute)
         found = calibration.load(directory, calibration_key, plan.num_stages) if use_profile_cache else None
         read_from = calibration.calibration_file(directory, calibration_key) if found is not None else None
         if found is None:
-            found = calibration.calibrate(module, graph, plan, args, kwargs, batch_dim=batch_dim, checkpoint=checkpoint,
+            found = calibration.calibrate(module, graph, plan, args, kwargs, batch_dim=batch_dim, recompute=recompute,
                                           progress=progress)
             if use_profile_cache:
                 calibration.store(directory, calibration_key, found)
@@ -226,17 +226,17 @@ def _profiled(module: nn.Module, graph: OpGraph, args: tuple, kwargs: dict, devi
     return cost, None, key
 
 
-def _cut(cost: nx.DiGraph, devices: list[torch.device], chunks: int, checkpoint: str,
+def _cut(cost: nx.DiGraph, devices: list[torch.device], chunks: int, recompute: str,
          balance: Sequence[int] | None, method: str, bandwidth_gbps: float | None,
          memory_gb: float | Sequence[float | None] | None, optimizer_multiplier: float) -> Plan:
     names = [str(d) for d in devices]
     bandwidth = bandwidth_gbps if bandwidth_gbps is not None else default_bandwidth_gbps(devices)
     if balance is not None:
         return plan_from_balance(cost, list(balance), chunks=chunks, devices=names, bandwidth_gbps=bandwidth,
-                                 optimizer_multiplier=optimizer_multiplier, checkpoint=checkpoint)
+                                 optimizer_multiplier=optimizer_multiplier, recompute=recompute)
     memory = memory_gb if memory_gb is not None else default_memory_gb(devices)
     return partition(cost, len(devices), chunks=chunks, method=method, devices=names, bandwidth_gbps=bandwidth,
-                     memory_gb=memory, optimizer_multiplier=optimizer_multiplier, checkpoint=checkpoint)
+                     memory_gb=memory, optimizer_multiplier=optimizer_multiplier, recompute=recompute)
 
 
 def _choose_chunks(

@@ -40,7 +40,7 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str], title: str | None = None
     loads.set_yticks(list(y), names)
     loads.invert_yaxis()
     loads.set_xlabel("ms per micro-batch")
-    loads.set_title(f"stage loads (bottleneck x{plan.balance:.3f} the bound)")
+    loads.set_title(f"stage loads (bottleneck x{plan.bound_ratio:.3f} the bound)")
     loads.set_xlim(0, 1.6 * ms * max(max(s.time_s for s in stages), plan.lower_bound_s))
     loads.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.02 * len(stages)), ncol=4, fontsize=8)
 

@@ -100,13 +100,13 @@ class StepRecord:
 class PassState:
     """Everything one forward pass leaves for its backward pass.
 
-    ``stage_sets[m]`` are the stage modules micro-batch m runs with: one list for all of them,
+    ``micro_batch_stages[m]`` are the stage modules micro-batch m runs with: one list for all of them,
     unless the graph was captured again for a micro-batch of another shape.
     """
 
     record: StepRecord
     saved: list[dict[int, _Saved]] = field(default_factory=list)  # per stage, by micro-batch
-    stage_sets: list[Sequence[StageModule]] = field(default_factory=list)
+    micro_batch_stages: list[Sequence[StageModule]] = field(default_factory=list)
     schedule: Schedule | None = None
     #: per stage, the count of what it keeps for backward (``None``: not measured)
     held: Sequence[HeldMemory] | None = None
@@ -216,23 +216,23 @@ def _reraise(failure: _Failure) -> BaseException:
 
 def run_forward(
     pool: WorkerPool,
-    stage_sets: list[Sequence[StageModule]],
+    micro_batch_stages: list[Sequence[StageModule]],
     micro_batches: list[tuple[list[Any], Any]],
     state: PassState | None,
-    checkpoint_stop: int,
+    recompute_stop: int,
     schedule: Schedule | None = None,
     seed: int | None = None,
 ) -> list[tuple[list[Any], Any]]:
     """Forward every micro-batch through every stage; returns the last stage's output leaves and spec.
 
     ``micro_batches[m]`` is the flattened first-stage input of micro-batch m (leaves and spec), and
-    ``stage_sets[m]`` the stage modules it runs with. Each stage runs its forwards in the order of
+    ``micro_batch_stages[m]`` the stage modules it runs with. Each stage runs its forwards in the order of
     ``schedule`` (default: GPipe's). Random operations draw from ``seed`` (``state.seed`` when a
     state is given; see :mod:`lightning_antichain.runtime.randomness`). With ``state`` given, autograd
-    graphs (or, for micro-batches below ``checkpoint_stop``, just the inputs to recompute them from)
+    graphs (or, for micro-batches below ``recompute_stop``, just the inputs to recompute them from)
     are kept in it for :func:`run_backward`, which follows the same schedule.
     """
-    stages = stage_sets[0]
+    stages = micro_batch_stages[0]
     schedule = schedule or gpipe(len(stages), len(micro_batches))
     first: queue.Queue = queue.Queue()
     last: queue.Queue = queue.Queue()
@@ -243,15 +243,15 @@ def run_forward(
         seed = state.seed
         state.autocast = _ThreadContext(True).autocast
         state.saved = [{} for _ in stages]
-        state.stage_sets = stage_sets
+        state.micro_batch_stages = micro_batch_stages
         state.schedule = schedule
 
     def forward(k: int, m: int, values: tuple, spec: Any, event: Any, flags: tuple) -> tuple:
         device = stages[k].device
         target = stages[k + 1].device if k + 1 < len(stages) else None
-        stage = stage_sets[m][k]
+        stage = micro_batch_stages[m][k]
         leaves = arrive(values, event, device, flags if state is not None else [False] * len(values))
-        if state is not None and m < checkpoint_stop:  # recomputed in backward: keep the inputs only
+        if state is not None and m < recompute_stop:  # recomputed in backward: keep the inputs only
             with torch.no_grad(), drawing(seed, m):
                 outputs, out_spec = stage(leaves, spec)
             out_flags = _recompute_flags(stage, leaves, outputs)
@@ -351,7 +351,7 @@ def run_backward(
     ``output_grads[m]`` holds the gradients of the last stage's output leaves for micro-batch m
     (``None`` where a leaf got none). Returns the gradients of stage 0's input leaves per micro-batch.
     """
-    stages = state.stage_sets[0]
+    stages = state.micro_batch_stages[0]
     schedule = state.schedule or gpipe(len(stages), len(output_grads))
     count = len(output_grads)
     first: queue.Queue = queue.Queue()
@@ -361,7 +361,7 @@ def run_backward(
 
     def backward(k: int, m: int, grads: tuple, event: Any) -> tuple:
         target = stages[k - 1].device if k > 0 else None
-        stage = state.stage_sets[m][k]
+        stage = state.micro_batch_stages[m][k]
         saved = state.saved[k][m]
         inputs, outputs = saved.inputs, saved.outputs
         restore = counted = None
@@ -391,7 +391,7 @@ def _grad_of(value: Any) -> torch.Tensor | None:
 
 
 def _recompute(stage: StageModule, saved: _Saved, state: PassState, m: int) -> tuple[list[Any], Callable[[], None]]:
-    """Run a checkpointed micro-batch's forward again: its random operations draw what they drew
+    """Run a recomputed micro-batch's forward again: its random operations draw what they drew
     the first time, under the forward's autocast.
 
     Returns the outputs and a function that undoes the second update of BatchNorm running

@@ -9,12 +9,13 @@ one check, wherever it is used.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from .batch_dims import check_batch_dim
-from .plan import CHECKPOINT_MODES, check_chunks
+from .plan import RECOMPUTE_MODES, check_chunks
 
 PLANNING_METHODS = ("antichain", "uniform", "parameters", "blocks")
 FALLBACKS = (None, "children")
@@ -25,7 +26,7 @@ class PipelineOptions:
     """How to plan and run a pipeline.
 
     Running: ``chunks`` micro-batches per batch (``"auto"``: the planner chooses; a Pipeline runs
-    its plan's count), ``checkpoint`` (activation recomputation: ``"never"``, ``"except_last"``,
+    its plan's count), ``recompute`` (activation recomputation: ``"never"``, ``"except_last"``,
     ``"always"``), ``batch_dim`` (the inputs' dim that holds the samples, or a dict of them by
     argument name), ``check_batch`` (refuse a forward whose samples depend on each other),
     ``leaf_modules`` (kept whole by capture), ``deferred_batch_norm`` (update running statistics
@@ -41,7 +42,7 @@ class PipelineOptions:
     """
 
     chunks: int | str = "auto"
-    checkpoint: str = "never"
+    recompute: str = "never"
     batch_dim: int | Mapping[str, int] = 0
     check_batch: bool = True
     leaf_modules: tuple[type | str, ...] = ()
@@ -61,8 +62,8 @@ class PipelineOptions:
 
     def __post_init__(self) -> None:
         check_chunks(self.chunks, auto=True)
-        if self.checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         check_batch_dim(self.batch_dim)
         if self.method not in PLANNING_METHODS:
             raise ValueError(f"method must be one of {PLANNING_METHODS}, got {self.method!r}")
@@ -88,8 +89,20 @@ class PipelineOptions:
 
     def replace(self, **changes: Any) -> PipelineOptions:
         """These options with ``changes``, checked again; an unknown name is a clear error."""
+        if "checkpoint" in changes:
+            old = changes.pop("checkpoint")
+            changes["recompute"] = renamed_recompute(changes.get("recompute", self.recompute), old)
         fields = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - fields)
         if unknown:
             raise TypeError(f"unknown pipeline option(s) {unknown}; the options are {sorted(fields)}")
         return dataclasses.replace(self, **changes)
+
+
+def renamed_recompute(recompute: str, checkpoint: str | None) -> str:
+    """``recompute``, or the mode given by its old name ``checkpoint=``, with a warning."""
+    if checkpoint is None:
+        return recompute
+    warnings.warn("checkpoint= is now recompute= (it recomputes activations in backward; Lightning's checkpoints "
+                  "are something else). The old name still works for now.", DeprecationWarning, stacklevel=3)
+    return checkpoint

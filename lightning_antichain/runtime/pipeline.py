@@ -58,7 +58,7 @@ class Pipeline(nn.Module):
     ``graph`` is the captured graph the plan was made for (see :func:`lightning_antichain.capture`):
     pass the one that was profiled, so the graph that runs is the graph that was planned. Without it,
     the module is captured again with the plan's frontend (on the first call, for frontends that need
-    an example). ``checkpoint`` recomputes activations in backward instead of keeping them:
+    an example). ``recompute`` recomputes activations in backward instead of keeping them:
     ``"never"``, ``"except_last"`` (every micro-batch but the last, whose backward comes first
     anyway) or ``"always"``. ``devices`` overrides the plan's device per stage. Outputs are gathered
     on ``output_device`` (default: the device of the first input tensor, else the first stage's).
@@ -95,7 +95,7 @@ class Pipeline(nn.Module):
         super().__init__()
         options = (options or PipelineOptions()).replace(**settings)
         self.options = options
-        chunks, checkpoint, batch_dim = options.chunks, options.checkpoint, options.batch_dim
+        chunks, recompute, batch_dim = options.chunks, options.recompute, options.batch_dim
         check_batch, leaf_modules = options.check_batch, options.leaf_modules
         deferred_batch_norm, share_cpu_allocator = options.deferred_batch_norm, options.share_cpu_allocator
         measure_activations = options.measure_activations
@@ -108,7 +108,7 @@ class Pipeline(nn.Module):
         self.check_batch = check_batch
         _warn_if_sequence_first(module, self.batch_dim)
         self.chunks = chunks
-        self.checkpoint = checkpoint
+        self.recompute = recompute
         self.deferred_batch_norm = deferred_batch_norm
         self.output_device = None if output_device is None else torch.device(output_device)
         self.leaf_modules = tuple(leaf_modules)
@@ -198,22 +198,22 @@ class Pipeline(nn.Module):
         if self.check_batch:
             self._check_per_sample(run, values)
         micro_values = microbatch.scatter(values, self.chunks, run.input_dims)
-        stage_sets = [self._stages_for(run, v) for v in micro_values]
+        micro_batch_stages = [self._stages_for(run, v) for v in micro_values]
         sizes = [microbatch.batch_size(v, run.input_dims) for v in micro_values]
         micro_inputs = [flatten([v[i] for i in run.input_slots]) for v in micro_values]
         output_device = self.output_device or _first_device(args, kwargs) or self._devices[0]
         schedule = make_schedule(self.plan.schedule, len(run.stages), len(micro_inputs))
-        draws = any(stage.random_nodes for stages in stage_sets for stage in stages)
+        draws = any(stage.random_nodes for stages in micro_batch_stages for stage in stages)
         seed = step_seed() if draws else None
         if not torch.is_grad_enabled():
             outputs, assigned = self._take_assigned(
-                run, run_forward(self._pool, stage_sets, micro_inputs, None, 0, schedule, seed))
+                run, run_forward(self._pool, micro_batch_stages, micro_inputs, None, 0, schedule, seed))
             dims = self._output_dims(run, outputs, micro_values[0], sizes)
             leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
             result = self._assemble(run, leaves, outputs[0][1])
             self._assign(run, assigned, micro_values[0], sizes)
             return result
-        stop = recomputed_micro_batches(self.checkpoint, len(micro_inputs))
+        stop = recomputed_micro_batches(self.recompute, len(micro_inputs))
         if not self.training:
             stop = 0
         per_slot = [flatten(values[i])[0] for i in run.input_slots]
@@ -224,7 +224,7 @@ class Pipeline(nn.Module):
         state = PassState(StepRecord.for_stages(len(run.stages)), held=held, seed=seed)
         self.last_step = state.record
         with deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext():
-            outputs = run_forward(self._pool, stage_sets, micro_inputs, state, stop, schedule)
+            outputs = run_forward(self._pool, micro_batch_stages, micro_inputs, state, stop, schedule)
         outputs, assigned = self._take_assigned(run, outputs)
         dims = self._output_dims(run, outputs, micro_values[0], sizes)
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)

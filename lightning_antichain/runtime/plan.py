@@ -16,13 +16,13 @@ from .device import shares_host
 from .schedule import Task, Timed, make_schedule, stage_durations, timeline
 
 PLAN_FORMAT = "lightning-antichain/plan/1"
-CHECKPOINT_MODES = ("never", "except_last", "always")
+RECOMPUTE_MODES = ("never", "except_last", "always")
 """Activation recomputation: none, every micro-batch but the last, or every one."""
 
 
-def recomputed_micro_batches(checkpoint: str, chunks: int) -> int:
-    """How many micro-batches, from the first, the runtime recomputes in backward under ``checkpoint``."""
-    return {"never": 0, "except_last": chunks - 1, "always": chunks}[checkpoint]
+def recomputed_micro_batches(recompute: str, chunks: int) -> int:
+    """How many micro-batches, from the first, the runtime recomputes in backward under ``recompute``."""
+    return {"never": 0, "except_last": chunks - 1, "always": chunks}[recompute]
 
 
 def check_chunks(chunks: object, auto: bool = False) -> int | str:
@@ -44,7 +44,7 @@ class Stage:
     ``compute_s`` is forward plus backward of one micro-batch on this device; ``transfer_s`` ships
     the stage's input cut in and its output cut out, forward and the gradients back.
     ``memory_bytes`` counts parameters, their gradients and optimizer state, buffers, and what the
-    plan's ``checkpoint`` mode keeps for backward at its peak: ``activation_bytes`` (what one
+    plan's ``recompute`` mode keeps for backward at its peak: ``activation_bytes`` (what one
     micro-batch keeps: saved tensors, inputs and outputs) for each of ``chunks`` micro-batches, or,
     with recomputation, one micro-batch's ``activation_bytes`` and ``kept_input_bytes`` (a recomputed
     micro-batch's inputs) for each of the others. ``input_bytes`` and ``output_bytes`` are the cuts
@@ -112,7 +112,7 @@ class Plan:
     micro_batch_size: int | None = None
     bandwidth_gbps: float | None = None
     optimizer_multiplier: float = 2.0
-    checkpoint: str = "never"
+    recompute: str = "never"
     num_nodes: int = 0
     num_states: int = 0
     solve_s: float = 0.0
@@ -138,13 +138,13 @@ class Plan:
         return len(self.stages)
 
     @property
-    def balance(self) -> float:
-        """``bottleneck_s / lower_bound_s``: 1.0 is a perfect split."""
+    def bound_ratio(self) -> float:
+        """``bottleneck_s / lower_bound_s``: 1.0 is a split no other can beat."""
         return self.bottleneck_s / self.lower_bound_s if self.lower_bound_s > 0 else 1.0
 
     @property
-    def balance_counts(self) -> list[int]:
-        """Operations per stage, torchgpipe's ``balance`` list."""
+    def balance(self) -> list[int]:
+        """Operations per stage, as ``balance=`` takes them (torchgpipe's ``balance``)."""
         return [len(s.nodes) for s in self.stages]
 
     def stage_of(self) -> dict[str, int]:
@@ -155,12 +155,15 @@ class Plan:
         data = {k: v for k, v in asdict(self).items() if k != "stages"}
         data["stages"] = [s.to_dict() for s in self.stages]
         data["balance"] = self.balance
+        data["bound_ratio"] = self.bound_ratio
         return {"format": PLAN_FORMAT, **data}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         if data.get("format") != PLAN_FORMAT:
             raise ValueError(f"not a plan of format {PLAN_FORMAT!r}: format={data.get('format')!r}")
+        if "checkpoint" in data and "recompute" not in data:  # saved before the field was renamed
+            data = {**data, "recompute": data["checkpoint"]}
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         stage_fields = Stage.__dataclass_fields__
         fields["stages"] = [Stage(**{k: v for k, v in s.items() if k in stage_fields}) for s in data["stages"]]
@@ -214,7 +217,7 @@ class Plan:
             line(tuple("-" * w for w in widths)),
             *map(line, rows),
             f"bottleneck {1e3 * self.bottleneck_s:.2f} ms/micro-batch, "
-            f"lower bound {1e3 * self.lower_bound_s:.2f} ms (x{self.balance:.3f}); "
+            f"lower bound {1e3 * self.lower_bound_s:.2f} ms (x{self.bound_ratio:.3f}); "
             f"predicted step {1e3 * self.predicted_step_s:.1f} ms",
             f"{self.num_nodes} ops, {self.num_states} states, solved in {self.solve_s:.3f} s"
             + ("" if self.profile_s is None else f", profiled in {self.profile_s:.1f} s")
@@ -256,10 +259,10 @@ class Plan:
     def timeline(self) -> list[Timed]:
         """The predicted start and end of every task of one step (:func:`schedule.timeline`), each
         stage's transfer split evenly between its forward and its backward, and the backward of a
-        micro-batch that ``checkpoint`` recomputes charged its forward again."""
+        micro-batch that ``recompute`` recomputes charged its forward again."""
         forward = [s.forward_s + s.transfer_s / 2 + self.task_overhead_s for s in self.stages]
         backward = [s.backward_s + s.transfer_s / 2 + self.task_overhead_s for s in self.stages]
-        recomputed = recomputed_micro_batches(self.checkpoint, self.chunks)
+        recomputed = recomputed_micro_batches(self.recompute, self.chunks)
         durations = stage_durations(forward, backward)
 
         def duration(task: Task) -> float:

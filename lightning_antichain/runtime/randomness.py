@@ -2,7 +2,7 @@
 
 Stages run on worker threads that share the process's default generators, so what one stage draws
 would depend on what the others drew meanwhile, and a forward recomputed for backward
-(``checkpoint=...``) would draw other dropout masks than the forward whose output the loss saw: a
+(``recompute=...``) would draw other dropout masks than the forward whose output the loss saw: a
 gradient of a different function, silently.
 
 So every operation of a stage graph that may draw random numbers (dropout in any form, ``rand*``,
@@ -14,7 +14,7 @@ step's seed is drawn once per pipelined call from the caller's default CPU gener
 (:func:`step_seed`), so ``seed_everything`` still decides the run.
 
 What follows: a pipelined run's random numbers are not the stream plain training draws, but they
-have the same distribution; they are the same for every ``checkpoint`` mode and for any number of
+have the same distribution; they are the same for every ``recompute`` mode and for any number of
 stages or devices (only the micro-batch count changes them), and the same again under the same seed.
 
 The generators are supplied by a dispatch mode, which is local to the worker thread: an ATen op
