@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 from lit_models import trainer
+from pipelined import assert_pipelined
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -203,7 +204,10 @@ def _fit(devices: int) -> TutorialModule:
     tokens = torch.randint(0, VOCAB, (80, 7), generator=torch.Generator().manual_seed(2))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
     strategy = "auto" if devices == 1 else la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False)
-    trainer(strategy=strategy, devices=devices, max_steps=10).fit(model, loader)
+    t = trainer(strategy=strategy, devices=devices, max_steps=10)
+    t.fit(model, loader)
+    if devices > 1:
+        assert_pipelined(t)
     return model
 
 

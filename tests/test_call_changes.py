@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lit_models import trainer
+from pipelined import assert_pipelined
 from test_modes import GPT2Module, _tokens
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -68,6 +69,7 @@ def test_an_optional_tensor_given_on_some_steps_trains_like_plain(frontend, give
         runs.append(model.losses)
         if devices == 2:
             assert t.strategy.plan.frontend == frontend
+            assert_pipelined(t)
     assert len(runs[0]) == 4
     torch.testing.assert_close(torch.tensor(runs[0]), torch.tensor(runs[1]), rtol=1e-9, atol=0)
 
@@ -93,6 +95,7 @@ def test_an_exported_gpt2_captured_at_one_sample_runs_at_other_sizes(train_batch
     assert len(model.checks) == 1
     pipelined, reference = model.checks[0]
     assert pipelined == pytest.approx(reference, rel=1e-9)
+    assert_pipelined(t)
 
 
 class PerSampleLengths(L.LightningModule):

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from pipelined import assert_pipelined
 from torch import nn
 from zoo import NanoGPT, TransformerLM
 
@@ -30,6 +31,7 @@ def _check_parity(model, graph, plan, args, chunks, rel=1e-9):
     pipe = la.Pipeline(model, plan, chunks=chunks, graph=graph)
     output = pipe(*args)
     (output * weights).sum().backward()
+    assert_pipelined(pipe)
     torch.testing.assert_close(output, expected, rtol=1e-12, atol=0)
     for n, g in reference.items():
         floor = max(g.abs().max().item(), 1e-6 * scale)

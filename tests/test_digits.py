@@ -4,6 +4,7 @@ import lightning as L
 import pytest
 import torch
 from lit_models import trainer
+from pipelined import assert_pipelined
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -66,6 +67,8 @@ def accuracy(strategy, devices):
     train, test = digits_loaders()
     t = trainer(strategy=strategy, devices=devices, max_epochs=12)
     t.fit(model, train)
+    if devices > 1:
+        assert_pipelined(t)
     return t.test(model, test, verbose=False)[0]["test_acc"]
 
 

@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from lit_models import trainer
+from pipelined import assert_pipelined
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -109,6 +110,7 @@ def test_a_sequence_first_gru_is_split_on_the_batch_and_joined_per_output(batch_
     with la.Pipeline(model, la.partition(cost, 2, chunks=4), chunks=4, graph=graph, batch_dim=batch_dim) as pipe:
         output = pipe(**call)
         sum(t.sum() for t in output).backward()
+        assert_pipelined(pipe)
     for got, want in zip(output, expected):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
@@ -163,8 +165,10 @@ def test_a_sequence_first_gru_trains_through_the_trainer_like_plain_lightning():
         y = (x[:, -1, :3]).argmax(1)
         strategy = "auto" if devices == 1 else la.AntichainPipelineStrategy(chunks=4, batch_dim=1,
                                                                              use_profile_cache=False)
-        trainer(strategy=strategy, devices=devices, max_steps=10).fit(model, DataLoader(TensorDataset(x, y),
-                                                                                        batch_size=16))
+        t = trainer(strategy=strategy, devices=devices, max_steps=10)
+        t.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
+        if devices > 1:
+            assert_pipelined(t)
         return model.losses
 
     plain = run(1)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pipelined import assert_pipelined
 from torch import nn
 
 import lightning_antichain as la
 from lightning_antichain.capture import capture
 from lightning_antichain.planner.antichain import build_state_space
 from lightning_antichain.planner.cost_graph import normalize_cost_graph
-from lightning_antichain.planner.partition import CostModel, DeviceSpec, _make_plan, evaluate_stages
+from lightning_antichain.planner.cost_model import CostModel, DeviceSpec, evaluate_stages
+from lightning_antichain.planner.partition import _make_plan
 
 
 class ReluInPlace(nn.Module):
@@ -87,6 +89,7 @@ def test_every_split_the_planner_may_choose_keeps_an_in_place_op_before_its_read
         with la.Pipeline(model, plan, chunks=3, graph=graph) as pipe:
             output = pipe(x)
             output.pow(2).sum().backward()
+            assert_pipelined(pipe)
         torch.testing.assert_close(output, expected, rtol=1e-12, atol=0, msg=f"stage 0 = {first}")
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, reference[n], rtol=1e-12, atol=0, msg=f"stage 0 = {first}: {n}")
@@ -115,6 +118,7 @@ def test_an_in_place_change_of_the_input_trains_as_plain(stages):
     with la.Pipeline(model, la.partition(cost, stages, chunks=2), chunks=2, graph=graph) as pipe:
         output = pipe(x.clone())  # micro-batches are views of one tensor: one may not bump the others' version
         output.pow(2).sum().backward()
+        assert_pipelined(pipe, stages=stages)
     torch.testing.assert_close(output, expected, rtol=1e-12, atol=0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, reference[n], rtol=1e-12, atol=0, msg=n)

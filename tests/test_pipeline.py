@@ -103,6 +103,7 @@ def check_parity(name, stages, chunks, recompute="never", batch=10, input_grad=F
         assert got.shape == want.shape
         assert max_relative_error(got, want.detach()) <= 1e-12
     loss_of(output).backward()
+    assert {stage for stage, _ in assert_pipelined(pipe, stages=plan.num_stages)} == set(range(plan.num_stages))
     for n, p in model.named_parameters():
         assert p.grad is not None, f"no gradient for {n}"
         assert max_relative_error(p.grad, reference[n]) <= 1e-9, n

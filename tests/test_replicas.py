@@ -3,10 +3,12 @@
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from pipelined import assert_pipelined
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "replicas.py"
 
@@ -22,6 +24,8 @@ def losses(tmp_path, name, *args):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
+    if "--plain" not in args:  # rank 0's pipeline really ran, on its own workers
+        assert_pipelined(Counter({(stage, thread): count for stage, thread, count in data["tasks"]}))
     return data["world_size"], torch.tensor(data["losses"]), data["train_acc"]
 
 

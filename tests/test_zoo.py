@@ -51,7 +51,7 @@ def zoo_parity(name: str, stages: int = 3, chunks: int = 4, batch: int = 8):
     with la.Pipeline(model, plan, chunks=chunks, graph=graph) as pipe:
         output = pipe(*args, **kwargs)
         sum((t * w).sum() for t, w in zip(_floating(output), weights)).backward()
-        assert {stage for stage, _ in assert_pipelined(pipe)} == set(range(plan.num_stages))
+        assert {stage for stage, _ in assert_pipelined(pipe, stages=plan.num_stages)} == set(range(plan.num_stages))
     out_error = max(_relative(a, b.detach()) for a, b in zip(_floating(output), _floating(expected)))
     scale = max(g.abs().max().item() for g in reference.values())
     grad_error = 0.0

@@ -85,9 +85,11 @@ class Record(L.Callback):
     def on_train_end(self, trainer, module):
         if trainer.is_global_zero:
             accuracy = trainer.callback_metrics["train_acc"].item()
-            Path(self.out).write_text(
-                json.dumps({"losses": self.losses, "world_size": trainer.world_size, "train_acc": accuracy})
-            )
+            ran = getattr(trainer.strategy, "tasks_run", {})
+            tasks = [[stage, thread, count] for (stage, thread), count in ran.items()]
+            Path(self.out).write_text(json.dumps(
+                {"losses": self.losses, "world_size": trainer.world_size, "train_acc": accuracy, "tasks": tasks}
+            ))
 
 
 def main():
