@@ -9,7 +9,8 @@ from .capture.assignments import AssignmentError
 from .lightning.strategy import AntichainPipelineStrategy, register
 from .planner.antichain import StateSpace, build_state_space, enumerate_down_sets
 from .planner.cost_graph import CostGraphError, load_cost_graph, save_cost_graph
-from .planner.partition import CostModel, DeviceSpec, InfeasiblePlanError, partition, plan_from_balance
+from .planner.cost_model import CostModel, DeviceSpec, InfeasiblePlanError
+from .planner.partition import partition, plan_from_balance
 from .planner.profiler import profile
 from .runtime.batch_dims import BatchDependenceError, check_micro_batchable
 from .runtime.pipeline import Pipeline

@@ -19,7 +19,8 @@ from typing import Any
 
 from .capture import UntraceableModelError
 from .planner.cost_graph import load_cost_graph, save_cost_graph
-from .planner.partition import METHODS, InfeasiblePlanError
+from .planner.cost_model import InfeasiblePlanError
+from .planner.partition import METHODS
 from .runtime.options import PipelineOptions
 
 DEFAULTS = PipelineOptions()

@@ -56,6 +56,12 @@ def runtime_overhead(device: str | torch.device = "cpu", cache_dir: Path | None 
     return found
 
 
+def charge_runtime_overhead(cost: nx.DiGraph, device: str | torch.device) -> None:
+    """Write the runtime's overhead on ``device`` into the cost graph, where the planner reads it."""
+    found = runtime_overhead(device)
+    cost.graph.update(task_overhead_s=found.task_s, step_overhead_s=found.step_s)
+
+
 def measure_runtime_overhead(device: torch.device, repeats: int = 15, chunks: int = 8) -> RuntimeOverhead:
     """Fit ``step_s + 2 * chunks * task_s`` to a one-stage pipeline's extra time over plain training
     on the same micro-batches, at 1 and at ``chunks`` micro-batches."""

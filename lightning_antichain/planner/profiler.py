@@ -11,7 +11,6 @@ saved and planned again without profiling.
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,8 +29,8 @@ from ..runtime.batch_dims import batch_size_of
 from ..runtime.device import device_name, shares_host, synchronize
 from ..runtime.microbatch import MicroBatchError
 from ..runtime.saved_tensors import saved_per_call, state_storages
-from ..runtime.worker import WorkerPool, share_malloc_arena
 from . import overhead
+from .contention import cpu_cores, parallel_capacity, training_step
 from .cost_graph import GRAPH_FORMAT
 from .progress import Progress
 
@@ -107,8 +106,8 @@ def profile(
     capacity, scale = None, 1.0
     if shares_host(device):
         call_args, call_kwargs = (replay.bind(args, kwargs), {}) if graph.graph_module is not None else (args, kwargs)
-        capacity, whole_s = _parallel_capacity(
-            [_training_step(work_module, *map_tensors(torch.Tensor.clone, (tuple(call_args), call_kwargs)))
+        capacity, whole_s = parallel_capacity(
+            [training_step(work_module, *map_tensors(torch.Tensor.clone, (tuple(call_args), call_kwargs)))
              for _ in range(2)], repeats)
         ops_s = sum(statistics.median(t[0] for t in m) + statistics.median(t[1] for t in m) for m in samples)
         scale = whole_s / ops_s if ops_s > 0 else 1.0
@@ -162,65 +161,13 @@ def profile(
         repeats=repeats,
         parallel_capacity=capacity,
         op_time_scale=scale,
-        cpu_cores=_cpu_cores(),
+        cpu_cores=cpu_cores(),
         saved_counted=True,
     )
     if runtime_overhead:
-        found = overhead.runtime_overhead(device)
-        cost.graph.update(task_overhead_s=found.task_s, step_overhead_s=found.step_s)
+        overhead.charge_runtime_overhead(cost, device)
     cost.graph["profile_s"] = time.perf_counter() - started
     return cost
-
-
-def _parallel_capacity(steps: list[Callable[[], None]], repeats: int) -> tuple[float | None, float]:
-    """Work done by two threads running ``steps`` (one each, on their own copies of the inputs) at
-    once, in units of one thread alone (2.0: no contention), and the seconds one step takes alone.
-    ``None`` where the model cannot train on two threads at once (the calibration measures it then)."""
-    share_malloc_arena()  # as CPU pipelines do, so the threads contend as theirs will
-    alone_pool, pair_pool = WorkerPool(1, name="antichain-alone"), WorkerPool(2, name="antichain-pair")
-    alone, together = [], []
-    paired = True
-    try:
-        for i in range(1 + max(1, min(3, repeats))):
-            start = time.perf_counter()
-            alone_pool.run(steps[:1], lambda: None)
-            if i:
-                alone.append(time.perf_counter() - start)
-            if paired:
-                start = time.perf_counter()
-                try:
-                    pair_pool.run(steps, lambda: None)
-                except RuntimeError:  # e.g. autograd's in-place check tripped by the other thread
-                    paired = False
-                if i:
-                    together.append(time.perf_counter() - start)
-    finally:
-        alone_pool.shutdown()
-        pair_pool.shutdown()
-    if not paired:
-        return None, statistics.median(alone)
-    return min(2.0, 2.0 * statistics.median(alone) / statistics.median(together)), statistics.median(alone)
-
-
-def _training_step(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
-    """One forward and backward of ``module``, with gradients returned rather than accumulated (so
-    two threads may run it at once)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-
-    def step() -> None:
-        with torch.enable_grad():
-            outs = [t for t in iter_tensors(module(*args, **kwargs)) if t.requires_grad]
-            if outs and params:
-                torch.autograd.grad(outs, params, [torch.ones_like(t) for t in outs], allow_unused=True)
-
-    return step
-
-
-def _cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 class _Timer:

@@ -1,0 +1,72 @@
+"""How much work CPU stages get through when they run at once, in units of one stage alone.
+
+Stages on CPU devices share one machine's cores, memory bandwidth and interpreter lock, so two
+stages running at once do less than twice the work of one: small micro-batches contend for the
+interpreter lock, large ones for memory bandwidth. The profiler measures this once per model and
+micro-batch size (the whole model's forward and backward on two threads at once against one), and
+the planner's prediction of a step uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..capture.pytrees import iter_tensors
+from ..runtime.worker import WorkerPool, share_malloc_arena
+
+
+def parallel_capacity(steps: list[Callable[[], None]], repeats: int) -> tuple[float | None, float]:
+    """Work done by two threads running ``steps`` (one each, on their own copies of the inputs) at
+    once, in units of one thread alone (2.0: no contention), and the seconds one step takes alone.
+    ``None`` where the model cannot train on two threads at once (the calibration measures it then)."""
+    share_malloc_arena()  # as CPU pipelines do, so the threads contend as theirs will
+    alone_pool, pair_pool = WorkerPool(1, name="antichain-alone"), WorkerPool(2, name="antichain-pair")
+    alone, together = [], []
+    paired = True
+    try:
+        for i in range(1 + max(1, min(3, repeats))):
+            start = time.perf_counter()
+            alone_pool.run(steps[:1], lambda: None)
+            if i:
+                alone.append(time.perf_counter() - start)
+            if paired:
+                start = time.perf_counter()
+                try:
+                    pair_pool.run(steps, lambda: None)
+                except RuntimeError:  # e.g. autograd's in-place check tripped by the other thread
+                    paired = False
+                if i:
+                    together.append(time.perf_counter() - start)
+    finally:
+        alone_pool.shutdown()
+        pair_pool.shutdown()
+    if not paired:
+        return None, statistics.median(alone)
+    return min(2.0, 2.0 * statistics.median(alone) / statistics.median(together)), statistics.median(alone)
+
+
+def training_step(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
+    """One forward and backward of ``module``, with gradients returned rather than accumulated (so
+    two threads may run it at once)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step() -> None:
+        with torch.enable_grad():
+            outs = [t for t in iter_tensors(module(*args, **kwargs)) if t.requires_grad]
+            if outs and params:
+                torch.autograd.grad(outs, params, [torch.ones_like(t) for t in outs], allow_unused=True)
+
+    return step
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -1,0 +1,186 @@
+"""The cost model: what a set of operations costs as a pipeline stage on a device.
+
+A stage costs its compute (forward + backward, divided by its device's speed) plus shipping its
+input and output cuts both ways over the link; its memory is its parameters with their gradients
+and optimizer state, its buffers, and what it keeps for backward under the recompute mode. The
+DP, the baselines and the plan all cost stages here, so they are compared on one model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+from ..runtime.plan import RECOMPUTE_MODES, Stage
+
+
+class InfeasiblePlanError(ValueError):
+    """No split satisfies the request; the message names the limit and the stage."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device a stage can run on: relative ``speed`` (2.0 = twice as fast) and memory in bytes."""
+
+    name: str = "cpu"
+    speed: float = 1.0
+    memory_bytes: float | None = None
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How a set of operations turns into stage time and memory.
+
+    ``bandwidth`` is bytes per second between neighbouring stages (``inf``: free transfers, as
+    between CPU devices that share memory). ``optimizer_multiplier`` is optimizer state per
+    parameter byte: 0 for SGD, 1 for SGD with momentum, 2 for Adam.
+    """
+
+    chunks: int = 1
+    bandwidth: float = math.inf
+    optimizer_multiplier: float = 2.0
+    recompute: str = "never"
+
+    def transfer_s(self, nbytes: float | np.ndarray) -> Any:
+        """Seconds to ship ``nbytes`` forward and its gradient back."""
+        return 2.0 * nbytes / self.bandwidth
+
+    def memory_bytes(self, params: Any, buffers: Any, activations: Any, inputs: Any) -> Any:
+        """A stage's peak: parameters with their gradients and optimizer state, buffers, and what it
+        keeps for backward. Without recomputation that is every micro-batch's ``activations``
+        (inputs included), at the end of the forward pass. With it, the peak comes at the first
+        backward, which recomputes one micro-batch's activations while the others keep only their
+        ``inputs``; ``"except_last"`` and ``"always"`` meet the same peak there."""
+        recomputes = self.recompute != "never" and self.chunks > 1
+        held = inputs * (self.chunks - 1) + activations if recomputes else activations * self.chunks
+        return params * (2.0 + self.optimizer_multiplier) + buffers + held
+
+
+def checked_mode(recompute: str) -> str:
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    return recompute
+
+
+def device_specs(
+    stages: int,
+    devices: Sequence[str | DeviceSpec] | None,
+    speeds: Sequence[float] | None,
+    memory_gb: float | Sequence[float | None] | None,
+) -> list[DeviceSpec]:
+    names = list(devices) if devices is not None else ["cpu"] * stages
+    if len(names) != stages:
+        raise ValueError(f"got {len(names)} devices for {stages} stages; give one device per stage")
+    specs = [d if isinstance(d, DeviceSpec) else DeviceSpec(str(d)) for d in names]
+    if speeds is not None:
+        if len(speeds) != stages or any(s <= 0 for s in speeds):
+            raise ValueError(f"speeds needs {stages} positive values, got {list(speeds)}")
+        specs = [DeviceSpec(d.name, float(s), d.memory_bytes) for d, s in zip(specs, speeds, strict=False)]
+    if memory_gb is not None:
+        limits = [memory_gb] * stages if isinstance(memory_gb, (int, float)) else list(memory_gb)
+        if len(limits) != stages:
+            raise ValueError(f"memory_gb needs one value or {stages}, got {len(limits)}")
+        specs = [
+            DeviceSpec(d.name, d.speed, None if m is None else float(m) * 1e9)
+            for d, m in zip(specs, limits, strict=False)
+        ]
+    return specs
+
+
+def memory_of(graph: nx.DiGraph, nodes: list[Any], model: CostModel) -> float:
+    attr = lambda key: sum(graph.nodes[v][key] for v in nodes)  # noqa: E731
+    cut_in = list(dict.fromkeys(p for v in nodes for p in graph.predecessors(v) if p not in nodes))
+    activations, inputs = kept_bytes(graph, nodes, cut_in, nodes)
+    return model.memory_bytes(attr("param_bytes"), attr("buffer_bytes"), activations, inputs)
+
+
+def kept_bytes(graph: nx.DiGraph, nodes: Sequence[Any], cut_in: Sequence[Any], cut_out: Sequence[Any]
+               ) -> tuple[int, int]:
+    """What a stage keeps per micro-batch for backward, and what it keeps of a recomputed one.
+
+    With counted saved tensors: the union of the storages its operations save and of its input and
+    output cuts' storages (each storage once), the copies of the inputs it changes in place (the
+    runtime changes a copy), and the input cuts' storages. Otherwise: every output of its
+    operations and its input cut, and the input cut.
+    """
+    if graph.graph.get("saved_counted"):
+        inputs = {k: b for v in cut_in for k, b in graph.nodes[v]["storages"].items()}
+        kept = dict(inputs)
+        for v in nodes:
+            kept.update(graph.nodes[v]["saved"])
+        for v in cut_out:
+            kept.update(graph.nodes[v]["storages"])
+        changed = {k for v in nodes for k in graph.nodes[v].get("mutates", ())} & set(inputs)
+        return sum(kept.values()) + sum(inputs[k] for k in changed), sum(inputs.values())
+    in_bytes = sum(graph.nodes[v]["output_bytes"] for v in cut_in)
+    own = sum(graph.nodes[v]["output_bytes"] for v in nodes if not graph.nodes[v]["pinned"])
+    return own + in_bytes, in_bytes
+
+
+def evaluate_stages(
+    graph: nx.DiGraph, stage_nodes: Sequence[Sequence[Any]], specs: Sequence[DeviceSpec], model: CostModel
+) -> list[Stage]:
+    """Cost each stage of a split directly from the graph (the program's arrays are not used).
+
+    A stage's input cut is every node before it whose output is still needed at or after it; its
+    output cut is every node up to it whose output is still needed after it. Tensors that skip a
+    stage are relayed through it, so they count in both of its cuts.
+    """
+    outputs = set(graph.graph.get("outputs", []))
+    seen: set[Any] = {v for v in graph.nodes if graph.nodes[v]["pinned"]}
+    built: list[Stage] = []
+
+    def cut(inside: set[Any]) -> list[Any]:
+        return [
+            v
+            for v in ordered_nodes_of(graph, inside)
+            if v in outputs or any(s not in inside for s in graph.successors(v))
+        ]
+
+    cut_in = cut(set(seen))
+    for k, (nodes, spec) in enumerate(zip(stage_nodes, specs, strict=False)):
+        seen |= set(nodes)
+        if not any(not graph.nodes[v]["pinned"] for v in nodes):
+            raise InfeasiblePlanError(f"stage {k} is empty")
+        for v in nodes:
+            missing = [p for p in graph.predecessors(v) if p not in seen]
+            if missing:
+                raise InfeasiblePlanError(f"stage {k} runs {v!r} before its inputs {missing} are computed")
+        cut_out = cut(seen)
+        in_bytes = sum(graph.nodes[v]["output_bytes"] for v in cut_in)
+        out_bytes = sum(graph.nodes[v]["output_bytes"] for v in cut_out)
+        sum_attr = lambda key: sum(graph.nodes[v][key] for v in nodes if not graph.nodes[v]["pinned"])  # noqa: E731,B023
+        activations, kept_inputs = kept_bytes(graph, nodes, cut_in, cut_out)
+        built.append(
+            Stage(
+                index=k,
+                device=spec.name,
+                nodes=[str(v) for v in nodes],
+                forward_s=sum_attr("forward_s") / spec.speed,
+                backward_s=sum_attr("backward_s") / spec.speed,
+                transfer_s=float(model.transfer_s(in_bytes + out_bytes)),
+                memory_bytes=int(model.memory_bytes(sum_attr("param_bytes"), sum_attr("buffer_bytes"), activations,
+                                                    kept_inputs)),
+                param_bytes=int(sum_attr("param_bytes")),
+                buffer_bytes=int(sum_attr("buffer_bytes")),
+                activation_bytes=int(activations),
+                input_bytes=int(in_bytes),
+                kept_input_bytes=int(kept_inputs),
+                output_bytes=int(out_bytes),
+                inputs=[str(v) for v in cut_in],
+                outputs=[str(v) for v in cut_out],
+                speed=spec.speed,
+                memory_limit_bytes=None if spec.memory_bytes is None else int(spec.memory_bytes),
+            )
+        )
+        cut_in = cut_out
+    return built
+
+
+def ordered_nodes_of(graph: nx.DiGraph, nodes: set[Any]) -> list[Any]:
+    return sorted(nodes, key=lambda v: graph.nodes[v]["order"])

@@ -1,0 +1,154 @@
+"""The dynamic program of the paper: the chain of down-set states that minimises the slowest stage.
+
+It runs over (devices used of each kind, state) pairs, so devices that differ are matched to
+stages by the same program; among splits with the optimal bottleneck it takes the one with the
+least total transfer. When no chain fits the memory limits it says which stage needs what.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import product
+from typing import Any
+
+import numpy as np
+
+from .antichain import StateSpace
+from .cost_model import CostModel, DeviceSpec, InfeasiblePlanError, evaluate_stages, memory_of
+
+
+def stage_costs(space: StateSpace, spec: DeviceSpec, model: CostModel) -> np.ndarray:
+    """``T[j, i]``: time of the stage ``D_j minus D_i`` on ``spec``; ``inf`` if not a valid stage.
+
+    Valid means ``D_i`` is a strict subset of ``D_j`` and the stage fits the device's memory.
+    """
+    compute = (space.compute[:, None] - space.compute[None, :]) / spec.speed
+    transfer = model.transfer_s(space.cut_bytes[:, None] + space.cut_bytes[None, :])
+    valid = space.contains() & ~space.forbidden[:, None] & ~space.forbidden[None, :]
+    cost = np.where(valid, compute + transfer, np.inf)
+    if spec.memory_bytes is not None:
+        memory = _stage_memory(space, model)
+        cost[memory > spec.memory_bytes] = np.inf
+    return cost
+
+
+def _stage_memory(space: StateSpace, model: CostModel) -> np.ndarray:
+    """Every stage's peak, from additive quantities: with counted saved tensors, what its operations
+    made and something keeps, plus both its cuts (a cut tensor that is also kept counts twice); else
+    every output and the input cut. Never below :func:`evaluate_stages`'s exact count but for views."""
+    diff = lambda a: a[:, None] - a[None, :]  # noqa: E731
+    inputs = np.broadcast_to(space.cut_bytes[None, :], (len(space), len(space)))
+    activations = diff(space.activation_bytes) + inputs
+    if space.graph.graph.get("saved_counted"):
+        activations = activations + space.cut_bytes[:, None]
+    return model.memory_bytes(diff(space.param_bytes), diff(space.buffer_bytes), activations, inputs)
+
+
+def solve_bottleneck(
+    space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
+) -> tuple[list[int], list[DeviceSpec]]:
+    """The chain of states and the device order that minimise the slowest stage.
+
+    The program runs over (devices used of each kind, state) pairs; a step appends one stage
+    ``D_j minus D_i`` on a device of one kind. A second pass, with the bottleneck fixed, picks the
+    split with the least total stage time (so the least transfer) among the optimal ones.
+    """
+    kinds = list(dict.fromkeys((s.speed, s.memory_bytes) for s in specs))
+    counts = tuple(sum(1 for s in specs if (s.speed, s.memory_bytes) == k) for k in kinds)
+    costs = [stage_costs(space, DeviceSpec("", *k), model) for k in kinds]
+    last = len(space) - 1
+    start = np.full(len(space), np.inf)
+    start[0] = 0.0
+
+    bottleneck = _run_program(costs, counts, start, combine=np.maximum)
+    best = bottleneck[counts][0][last]
+    if not math.isfinite(best):
+        raise _infeasible(space, specs, model)
+    ceiling = best * (1 + 1e-9) + 1e-15
+    capped = [np.where(c <= ceiling, c, np.inf) for c in costs]
+    total = _run_program(capped, counts, start, combine=np.add)
+    chain, kind_order = _backtrack(total, counts, last)
+    pools = {k: [s for s in specs if (s.speed, s.memory_bytes) == k] for k in kinds}
+    ordered = [pools[kinds[k]].pop(0) for k in kind_order]
+    return chain, ordered
+
+
+Table = dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _run_program(costs: list[np.ndarray], counts: tuple[int, ...], start: np.ndarray, combine: Any) -> Table:
+    """``best[u][j]``: the best value of a chain ending at state j using ``u[k]`` devices of kind k."""
+    table: Table = {tuple(0 for _ in counts): (start, np.zeros(len(start), int), np.zeros(len(start), int))}
+    for used in sorted(product(*(range(c + 1) for c in counts)), key=sum):
+        if sum(used) == 0:
+            continue
+        value = np.full(len(start), np.inf)
+        back = np.zeros(len(start), int)
+        kind = np.zeros(len(start), int)
+        for k, n in enumerate(used):
+            if n == 0:
+                continue
+            prev = table[used[:k] + (n - 1,) + used[k + 1 :]][0]
+            options = combine(costs[k], prev[None, :])
+            choice = options.argmin(axis=1)
+            candidate = options[np.arange(len(start)), choice]
+            better = candidate < value
+            value[better], back[better], kind[better] = candidate[better], choice[better], k
+        table[used] = (value, back, kind)
+    return table
+
+
+def _backtrack(table: Table, counts: tuple[int, ...], last: int) -> tuple[list[int], list[int]]:
+    chain, kinds, used, state = [last], [], counts, last
+    while sum(used) > 0:
+        _, back, kind = table[used]
+        k = int(kind[state])
+        kinds.append(k)
+        state = int(back[state])
+        used = used[:k] + (used[k] - 1,) + used[k + 1 :]
+        chain.append(state)
+    chain.reverse()
+    kinds.reverse()
+    return chain[1:], kinds
+
+
+def stage_nodes_of_chain(space: StateSpace, chain: Sequence[int]) -> list[list[Any]]:
+    """The operations of each stage of a chain of states; pinned inputs go to the first stage."""
+    sets, before = [], set()
+    for j in chain:
+        inside = space.down_set(j)
+        sets.append([v for v in inside if v not in before])
+        before = set(inside)
+    return sets
+
+
+def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel) -> InfeasiblePlanError:
+    """Explain why no chain exists: too few states, or which stage exceeds which memory limit."""
+    graph = space.graph
+    free = [v for v in space.nodes if not graph.nodes[v]["pinned"]]
+    limits = [s.memory_bytes for s in specs if s.memory_bytes is not None]
+    if not limits:
+        return InfeasiblePlanError(f"cannot cut these {len(free)} operations into {len(specs)} stages")
+    largest_limit = max(limits)
+    for v in free:
+        alone = memory_of(graph, [v], model)
+        if alone > largest_limit:
+            return InfeasiblePlanError(
+                f"operation {v!r} alone needs {alone / 1e9:.3g} GB (parameters, gradients, optimizer "
+                f"state and {model.chunks} micro-batches of activations), more than the largest device "
+                f"memory limit of {largest_limit / 1e9:.3g} GB; no stage containing it can fit"
+            )
+    unlimited = [DeviceSpec(s.name, s.speed, None) for s in specs]
+    chain, order = solve_bottleneck(space, unlimited, model)
+    built = evaluate_stages(graph, stage_nodes_of_chain(space, chain), order, model)
+    worst = max(built, key=lambda st: st.memory_bytes)
+    listed = ", ".join(f"{m / 1e9:.3g}" for m in limits)
+    return InfeasiblePlanError(
+        f"no split into {len(specs)} stages fits the memory limits ({listed} GB): the fastest split "
+        f"without limits needs {worst.memory_bytes / 1e9:.3g} GB on stage {worst.index} "
+        f"({len(worst.nodes)} ops, {worst.nodes[0]} .. {worst.nodes[-1]}: "
+        f"{worst.param_bytes / 1e9:.3g} GB parameters, {worst.activation_bytes / 1e9:.3g} GB activations "
+        "per micro-batch), and no other split brings every stage under its limit. Give more memory or "
+        "more stages, fewer micro-batches (chunks), or a smaller optimizer_multiplier."
+    )
