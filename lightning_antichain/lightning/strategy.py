@@ -42,9 +42,11 @@ from ..capture.signature import FlatSignature, original_forward, split_inputs
 from ..planner.planning import AUTO, plan_model
 from ..planner.prediction_check import PredictionCheck
 from ..runtime.batch_dims import batch_size_of, first_micro_batch, refuse_per_sample_lists
+from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
+from .forward_patch import ForwardPatch
 from .replicas import average_gradients
 
 log = logging.getLogger(__name__)
@@ -151,7 +153,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._checked_batch = False
         self._checked_lists = False
         self._in_training_step = False
-        self._installed: nn.Module | None = None
+        self._forward_patch = ForwardPatch()
         self._tasks_before: Counter[tuple[int, int]] = Counter()
 
     # -- one process, several devices ----------------------------------------------------------
@@ -323,15 +325,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        # Strategy.setup, without moving all optimizer state onto the root device.
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.model = self._setup_model(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
+        super().setup(trainer)
         example = getattr(self.lightning_module, "example_input_array", None)
         if example is not None and self.module_path is None and self._pipeline is None:
             args, kwargs = split_inputs(move_data_to_device(example, self.root_device))
@@ -342,8 +336,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
             with torch.inference_mode(False), torch.no_grad():
                 self._pipeline.prepare(*args, training=False, **kwargs)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._optimizer_state_to_parameters()
-        self._install()
+            state_with_parameters(self.optimizers)  # Lightning put it all on the root device
+        self._forward_patch.install(self._target(), self._pipelined_forward)
 
     def _target(self) -> nn.Module:
         module = self.lightning_module
@@ -383,7 +377,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             devices=devices,
             output_device=self.root_device,
         )
-        self._optimizer_state_to_parameters()
+        state_with_parameters(self.optimizers)
 
     def _make_plan(self, target: nn.Module, args: tuple, kwargs: dict, devices: list[torch.device]) -> Plan:
         with torch.inference_mode(False), torch.enable_grad():
@@ -397,31 +391,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             rank_zero_info(f"lightning-antichain: using the cached profile {planned.cached_from}")
         return planned.plan
 
-    def _optimizer_state_to_parameters(self) -> None:
-        """Optimizer state lives with its parameter: Lightning's default would move it all to the root."""
-        for optimizer in self.optimizers:
-            for param, state in optimizer.state.items():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and key != "step":
-                        state[key] = value.to(param.device)
-
     # -- steps ---------------------------------------------------------------------------------
-
-    def _install(self) -> None:
-        """Make the target module's forward the pipelined one until teardown.
-
-        For the strategy's whole lifetime, not just inside the steps: Lightning's model summary,
-        user hooks and ``predict`` also call the module, and with stages on several devices a plain
-        forward would mix devices.
-        """
-        target = self._target()
-        target.forward = self._pipelined_forward  # an instance attribute wins over the class method
-        self._installed = target
-
-    def _uninstall(self) -> None:
-        if self._installed is not None:
-            vars(self._installed).pop("forward", None)
-            self._installed = None
 
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.options.check_batch and not self._checked_lists:
@@ -521,7 +491,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         # move all of it to the root device.
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
-        self._optimizer_state_to_parameters()
+        state_with_parameters(self.optimizers)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -537,7 +507,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._uninstall()
+        self._forward_patch.uninstall()
         if self._pipeline is not None:
             self._pipeline.close()
             self._tasks_before += self._pipeline.tasks_run
