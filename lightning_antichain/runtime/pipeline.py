@@ -30,6 +30,7 @@ from ..capture.batch_axis import batch_dim_candidates
 from ..capture.isolation import own_forward, side_effects_undone, training_flags, training_flags_set
 from ..capture.pytrees import flatten, iter_tensors, unflatten
 from . import microbatch
+from .autograd_bridge import PipelineBackward, PipelineFunction
 from .batch_dims import (
     check_per_sample,
     first_micro_batch,
@@ -39,7 +40,7 @@ from .batch_dims import (
 )
 from .batchnorm import deferred_batch_norm
 from .device import shares_host
-from .engine import PassState, StepRecord, run_backward, run_forward
+from .engine import PassState, StepRecord, run_forward
 from .options import PipelineOptions
 from .plan import Plan, recomputed_micro_batches
 from .projection import project_plan
@@ -229,7 +230,7 @@ class Pipeline(nn.Module):
         dims = self._output_dims(run, outputs, micro_values[0], sizes)
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
         tensor_at = [i for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)]
-        backward = _Backward(
+        backward = PipelineBackward(
             pool=self._pool,
             state=state,
             count=len(micro_inputs),
@@ -244,7 +245,7 @@ class Pipeline(nn.Module):
             input_devices=[v.device for v in grad_inputs],
         )
         phony = torch.empty(0, device=output_device, requires_grad=True)
-        tensors = iter(_PipelineFunction.apply(backward, phony, *grad_inputs))
+        tensors = iter(PipelineFunction.apply(backward, phony, *grad_inputs))
         result = self._assemble(run, [next(tensors) if isinstance(v, torch.Tensor) else v for v in gathered],
                                 outputs[0][1])
         self._assign(run, assigned, micro_values[0], sizes)
@@ -552,26 +553,6 @@ def _interface_names(graph: OpGraph, kind: str) -> list[str]:
 
 
 @dataclass
-class _Backward:
-    """What the backward of one training call needs: the engine's pass state, the gathered output
-    tensors (handed to autograd by the Function, then dropped here), how they split back into
-    micro-batches, and where the caller's inputs that want gradients sit."""
-
-    pool: WorkerPool
-    state: PassState | None
-    count: int
-    outputs: tuple[torch.Tensor, ...]
-    output_dims: list[int | None]
-    output_sizes: list[list[int]]
-    output_is_tensor: list[bool]
-    leaf_positions: list[int] | None
-    leaf_count: int
-    grad_input_slots: list[int]
-    input_dims: list[int]
-    input_devices: list[torch.device]
-
-
-@dataclass
 class _Assigned:
     """Per micro-batch, the output values kept only for attributes ``forward`` assigns (by node
     name); and which of the last stage's output leaves the caller gets (``None``: all of them), so
@@ -580,51 +561,6 @@ class _Assigned:
     values: list[dict[str, Any]] = field(default_factory=list)
     leaf_positions: list[int] | None = None
     leaf_count: int = 0
-
-
-class _PipelineFunction(torch.autograd.Function):
-    """Connects a pipelined forward, already run, to the caller's autograd graph: its backward runs
-    the stages' backward."""
-
-    @staticmethod
-    def forward(ctx, backward: _Backward, phony: torch.Tensor, *grad_inputs: torch.Tensor):  # noqa: ANN001
-        outputs, backward.outputs = backward.outputs, ()  # autograd keeps them; the plan must not
-        ctx.backward = backward
-        ctx.mark_non_differentiable(*[t for t in outputs if not t.is_floating_point()])
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *grads):  # noqa: ANN001
-        try:
-            return _PipelineFunction.pipelined_backward(ctx.backward, grads)
-        except (KeyboardInterrupt, SystemExit):
-            ctx.backward.pool.shutdown()  # wherever the interrupt landed, no worker outlives it
-            raise
-
-    @staticmethod
-    def pipelined_backward(plan: _Backward, grads: tuple) -> tuple:
-        count = plan.count
-        per_output: list[list[Any]] = []
-        it = iter(zip(grads, plan.output_sizes, plan.output_dims))
-        for is_tensor in plan.output_is_tensor:
-            grad, sizes, dim = next(it) if is_tensor else (None, None, 0)
-            per_output.append(list(torch.split(grad, sizes, dim)) if grad is not None else [None] * count)
-        output_grads = [tuple(g[m] for g in per_output) for m in range(count)]
-        if plan.leaf_positions is not None:  # leaves only kept for attributes get no gradient
-            output_grads = [_spread(grads, plan.leaf_positions, plan.leaf_count) for grads in output_grads]
-        if plan.state is None:
-            raise RuntimeError("backward ran twice through one pipelined forward (retain_graph=True?): the stages "
-                               "free what they keep for backward as they go, so call the pipeline again instead")
-        input_grads = run_backward(plan.pool, plan.state, output_grads)
-        plan.state = None
-        result: list[Any] = [None, None]
-        for slot, device, dim in zip(plan.grad_input_slots, plan.input_devices, plan.input_dims):
-            parts = [input_grads[m][slot] for m in range(count)]
-            if any(p is None for p in parts):
-                result.append(None)
-            else:
-                result.append(torch.cat([p.to(device) for p in parts], dim=dim))
-        return tuple(result)
 
 
 def _warn_if_sequence_first(module: nn.Module, batch_dim: Any) -> None:
@@ -639,13 +575,6 @@ def _warn_if_sequence_first(module: nn.Module, batch_dim: Any) -> None:
             "batch_dim=1; if forward transposes them first, this is fine.",
             stacklevel=3,
         )
-
-
-def _spread(grads: tuple[Any, ...], positions: list[int], count: int) -> tuple[Any, ...]:
-    full: list[Any] = [None] * count
-    for position, grad in zip(positions, grads):
-        full[position] = grad
-    return tuple(full)
 
 
 def _returned_names(graph: OpGraph) -> set[str]:
