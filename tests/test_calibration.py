@@ -11,6 +11,7 @@ from torch import nn
 
 import lightning_antichain as la
 from lightning_antichain.planner import calibration, planning
+from lightning_antichain.planner.contention import runtime_capacity
 from lightning_antichain.runtime import schedule
 from lightning_antichain.runtime.schedule import Task, gpipe
 
@@ -32,14 +33,14 @@ def test_the_capacity_read_from_a_timeline_is_the_capacity_it_was_simulated_with
     extra = capacity - 1
     curve = [1 + extra * (min(n, cores) - 1) for n in range(1, stages + 1)]
     timed = schedule.timeline(gpipe(stages, chunks), work.__getitem__, capacity=curve, shared=[True] * stages)
-    found = calibration.runtime_capacity(_timed_by_stage(timed, stages), work, [True] * stages, cores)
+    found = runtime_capacity(_timed_by_stage(timed, stages), work, [True] * stages, cores)
     assert found == pytest.approx(capacity)
 
 
 def test_stages_that_never_overlap_say_nothing_about_capacity():
     timed = schedule.timeline(gpipe(2, 1), schedule.stage_durations([1.0, 1.0], [1.0, 1.0]))
     work = {t.task: 1.0 for t in timed}
-    assert calibration.runtime_capacity(_timed_by_stage(timed, 2), work, [True, True], 2) is None
+    assert runtime_capacity(_timed_by_stage(timed, 2), work, [True, True], 2) is None
 
 
 class _Stateful(nn.Module):

@@ -17,7 +17,7 @@ import contextlib
 import math
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from ..runtime.device import shares_host
 from ..runtime.plan import Plan, recomputed_micro_batches
 from ..runtime.schedule import Task, Timed
 from .cache import DamagedEntry, entry_key, entry_path, read_entry, write_entry
+from .contention import runtime_capacity
 from .prediction_check import span_s
 from .progress import Progress
 
@@ -135,34 +136,6 @@ def calibrate(
         pipelined_span_s=statistics.median(span_s(r[2]) for r in rounds),
         steps=len(rounds),
     )
-
-
-def runtime_capacity(timed: Sequence[Sequence[Timed]], work: Mapping[Task, float], shared: Sequence[bool],
-                     cores: int) -> float | None:
-    """The ``parallel_capacity`` that explains a measured step: ``work[task]`` is what each task
-    took alone, ``timed`` when it ran. With ``T_n`` the time ``n`` shared stages were busy at once,
-    the model (:meth:`Plan.capacity`) gets through ``T_n * (1 + extra * (min(n, cores) - 1))`` of
-    work in it, so ``extra`` is the work beyond ``sum(T_n)`` over ``sum(T_n * (min(n, cores) - 1))``.
-    ``None`` where shared stages overlapped too little (under 1% of their busy time) to tell."""
-    edges: list[tuple[float, int]] = []
-    total = 0.0
-    for k, tasks in enumerate(timed):
-        if not shared[k]:
-            continue
-        for t in tasks:
-            edges += [(t.start, 1), (t.end, -1)]
-            total += work[t.task]
-    edges.sort()
-    busy, weighted, running, last = 0.0, 0.0, 0, 0.0
-    for at, change in edges:
-        if running:
-            busy += at - last
-            weighted += (at - last) * (min(running, cores) - 1)
-        running += change
-        last = at
-    if weighted <= 0.01 * busy:
-        return None
-    return min(2.0, max(0.5, 1.0 + (total - busy) / weighted))
 
 
 def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) -> Plan:

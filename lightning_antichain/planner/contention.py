@@ -3,8 +3,9 @@
 Stages on CPU devices share one machine's cores, memory bandwidth and interpreter lock, so two
 stages running at once do less than twice the work of one: small micro-batches contend for the
 interpreter lock, large ones for memory bandwidth. The profiler measures this once per model and
-micro-batch size (the whole model's forward and backward on two threads at once against one), and
-the planner's prediction of a step uses it.
+micro-batch size (the whole model's forward and backward on two threads at once against one);
+calibration reads it again from the tasks of real pipelined steps (:func:`runtime_capacity`). The
+planner's prediction of a step uses it.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ..capture.pytrees import iter_tensors
+from ..runtime.schedule import Task, Timed
 from ..runtime.worker import WorkerPool, share_malloc_arena
 
 
@@ -70,3 +72,32 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def runtime_capacity(timed: Sequence[Sequence[Timed]], work: Mapping[Task, float], shared: Sequence[bool],
+                     cores: int) -> float | None:
+    """The ``parallel_capacity`` that explains a measured step: ``work[task]`` is what each task
+    took alone, ``timed`` when it ran. With ``T_n`` the time ``n`` shared stages were busy at once,
+    the model (:meth:`~lightning_antichain.runtime.plan.Plan.capacity`) gets through
+    ``T_n * (1 + extra * (min(n, cores) - 1))`` of work in it, so ``extra`` is the work beyond
+    ``sum(T_n)`` over ``sum(T_n * (min(n, cores) - 1))``.
+    ``None`` where shared stages overlapped too little (under 1% of their busy time) to tell."""
+    edges: list[tuple[float, int]] = []
+    total = 0.0
+    for k, tasks in enumerate(timed):
+        if not shared[k]:
+            continue
+        for t in tasks:
+            edges += [(t.start, 1), (t.end, -1)]
+            total += work[t.task]
+    edges.sort()
+    busy, weighted, running, last = 0.0, 0.0, 0, 0.0
+    for at, change in edges:
+        if running:
+            busy += at - last
+            weighted += (at - last) * (min(running, cores) - 1)
+        running += change
+        last = at
+    if weighted <= 0.01 * busy:
+        return None
+    return min(2.0, max(0.5, 1.0 + (total - busy) / weighted))
