@@ -77,7 +77,7 @@ def test_the_trainer_names_a_stale_cached_calibration_and_how_to_measure_it_agai
         return t.strategy.plan
 
     assert fit().calibration["read_from"] is None  # measured now
-    (cached,) = (tmp_path / "calibrations").glob("*.json")
+    (cached,) = tmp_path.glob("calibration-*.json")
     data = json.loads(cached.read_text())
     data.update({key: [10 * t for t in data[key]] for key in ("forward_s", "backward_s")},
                 pipelined_span_s=10 * data["pipelined_span_s"], pipelined_step_s=10 * data["pipelined_step_s"])
