@@ -165,8 +165,8 @@ def _build_model(path: str, kwargs: dict[str, Any]) -> Any:
         model = factory(**kwargs)
     except TypeError as exc:
         raise ValueError(
-            f"cannot build MODEL {path} with --model-kwargs {json.dumps(kwargs)}: {exc}. Pass its arguments as a "
-            "JSON object, e.g. --model-kwargs '{\"num_classes\": 10}'"
+            f"cannot build MODEL {path} with --model-kwargs {json.dumps(kwargs)}: {_one_line(exc)}. Pass its "
+            "arguments as a JSON object, e.g. --model-kwargs '{\"num_classes\": 10}'"
         ) from None
     if not isinstance(model, nn.Module):
         raise ValueError(f"MODEL {path} returned a {type(model).__name__}, not a torch.nn.Module")
@@ -181,7 +181,7 @@ def load_model_factory(path: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ImportError(f"cannot import {module_name!r} for MODEL {path!r}: {exc}") from exc
+        raise ImportError(f"cannot import {module_name!r} for MODEL {path!r}: {_one_line(exc)}") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ImportError(f"{module_name!r} has no callable {attr!r}")
@@ -246,3 +246,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message of an error raised by the user's code, on one line (a user error is one line)."""
+    return " ".join(str(exc).split())
