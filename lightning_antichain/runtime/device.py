@@ -179,3 +179,10 @@ def autocast_managers(settings: Sequence[tuple[str, torch.dtype]]) -> list[Any]:
     enabled = dict(settings)
     return [torch.autocast(kind, dtype=enabled[kind]) if kind in enabled else torch.autocast(kind, enabled=False)
             for kind in AUTOCAST_KINDS if kind in enabled or torch.is_autocast_enabled(kind)]
+
+
+def forget_autocast_casts() -> None:
+    """Drop this thread's cached autocast casts of the weights. A cast made under ``no_grad`` (a
+    forward that will be recomputed) has no autograd history; before torch fixed its cache, a later
+    forward with gradients in the same autocast region reused it, and its weights got no gradient."""
+    torch.clear_autocast_cache()

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .device import arrive, autocast_managers, autocast_settings, ship, use_device
+from .device import arrive, autocast_managers, autocast_settings, forget_autocast_casts, ship, use_device
 from .randomness import drawing
 from .saved_tensors import HeldMemory
 from .schedule import Schedule, Task, Timed, gpipe
@@ -254,6 +254,7 @@ def run_forward(
         if state is not None and m < recompute_stop:  # recomputed in backward: keep the inputs only
             with torch.no_grad(), drawing(seed, m):
                 outputs, out_spec = stage(leaves, spec)
+            forget_autocast_casts()
             out_flags = _recompute_flags(stage, leaves, outputs)
             state.saved[k][m] = _Saved(leaves, None, spec, state.count(k, leaves))
         elif state is not None:
