@@ -26,7 +26,6 @@ from torch import nn
 
 from ..capture import NEEDS_EXAMPLE, OpGraph, UntraceableModelError, capture, capture_call
 from ..capture.assignments import Output, assign
-from ..capture.batch_axis import batch_dim_candidates
 from ..capture.isolation import own_forward, side_effects_undone, training_flags, training_flags_set
 from ..capture.pytrees import flatten, iter_tensors, unflatten
 from . import microbatch
@@ -42,6 +41,7 @@ from .batchnorm import deferred_batch_norm
 from .device import shares_host
 from .engine import PassState, StepRecord, run_forward
 from .options import PipelineOptions
+from .output_join import Assigned, MicroOutputs, assigned_dim, output_dims, take_assigned
 from .plan import Plan, recomputed_micro_batches
 from .projection import project_plan
 from .randomness import step_seed
@@ -207,9 +207,9 @@ class Pipeline(nn.Module):
         draws = any(stage.random_nodes for stages in micro_batch_stages for stage in stages)
         seed = step_seed() if draws else None
         if not torch.is_grad_enabled():
-            outputs, assigned = self._take_assigned(
+            outputs, assigned = self._take_assigned_of(
                 run, run_forward(self._pool, micro_batch_stages, micro_inputs, None, 0, schedule, seed))
-            dims = self._output_dims(run, outputs, micro_values[0], sizes)
+            dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0])
             leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
             result = self._assemble(run, leaves, outputs[0][1])
             self._assign(run, assigned, micro_values[0], sizes)
@@ -226,8 +226,8 @@ class Pipeline(nn.Module):
         self.last_step = state.record
         with deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext():
             outputs = run_forward(self._pool, micro_batch_stages, micro_inputs, state, stop, schedule)
-        outputs, assigned = self._take_assigned(run, outputs)
-        dims = self._output_dims(run, outputs, micro_values[0], sizes)
+        outputs, assigned = self._take_assigned_of(run, outputs)
+        dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0])
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
         tensor_at = [i for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)]
         backward = PipelineBackward(
@@ -410,61 +410,15 @@ class Pipeline(nn.Module):
         place_stages(stages)
         return stages
 
-    def _take_assigned(self, run: _Runnable, outputs: list[tuple[list[Any], Any]]
-                       ) -> tuple[list[tuple[list[Any], Any]], _Assigned]:
-        """Each micro-batch's stage outputs, less the values only kept for attributes ``forward``
-        assigns; and those values, by output name, with where the returned leaves sit among all."""
-        if not run.assigned_slots:
-            return outputs, _Assigned()
-        returned, taken = [], _Assigned()
-        for leaves, spec in outputs:
-            values = unflatten(leaves, spec)
-            returned.append(flatten(tuple(values[i] for i in run.returned_slots)))
-            taken.values.append({name: values[i] for name, i in run.assigned_slots.items()})
-            offsets = [0]
-            for i in range(spec.num_children):
-                offsets.append(offsets[-1] + spec.child(i).num_leaves)
-            taken.leaf_positions = [p for i in run.returned_slots for p in range(offsets[i], offsets[i + 1])]
-            taken.leaf_count = offsets[-1]
-        return returned, taken
 
-    def _output_dims(self, run: _Runnable, outputs: list[tuple[list[Any], Any]], first: list[Any],
-                     sizes: list[int | None]) -> list[int | None]:
-        """The batch dim of each output leaf: the one dim that follows the micro-batch sizes, or, where
-        several do, the one that grows when the batch grows."""
-        micro_leaves = [leaves for leaves, _ in outputs]
-        dims: list[int | None] = []
-        for i, value in enumerate(micro_leaves[0]):
-            if not isinstance(value, torch.Tensor):
-                dims.append(None)
-                continue
-            candidates = batch_dim_candidates([leaves[i] for leaves in micro_leaves], sizes)
-            if len(candidates) <= 1:
-                dims.append(candidates[0] if candidates else None)
-                continue
-            grew = self._grown_dims(value, self._grown_run(run, first)[0][i], candidates)
-            if len(grew) != 1:
-                raise microbatch.MicroBatchError(
-                    f"an output of shape {tuple(value.shape)} grows in dims {grew} when the batch grows: it "
-                    "relates samples to each other (a [batch, batch] similarity, say), so it cannot be joined from "
-                    "micro-batches. Compute it outside the pipelined module, from per-sample outputs."
-                )
-            dims.append(grew[0])
-        return dims
+    @staticmethod
+    def _take_assigned_of(run: _Runnable, outputs: MicroOutputs) -> tuple[MicroOutputs, Assigned]:
+        return take_assigned(outputs, run.returned_slots, run.assigned_slots)
 
-    def _assigned_dim(self, run: _Runnable, name: str, values: list[torch.Tensor], first: list[Any],
-                      sizes: list[int | None]) -> int | None:
-        """The batch dim of a per-sample value ``forward`` assigns to an attribute, as for outputs."""
-        candidates = batch_dim_candidates(values, sizes)
-        if len(candidates) <= 1:
-            return candidates[0] if candidates else None
-        grew = self._grown_dims(values[0], self._grown_run(run, first)[1].get(name), candidates)
-        return grew[0] if len(grew) == 1 else None
-
-    def _run_whole(self, run: _Runnable, values: list[Any]) -> tuple[list[tuple[list[Any], Any]], _Assigned]:
+    def _run_whole(self, run: _Runnable, values: list[Any]) -> tuple[list[tuple[list[Any], Any]], Assigned]:
         """One forward of ``values`` through the stages as a single micro-batch, outside any step."""
         leaves = flatten([values[i] for i in run.input_slots])
-        return self._take_assigned(run, run_forward(self._pool, [self._stages_for(run, values)], [leaves], None, 0))
+        return self._take_assigned_of(run, run_forward(self._pool, [self._stages_for(run, values)], [leaves], None, 0))
 
     def _grown_run(self, run: _Runnable, first: list[Any]
                    ) -> tuple[list[tuple[int, ...] | None], dict[str, tuple[int, ...] | None]]:
@@ -482,17 +436,12 @@ class Pipeline(nn.Module):
                               {n: shape(v) for n, v in (taken.values[0] if taken.values else {}).items()})
         return run.grown[key]
 
-    @staticmethod
-    def _grown_dims(value: torch.Tensor, larger: tuple[int, ...] | None, candidates: list[int]) -> list[int]:
-        """The candidate dims that grew by a sample."""
-        return [d for d in candidates
-                if larger is not None and len(larger) == value.dim() and larger[d] == value.shape[d] + 1]
 
-    def _assign(self, run: _Runnable, assigned: _Assigned, first: list[Any], sizes: list[int | None]) -> None:
+    def _assign(self, run: _Runnable, assigned: Assigned, first: list[Any], sizes: list[int | None]) -> None:
         """Give the attributes ``forward`` assigns the values a whole-batch call would."""
         if assigned.values:
             assign(self.module, run.graph.assignments, assigned.values, sizes,
-                   lambda name, values: self._assigned_dim(run, name, values, first, sizes))
+                   lambda name, values: assigned_dim(values, sizes, lambda: self._grown_run(run, first)[1].get(name)))
 
     def _assemble(self, run: _Runnable, leaves: list[Any], spec: Any) -> Any:
         assert run.graph.signature is not None
@@ -550,17 +499,6 @@ def _interface_names(graph: OpGraph, kind: str) -> list[str]:
     found: list[str] = []
     fx.node.map_arg(graph.graph_module.graph.output_node().args[0], lambda n: found.append(n.name))
     return list(dict.fromkeys(found))
-
-
-@dataclass
-class _Assigned:
-    """Per micro-batch, the output values kept only for attributes ``forward`` assigns (by node
-    name); and which of the last stage's output leaves the caller gets (``None``: all of them), so
-    backward can hand the stages a gradient slot for every leaf."""
-
-    values: list[dict[str, Any]] = field(default_factory=list)
-    leaf_positions: list[int] | None = None
-    leaf_count: int = 0
 
 
 def _warn_if_sequence_first(module: nn.Module, batch_dim: Any) -> None:

@@ -1,0 +1,96 @@
+"""Joining the micro-batches' outputs back into one call's result.
+
+Each output leaf is joined on its batch dim: the one dim whose size follows the micro-batch sizes,
+or, where several do (a ``[3, 3]`` output of 3-sample micro-batches), the one that grows when the
+batch grows by a sample; an output that grows in more than one dim relates samples to each other
+and cannot be joined. The values ``forward`` only assigns to attributes are taken out of the
+outputs first, and given to the attributes as a whole-batch call would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..capture.batch_axis import batch_dim_candidates
+from ..capture.pytrees import flatten, unflatten
+from .microbatch import MicroBatchError
+
+Shape = tuple[int, ...] | None
+MicroOutputs = list[tuple[list[Any], Any]]
+"""Each micro-batch's output leaves and the spec that nests them."""
+
+
+@dataclass
+class Assigned:
+    """Per micro-batch, the output values kept only for attributes ``forward`` assigns (by node
+    name); and which of the last stage's output leaves the caller gets (``None``: all of them), so
+    backward can hand the stages a gradient slot for every leaf."""
+
+    values: list[dict[str, Any]] = field(default_factory=list)
+    leaf_positions: list[int] | None = None
+    leaf_count: int = 0
+
+
+def take_assigned(outputs: MicroOutputs, returned_slots: Sequence[int], assigned_slots: Mapping[str, int]
+                  ) -> tuple[MicroOutputs, Assigned]:
+    """Each micro-batch's outputs less the values only kept for attributes (by output slot), and
+    those values by name, with where the returned leaves sit among all."""
+    if not assigned_slots:
+        return outputs, Assigned()
+    returned, taken = [], Assigned()
+    for leaves, spec in outputs:
+        values = unflatten(leaves, spec)
+        returned.append(flatten(tuple(values[i] for i in returned_slots)))
+        taken.values.append({name: values[i] for name, i in assigned_slots.items()})
+        offsets = [0]
+        for i in range(spec.num_children):
+            offsets.append(offsets[-1] + spec.child(i).num_leaves)
+        taken.leaf_positions = [p for i in returned_slots for p in range(offsets[i], offsets[i + 1])]
+        taken.leaf_count = offsets[-1]
+    return returned, taken
+
+
+def output_dims(outputs: MicroOutputs, sizes: Sequence[int | None],
+                grown_shapes: Callable[[], Sequence[Shape]]) -> list[int | None]:
+    """The batch dim of each output leaf; ``grown_shapes()`` gives the leaves' shapes for a first
+    micro-batch one sample larger, asked only where the sizes cannot tell."""
+    micro_leaves = [leaves for leaves, _ in outputs]
+    dims: list[int | None] = []
+    for i, value in enumerate(micro_leaves[0]):
+        if not isinstance(value, torch.Tensor):
+            dims.append(None)
+            continue
+        candidates = batch_dim_candidates([leaves[i] for leaves in micro_leaves], sizes)
+        if len(candidates) <= 1:
+            dims.append(candidates[0] if candidates else None)
+            continue
+        grew = grown_dims(value, grown_shapes()[i], candidates)
+        if len(grew) != 1:
+            raise MicroBatchError(
+                f"an output of shape {tuple(value.shape)} grows in dims {grew} when the batch grows: it "
+                "relates samples to each other (a [batch, batch] similarity, say), so it cannot be joined from "
+                "micro-batches. Compute it outside the pipelined module, from per-sample outputs."
+            )
+        dims.append(grew[0])
+    return dims
+
+
+def assigned_dim(values: Sequence[torch.Tensor], sizes: Sequence[int | None], grown_shape: Callable[[], Shape]
+                 ) -> int | None:
+    """The batch dim of a per-sample value ``forward`` assigns to an attribute, as for outputs."""
+    candidates = batch_dim_candidates(list(values), sizes)
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+    grew = grown_dims(values[0], grown_shape(), candidates)
+    return grew[0] if len(grew) == 1 else None
+
+
+def grown_dims(value: torch.Tensor, larger: Shape, candidates: Sequence[int]) -> list[int]:
+    """The candidate dims that grew by a sample."""
+    if larger is None or len(larger) != value.dim():
+        return []
+    return [d for d in candidates if larger[d] == value.shape[d] + 1]
