@@ -241,7 +241,7 @@ def run_forward(
         first.put((m, leaves, spec, None, tuple(_wants_grad(v) for v in leaves)))
     if state is not None:
         seed = state.seed
-        state.autocast = _ThreadContext(True).autocast
+        state.autocast = autocast_settings()
         state.saved = [{} for _ in stages]
         state.micro_batch_stages = micro_batch_stages
         state.schedule = schedule
