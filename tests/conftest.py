@@ -10,6 +10,20 @@ import torch
 os.environ.setdefault("LIGHTNING_ANTICHAIN_CACHE", tempfile.mkdtemp(prefix="lightning-antichain-cache-"))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gpu-device", default="cuda:0",
+                     help="device the gpu-marked tests run on (cpu runs them as a dry run)")
+
+
+@pytest.fixture
+def gpu_device(request) -> torch.device:
+    """The device of the ``gpu`` tests; they are skipped when it is a GPU torch cannot see."""
+    device = torch.device(request.config.getoption("--gpu-device"))
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        pytest.skip(f"{device} is not available here (torch sees {torch.cuda.device_count()} CUDA devices)")
+    return device
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_and_seed():
     threads = torch.get_num_threads()

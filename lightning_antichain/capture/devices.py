@@ -41,3 +41,16 @@ def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | 
         graph_module.recompile()
     return graph_module
 
+
+
+def on_module_device(module: torch.nn.Module, values: Any) -> Any:
+    """``values`` with their tensors on the device that holds all of ``module``'s parameters and
+    buffers (unchanged when they are spread or absent). torch.export traces a module and its example
+    on one device; a Pipeline's module waits on the CPU for its stages while the batch is already on
+    a GPU, and the graph's device constants are retargeted per stage anyway."""
+    devices = {t.device for t in [*module.parameters(), *module.buffers()]}
+    if len(devices) != 1:
+        return values
+    (device,) = devices
+    return torch.utils._pytree.tree_map(
+        lambda v: v.to(device) if isinstance(v, torch.Tensor) and not same_device(v.device, device) else v, values)

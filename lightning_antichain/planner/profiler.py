@@ -26,7 +26,7 @@ from ..capture.isolation import keeps_random_state
 from ..capture.pytrees import iter_tensors, map_tensors
 from ..capture.signature import split_inputs
 from ..runtime.batch_dims import batch_size_of
-from ..runtime.device import device_name, shares_host, synchronize
+from ..runtime.device import device_name, shares_host, timed
 from ..runtime.microbatch import MicroBatchError
 from ..runtime.saved_tensors import saved_per_call, state_storages
 from . import overhead
@@ -171,17 +171,13 @@ def profile(
 
 
 class _Timer:
-    """Wall-clock seconds of a callable, synchronising the device around it."""
+    """Seconds a callable costs on the profiled device (:func:`~lightning_antichain.runtime.device.timed`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        synchronize(self.device)
-        start = time.perf_counter()
-        result = fn()
-        synchronize(self.device)
-        return time.perf_counter() - start, result
+        return timed(self.device, fn)
 
 
 def _time_once(call: RecordedCall, timer: _Timer) -> tuple[float, float]:

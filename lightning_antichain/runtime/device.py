@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import platform
+import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,51 +86,163 @@ def synchronize(devices: Device | Iterable[Device]) -> None:
             torch.cuda.synchronize(as_device(device))
 
 
+def timed(device: Device, fn: Any) -> tuple[float, Any]:
+    """Seconds ``fn()`` costs on ``device``, and what it returned. On the CPU: wall time. On an
+    accelerator: the longer of the device's time between two events and the host's time to issue
+    the work, since a small operation costs its launch and a large one its kernels (synchronising
+    around it instead would charge every operation a round trip no training step pays)."""
+    device = as_device(device)
+    if not is_accelerator(device):
+        start = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - start, result
+    torch.cuda.synchronize(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    start = time.perf_counter()
+    result = fn()
+    issued = time.perf_counter() - start
+    end.record()
+    end.synchronize()
+    return max(issued, begin.elapsed_time(end) / 1e3), result
+
+
+def start_clock(streams: StageStreams) -> Any:
+    """A mark on the stage's compute stream where a task starts (``None`` on the CPU, where the
+    host's clock is the task's)."""
+    if streams.compute is None:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(streams.compute)
+    return event
+
+
+def clock_seconds(begin: Any, end: Any) -> float:
+    """Seconds the device spent between two :func:`start_clock` marks, waiting for the second."""
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
+
+
 def use_device(device: Device) -> contextlib.AbstractContextManager:
     """Make ``device`` current for this thread (CUDA keeps a current device per thread)."""
     device = as_device(device)
     return torch.cuda.device(device) if is_accelerator(device) else contextlib.nullcontext()
 
 
-def new_copy_stream(device: Device) -> Any:
-    """A stream of its own for a stage's outgoing copies on an accelerator; ``None`` on the CPU."""
+@dataclass
+class StageStreams:
+    """The streams one stage uses on an accelerator (all ``None`` on the CPU): ``compute`` runs its
+    forward and backward, so stages sharing a GPU run side by side; ``send`` issues its outgoing
+    copies and ``receive`` is entered for the copies coming in, so a copy between two GPUs waits for
+    neither device's compute (PyTorch orders a cross-device copy after both devices' current streams)."""
+
+    device: torch.device
+    compute: Any = None
+    send: Any = None
+    receive: Any = None
+
+
+def stage_streams(device: Device) -> StageStreams:
+    """New streams for a stage on ``device``."""
     device = as_device(device)
-    return torch.cuda.Stream(device) if is_accelerator(device) else None
+    if not is_accelerator(device):
+        return StageStreams(device)
+    return StageStreams(device, torch.cuda.Stream(device), torch.cuda.Stream(device), torch.cuda.Stream(device))
 
 
-def ship(
-    values: Sequence[Any], source: torch.device, target: torch.device, copy_stream: Any
-) -> tuple[tuple[Any, ...], Any]:
-    """Detached copies of ``values`` on ``target`` and the event to wait for (``None``: ready now)."""
+@contextlib.contextmanager
+def computing(streams: StageStreams) -> Iterator[None]:
+    """Make the stage's device and compute stream current for the calling thread."""
+    with use_device(streams.device), (torch.cuda.stream(streams.compute) if streams.compute is not None
+                                      else contextlib.nullcontext()):
+        yield
+
+
+CallerStreams = dict[int, Any]
+
+
+def caller_streams(devices: Iterable[Device]) -> CallerStreams:
+    """The calling thread's current stream on each accelerator of ``devices``: where the values
+    handed to the stages were made and where their results are used."""
+    indices = {as_device(d).index or 0 for d in devices if is_accelerator(d)}
+    return {i: torch.cuda.current_stream(i) for i in sorted(indices)}
+
+
+def wait_for_caller(streams: StageStreams, caller: CallerStreams) -> None:
+    """Order the stage's compute after the caller's work queued so far (its inputs, an optimizer step)."""
+    if streams.compute is not None:
+        streams.compute.wait_stream(caller[streams.device.index or 0])
+
+
+def release_to_caller(caller: CallerStreams, stages: Iterable[StageStreams], values: Any = None) -> None:
+    """Order the caller's later work after all the stages did, and tell the allocator that the
+    caller uses the tensors in ``values`` (made on the stages' streams)."""
+    for streams in stages:
+        if streams.compute is not None:
+            stream = caller[streams.device.index or 0]
+            for used in (streams.compute, streams.send, streams.receive):
+                stream.wait_stream(used)
+    for value in pytree.tree_leaves(values):
+        if isinstance(value, torch.Tensor) and is_accelerator(value.device):
+            value.record_stream(caller[value.device.index or 0])
+
+
+def autograd_thread_device(grads: Iterable[Any]) -> torch.device | None:
+    """The accelerator whose autograd thread runs a backward node that receives ``grads``, or
+    ``None`` when the calling thread runs it. PyTorch runs a node on the thread of the first device
+    other than the CPU among its incoming gradients; while that thread waits inside the node, no
+    other thread's backward on that device can run, so such work is handed to it instead."""
+    for grad in grads:
+        if isinstance(grad, torch.Tensor) and grad.device.type != "cpu":
+            return grad.device
+    return None
+
+
+def ship(values: Sequence[Any], source: StageStreams, target: StageStreams) -> tuple[tuple[Any, ...], Any]:
+    """Detached copies of ``values`` on the target stage's device, and the event its compute must
+    wait for (``None``: ready now). Called by the source stage's worker, inside :func:`computing`."""
     detached = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
-    if copy_stream is None or not is_accelerator(target):
-        return tuple(v.to(target) if isinstance(v, torch.Tensor) else v for v in detached), None
-    compute = torch.cuda.current_stream(source)
-    copy_stream.wait_stream(compute)
-    with torch.cuda.stream(copy_stream):
+    if source.compute is None and target.compute is None:
+        return tuple(v.to(target.device) if isinstance(v, torch.Tensor) else v for v in detached), None
+    if source.compute is None:  # host to accelerator: from pinned memory on the receiving side's stream
+        with torch.cuda.stream(target.receive):
+            moved = tuple(_pinned(v).to(target.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                          for v in detached)
+            return moved, _recorded(target.receive)
+    if same_device(source.device, target.device):  # stages sharing a GPU: no copy, only an order
+        return tuple(detached), _recorded(source.compute)
+    source.send.wait_stream(source.compute)
+    with torch.cuda.stream(source.send), (torch.cuda.stream(target.receive) if target.receive is not None
+                                          else contextlib.nullcontext()):
         moved = []
         for v in detached:
             if isinstance(v, torch.Tensor):
-                v.record_stream(copy_stream)
-                v = v.to(target, non_blocking=True)
+                v.record_stream(source.send)
+                v = v.to(target.device, non_blocking=target.compute is not None)  # to the CPU: wait for it
             moved.append(v)
-        event = torch.cuda.Event()
-        event.record(copy_stream)
-    return tuple(moved), event
+        return tuple(moved), _recorded(source.send) if target.compute is not None else None
 
 
-def arrive(values: Sequence[Any], event: Any, device: torch.device, grad_flags: Sequence[bool]) -> tuple[Any, ...]:
-    """The shipped values made ready for the stage on ``device``; flagged tensors become gradient leaves.
+def _pinned(value: torch.Tensor) -> torch.Tensor:
+    return value if value.device.type != "cpu" or value.is_pinned() else value.pin_memory()
 
-    Values that were not shipped (a micro-batch straight from the caller) are moved here.
-    """
-    if event is not None:
-        compute = torch.cuda.current_stream(device)
-        compute.wait_event(event)
+
+def _recorded(stream: Any) -> Any:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def arrive(values: Sequence[Any], event: Any, streams: StageStreams, grad_flags: Sequence[bool]) -> tuple[Any, ...]:
+    """The shipped values made ready for the stage, inside :func:`computing`; flagged tensors become
+    gradient leaves. Values that were not shipped (a micro-batch straight from the caller) are moved here."""
+    if streams.compute is not None:
+        if event is not None:
+            streams.compute.wait_event(event)
         for v in values:
-            if isinstance(v, torch.Tensor):
-                v.record_stream(compute)
-    ready = [v.detach().to(device) if isinstance(v, torch.Tensor) else v for v in values]
+            if isinstance(v, torch.Tensor) and same_device(v.device, streams.device):
+                v.record_stream(streams.compute)  # made on another stream, used and freed on this one
+    ready = [v.detach().to(streams.device) if isinstance(v, torch.Tensor) else v for v in values]
     return tuple(
         v.requires_grad_(True) if flag and isinstance(v, torch.Tensor) else v for v, flag in zip(ready, grad_flags)
     )

@@ -19,6 +19,7 @@ stage and micro-batch named.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import sys
 import threading
@@ -30,7 +31,23 @@ from typing import Any
 
 import torch
 
-from .device import arrive, autocast_managers, autocast_settings, forget_autocast_casts, ship, use_device
+from .device import (
+    CallerStreams,
+    StageStreams,
+    arrive,
+    autocast_managers,
+    autocast_settings,
+    autograd_thread_device,
+    caller_streams,
+    clock_seconds,
+    computing,
+    forget_autocast_casts,
+    release_to_caller,
+    same_device,
+    ship,
+    start_clock,
+    wait_for_caller,
+)
 from .randomness import drawing
 from .saved_tensors import HeldMemory
 from .schedule import Schedule, Task, Timed, gpipe
@@ -76,14 +93,21 @@ class StepRecord:
 
     timed: list[list[Timed]]
     started_at: float = field(default_factory=time.perf_counter)
+    #: per stage, each task's marks on its device's compute stream (GPU stages only)
+    marks: list[list[tuple[Any, Any]]] = field(default_factory=list)
 
     @classmethod
     def for_stages(cls, count: int) -> StepRecord:
         return cls([[] for _ in range(count)])
 
-    def add(self, task: Task, started: float) -> None:
-        """Note that ``task`` ran from ``started`` (a ``time.perf_counter()`` reading) until now."""
+    def add(self, task: Task, started: float, marks: tuple[Any, Any] | None = None) -> None:
+        """Note that ``task`` ran from ``started`` (a ``time.perf_counter()`` reading) until now, and
+        on a GPU between the two ``marks`` (:func:`~.device.start_clock`) on its compute stream."""
         self.timed[task.stage].append(Timed(task, started - self.started_at, time.perf_counter() - self.started_at))
+        if marks is not None:
+            if not self.marks:
+                self.marks = [[] for _ in self.timed]
+            self.marks[task.stage].append(marks)
 
     @property
     def ran(self) -> list[list[Task]]:
@@ -92,8 +116,10 @@ class StepRecord:
 
     @property
     def busy_s(self) -> list[float]:
-        """Seconds each stage worked (on CUDA: the time to issue its work, not to run it)."""
-        return [sum(t.end - t.start for t in stage) for stage in self.timed]
+        """Seconds each stage worked: on a GPU its tasks' time on the device (read from events, so
+        this waits for them), elsewhere their wall time."""
+        return [sum(clock_seconds(*pair) for pair in self.marks[k]) if self.marks and self.marks[k]
+                else sum(t.end - t.start for t in stage) for k, stage in enumerate(self.timed)]
 
 
 @dataclass
@@ -136,11 +162,12 @@ class _ThreadContext:
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = autocast_settings()
 
-    def enter(self, device: torch.device) -> list[Any]:
+    def enter(self, streams: StageStreams, caller: CallerStreams) -> list[Any]:
         managers: list[Any] = [torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad),
-                               use_device(device), *autocast_managers(self.autocast)]
+                               computing(streams), *autocast_managers(self.autocast)]
         for manager in managers:
             manager.__enter__()
+        wait_for_caller(streams, caller)
         return managers
 
 
@@ -152,22 +179,27 @@ def _run_workers(
     last: queue.Queue,
     order: Sequence[int],
     grad: bool,
-) -> None:
-    """Run ``body`` for every stage on the pool's workers, chained by queues; re-raise the first failure.
+    count: int,
+    width: int = 1,
+) -> list[Any]:
+    """Run ``body`` for every stage on the pool's workers, chained by queues; returns what the last
+    worker passed on (see :func:`_collect`) and re-raises the first failure.
 
     Workers run with grad mode ``grad`` (the caller may be inside an autograd Function, where grad
-    mode is off) and with the caller's autocast settings. After a failure the workers are stopped,
-    so no thread outlives a failed pass.
+    mode is off), with the caller's autocast settings, and on their stage's compute stream, after
+    the caller's queued work; the caller's later work waits for theirs. After a failure the workers
+    are stopped, so no thread outlives a failed pass.
     """
     links = [first] + [queue.Queue() for _ in range(len(stages) - 1)] + [last]
     abort = threading.Event()
     failures: list[_Failure] = []
     context = _ThreadContext(grad)
+    caller = caller_streams(stage.device for stage in stages)
 
     def task(position: int) -> Callable[[], None]:
         def run() -> None:
             k = order[position]
-            managers = context.enter(stages[k].device)
+            managers = context.enter(stages[k].streams, caller)
             try:
                 body(k, links[position], links[position + 1], abort)
             except _StageFailed as failed:
@@ -197,6 +229,12 @@ def _run_workers(
     if failures:
         pool.shutdown()
         raise _reraise(min(failures, key=lambda f: (f.micro_batch < 0, f.micro_batch, f.stage)))
+    results = _collect(last, count, width)
+    release_to_caller(caller, [stage.streams for stage in stages], results)
+    return results
+
+
+_Body = Callable[[int, queue.Queue, queue.Queue, threading.Event], None]
 
 
 class _StageFailed(Exception):
@@ -247,10 +285,10 @@ def run_forward(
         state.schedule = schedule
 
     def forward(k: int, m: int, values: tuple, spec: Any, event: Any, flags: tuple) -> tuple:
-        device = stages[k].device
-        target = stages[k + 1].device if k + 1 < len(stages) else None
+        streams = stages[k].streams
+        target = stages[k + 1].streams if k + 1 < len(stages) else streams
         stage = micro_batch_stages[m][k]
-        leaves = arrive(values, event, device, flags if state is not None else [False] * len(values))
+        leaves = arrive(values, event, streams, flags if state is not None else [False] * len(values))
         if state is not None and m < recompute_stop:  # recomputed in backward: keep the inputs only
             with torch.no_grad(), drawing(seed, m):
                 outputs, out_spec = stage(leaves, spec)
@@ -266,16 +304,15 @@ def run_forward(
             with drawing(seed, m):
                 outputs, out_spec = stage(leaves, spec)
             out_flags = tuple(_wants_grad(v) for v in outputs)
-        shipped, event = ship(outputs, device, target or device, target and stages[k].copy_stream)
+        shipped, event = ship(outputs, streams, target)
         return shipped, out_spec, event, out_flags
 
-    body = _stage_loop("forward", schedule, pool, state.record if state is not None else None, forward)
-    _run_workers(pool, stages, body, first, last, range(len(stages)), grad=state is not None)
-    return _collect(last, len(micro_batches), width=2)
+    body = _stage_loop("forward", schedule, pool, state.record if state is not None else None, forward, stages)
+    return _run_workers(pool, stages, body, first, last, range(len(stages)), state is not None, len(micro_batches), 2)
 
 
 def _stage_loop(phase: str, schedule: Schedule, pool: WorkerPool, record: StepRecord | None,
-                task: Callable[..., tuple]) -> Callable[[int, queue.Queue, queue.Queue, threading.Event], None]:
+                task: Callable[..., tuple], stages: Sequence[StageModule]) -> _Body:
     """A stage worker's loop for ``phase``: take each micro-batch's item from the inbox in the
     schedule's order, run ``task(k, m, *item)`` on it, record it, and pass what it returns on.
     A failing task stops the pass with the stage, micro-batch and phase named."""
@@ -288,12 +325,14 @@ def _stage_loop(phase: str, schedule: Schedule, pool: WorkerPool, record: StepRe
                 outbox.put(ABORT)
                 return
             started = time.perf_counter()
+            begin = start_clock(stages[k].streams) if record is not None else None
             try:
                 result = task(k, m, *item[1:])
             except Exception as exc:
                 raise _StageFailed(_Failure(k, m, phase, exc)) from exc
             if record is not None:
-                record.add(Task(phase, k, m), started)
+                end = None if begin is None else start_clock(stages[k].streams)
+                record.add(Task(phase, k, m), started, None if begin is None else (begin, end))
             pool.count_task(k)
             outbox.put((m, *result))
 
@@ -359,9 +398,12 @@ def run_backward(
     last: queue.Queue = queue.Queue()
     for m in schedule.micro_batches(len(stages) - 1, "backward"):
         first.put((m, output_grads[m], None))
+    # the GPU whose autograd thread waits in this backward: its stages' backward must run there
+    waiting = autograd_thread_device(g for grads in output_grads for g in grads)
 
     def backward(k: int, m: int, grads: tuple, event: Any) -> tuple:
-        target = stages[k - 1].device if k > 0 else None
+        streams = stages[k].streams
+        target = stages[k - 1].streams if k > 0 else streams
         stage = state.micro_batch_stages[m][k]
         saved = state.saved[k][m]
         inputs, outputs = saved.inputs, saved.outputs
@@ -370,21 +412,29 @@ def run_backward(
             with state.counting(k):
                 outputs, restore = _recompute(stage, saved, state, m)
             counted = state.count(k, outputs)
-        grads = arrive(grads, event, stage.device, [False] * len(grads))
+        grads = arrive(grads, event, streams, [False] * len(grads))
         pairs = [(o, g) for o, g in zip(outputs, grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+        if pairs and waiting is not None and same_device(waiting, streams.device):
+            pool.call_on_caller(functools.partial(_differentiate, pairs, streams))
+        elif pairs:
+            _differentiate(pairs, streams)
         if restore is not None:
             restore()
         input_grads = tuple(_grad_of(v) for v in inputs)
         state.saved[k][m] = _Saved((), None)  # free the activations as soon as possible
         del saved, inputs, outputs, pairs, counted
-        return ship(input_grads, stage.device, target or stage.device, target and stages[k].copy_stream)
+        return ship(input_grads, streams, target)
 
-    body = _stage_loop("backward", schedule, pool, state.record, backward)
-    _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), grad=False)
-    return _collect(last, count)
+    body = _stage_loop("backward", schedule, pool, state.record, backward, stages)
+    return _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), False, count)
+
+
+def _differentiate(pairs: list[tuple[torch.Tensor, torch.Tensor]], streams: StageStreams) -> None:
+    """Backpropagate each output's gradient through the stage, on its compute stream."""
+    with computing(streams):
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _grad_of(value: Any) -> torch.Tensor | None:

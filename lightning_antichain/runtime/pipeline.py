@@ -26,6 +26,7 @@ from torch import nn
 
 from ..capture import NEEDS_EXAMPLE, OpGraph, UntraceableModelError, capture, capture_call
 from ..capture.assignments import Output, assign
+from ..capture.devices import on_module_device
 from ..capture.isolation import own_forward, side_effects_undone, training_flags, training_flags_set
 from ..capture.pytrees import flatten, iter_tensors, unflatten
 from . import microbatch
@@ -349,7 +350,8 @@ class Pipeline(nn.Module):
 
     def _capture_for(self, args: tuple, kwargs: dict) -> OpGraph:
         """Capture the module on the first micro-batch of this call, with the plan's frontend."""
-        first = first_micro_batch(self.module, args, kwargs, self.chunks, self.batch_dim)
+        first = on_module_device(self.module, first_micro_batch(self.module, args, kwargs, self.chunks,
+                                                                self.batch_dim))
         return capture_call(self.module, *first, leaf_modules=self.leaf_modules,
                             frontends=(self.plan.frontend or "fx",), batch_dim=self.batch_dim)
 
@@ -387,7 +389,7 @@ class Pipeline(nn.Module):
             graph = specialization.recapture(*run.graph.signature.unbind(values))
             stages = self._variant_stages(run, graph)
             for new, old in zip(stages, run.stages):
-                new.copy_stream = old.copy_stream
+                new.streams = old.streams
             run.variants[key] = stages
         return run.variants[key]
 

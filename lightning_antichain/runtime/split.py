@@ -27,7 +27,7 @@ from ..capture.devices import retarget_devices
 from ..capture.lifted import share_original_modules
 from ..capture.mutations import is_in_place, may_alias
 from ..capture.pytrees import flatten, unflatten
-from .device import new_copy_stream
+from .device import StageStreams, stage_streams
 from .plan import Plan
 from .randomness import seed_random_nodes
 
@@ -46,10 +46,15 @@ class StageModule:
     outputs: tuple[str, ...]
     device: torch.device
     mutated: frozenset[int] = frozenset()
-    copy_stream: Any = None
+    #: where it runs and ships its values (:func:`~lightning_antichain.runtime.device.stage_streams`)
+    streams: StageStreams = None  # type: ignore[assignment]
     #: the operations that may draw random numbers, each drawing from its own generators
     #: (:mod:`lightning_antichain.runtime.randomness`)
     random_nodes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.streams is None:
+            self.streams = stage_streams(self.device)
 
     def __call__(self, leaves: list[Any], spec: Any) -> tuple[list[Any], Any]:
         """Run the stage on the flattened input values; returns its flattened output values."""
@@ -221,7 +226,6 @@ def place_stages(stages: list[StageModule]) -> None:
             module.to(stage.device)
         for tensor in [*stage.parameters(), *stage.buffers()]:
             _move_in_place(tensor, stage.device)
-        stage.copy_stream = new_copy_stream(stage.device)
 
 
 def _move_in_place(tensor: torch.Tensor, device: torch.device) -> None:

@@ -22,6 +22,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 _STOP = object()
 _M_ARENA_MAX = -8  # from glibc's malloc.h
@@ -59,6 +60,8 @@ class WorkerPool:
         #: tasks done, by (stage, identity of the thread that did it), since the pool was made: the
         #: evidence that work really ran on the workers, spread over stages and threads
         self.tasks_run: Counter[tuple[int, int]] = Counter()
+        self._calls: queue.Queue | None = None  # while ``run`` waits: where workers hand it calls
+        self._calls_lock = threading.Lock()
 
     def count_task(self, stage: int) -> None:
         """Note that the calling thread finished one task of ``stage``."""
@@ -89,21 +92,56 @@ class WorkerPool:
             pending = 0
             failures: list[BaseException] = []
             try:
+                with self._calls_lock:
+                    self._calls = done
                 if not self._threads:
                     self._start()
                 for inbox, task in zip(self._inboxes, tasks):
                     inbox.put((task, done))
                     pending += 1
                 while pending:
-                    if (failure := done.get()) is not None:
-                        failures.append(failure)
+                    item = done.get()
+                    if isinstance(item, _Call):
+                        item.run()
+                        continue
+                    if item is not None:
+                        failures.append(item)
                     pending -= 1
             except BaseException:
+                _uninterrupted(lambda: self._stop_calls(done))
                 _uninterrupted(on_interrupt)
                 self._stop()  # each worker ends its task, told to finish early, then stops
                 raise
+            self._stop_calls(done)
             if failures:
                 raise failures[0]
+
+    def call_on_caller(self, function: Callable[[], object]) -> None:
+        """Run ``function`` on the thread waiting in :meth:`run`, from a worker's task, and return
+        once it has (raising what it raised). For work only that thread can do: the backward of a
+        GPU stage while that thread is the GPU's autograd thread, waiting inside a backward node."""
+        call = _Call(function)
+        with self._calls_lock:
+            if self._calls is None:
+                raise RuntimeError("call_on_caller is for a worker's task while the pool runs it")
+            self._calls.put(call)
+        call.finished.wait()
+        if call.error is not None:
+            raise call.error
+
+    def _stop_calls(self, done: queue.Queue) -> None:
+        """Stop taking calls; any still queued fail, so no worker waits for them."""
+        with self._calls_lock:
+            self._calls = None
+        left: list[Any] = []
+        while not done.empty():
+            left.append(done.get())
+        for item in left:
+            if isinstance(item, _Call):
+                item.error = RuntimeError("the pipeline pass was stopped")
+                item.finished.set()
+            else:
+                done.put(item)
 
     def shutdown(self) -> None:
         """Stop and join every worker; the next :meth:`run` starts new ones."""
@@ -124,6 +162,23 @@ class WorkerPool:
         self._inboxes, self._threads = [], []
         if interrupted is not None:
             raise interrupted
+
+
+class _Call:
+    """A function a worker asks the waiting caller to run, and what came of it."""
+
+    def __init__(self, function: Callable[[], object]) -> None:
+        self.function = function
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.function()
+        except BaseException as exc:  # noqa: BLE001 - raised in the worker that asked
+            self.error = exc
+        finally:
+            self.finished.set()
 
 
 def _uninterrupted(call: Callable[[], object]) -> None:

@@ -1,0 +1,256 @@
+"""The pipeline on one GPU: overhead against the plain module, profile accuracy, memory per stage,
+K stages sharing the GPU, and a simulated multi-GPU speed-up from the measured profile.
+
+Every time is the median of interleaved repeats, timed from the caller's side as a user sees a
+training step (forward, loss, backward, optimizer step; with CUDA events on a GPU). It runs on the
+CPU too (``--device cpu``, smaller inputs with ``--small``), so only the CUDA branch is new on a GPU.
+
+    python benchmarks/gpu.py --device cuda:0
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+import lightning_antichain as la
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import machine, publish  # noqa: E402
+
+START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
+TORCHGPIPE_RESNET101_8 = 4.29  # torchgpipe's published speed-up, ResNet-101 on 8 GPUs (arXiv:2004.09910)
+
+
+class GPT(nn.Module):
+    """Hugging Face GPT-2 (random weights, untied output layer) returning its logits."""
+
+    def __init__(self, layers: int, width: int, vocab: int, length: int) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=vocab,
+                                         n_positions=length, use_cache=False, bos_token_id=0, eos_token_id=0,
+                                         tie_word_embeddings=False)
+        self.gpt = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.gpt(input_ids=ids, use_cache=False).logits
+
+
+class UNet(nn.Module):
+    """Ronneberger et al.'s U-Net: four down and four up steps with skip connections."""
+
+    def __init__(self, base: int = 32, classes: int = 2) -> None:
+        super().__init__()
+
+        def block(cin: int, cout: int) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
+                                 nn.Conv2d(cout, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+
+        widths = [base * 2**i for i in range(5)]
+        self.down = nn.ModuleList([block(3, widths[0])] + [block(widths[i], widths[i + 1]) for i in range(4)])
+        self.up = nn.ModuleList([nn.ConvTranspose2d(widths[i + 1], widths[i], 2, stride=2) for i in range(4)])
+        self.merge = nn.ModuleList([block(2 * widths[i], widths[i]) for i in range(4)])
+        self.head = nn.Conv2d(widths[0], classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for i, down in enumerate(self.down):
+            x = down(x if i == 0 else nn.functional.max_pool2d(x, 2))
+            skips.append(x)
+        for i in reversed(range(4)):
+            x = self.merge[i](torch.cat([skips[i], self.up[i](x)], dim=1))
+        return self.head(x)
+
+
+def models(small: bool) -> dict[str, tuple[Callable[[], nn.Module], Callable[[int], torch.Tensor], int]]:
+    """name -> (build, batch of n, batch size)."""
+    side, length = (32, 64) if small else (224, 512)
+
+    def images(n: int, size: int = side) -> torch.Tensor:
+        return torch.randn(n, 3, size, size)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, 8192, (n, length))
+
+    return {
+        "ResNet-50": (lambda: torchvision.models.resnet50(num_classes=1000), images, 8 if small else 128),
+        "GPT-2 (12 x 768)": (lambda: GPT(2 if small else 12, 128 if small else 768, 8192, length), tokens,
+                             4 if small else 32),
+        "ResNet-101": (lambda: torchvision.models.resnet101(num_classes=1000), images, 8 if small else 128),
+        "U-Net": (lambda: UNet(8 if small else 32), lambda n: images(n, 32 if small else 256), 4 if small else 32),
+    }
+
+
+class Clock:
+    """Seconds of a block as the caller's stream sees it: CUDA events on a GPU, wall time on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def time(self, run: Callable[[], None]) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            run()
+            return time.perf_counter() - start
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        run()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+
+def step_of(net: nn.Module, params: list[nn.Parameter], x: torch.Tensor) -> Callable[[], None]:
+    """One training step of ``net`` on ``x``: forward, loss, backward, SGD step, gradients dropped."""
+    optimizer = torch.optim.SGD(params, lr=1e-4)
+
+    def step() -> None:
+        net(x).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def interleaved(clock: Clock, steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of each step, the steps taking turns so that drift hits all alike."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            times[name].append(clock.time(step))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def allocated(device: torch.device) -> int:
+    """Bytes in tensors on ``device`` now, after collecting what earlier runs left (0 off CUDA)."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_bytes(device: torch.device, run: Callable[[], None], baseline: int) -> int | None:
+    """The allocator's peak over ``run`` above ``baseline`` (``None`` off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    return torch.cuda.max_memory_allocated(device) - baseline
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--small", action="store_true", help="small inputs and models (a CPU dry run)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    clock = Clock(device)
+    zoo = models(args.small)
+    name_of_device = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [f"Machine: {name_of_device}; host {machine()}.", ""]
+    costs = {}
+
+    def profiled(name: str, chunks: int) -> tuple[nn.Module, torch.Tensor, object]:
+        build, batch, size = zoo[name]
+        torch.manual_seed(0)
+        model = build()
+        x = batch(size)
+        if (name, chunks) not in costs:  # a profile's times and activations are per micro-batch of its size
+            costs[name, chunks] = la.profile(model, x[: size // chunks], str(device), progress=False)
+        return model, x, costs[name, chunks]
+
+    # 1. one stage against the plain module, and the profile's prediction against the measured step
+    lines += ["### One stage against the plain module", "",
+              "| model | batch | chunks | plain step ms | pipeline step ms | overhead | predicted / measured |",
+              "|---|---|---|---|---|---|---|"]
+    for name in ("ResNet-50", "GPT-2 (12 x 768)"):
+        for chunks in (1, 4):
+            model, x, cost = profiled(name, chunks)
+            plain = copy.deepcopy(model).to(device)
+            plan = la.partition(cost, stages=1, chunks=chunks, devices=[str(device)])
+            with la.Pipeline(model, plan, chunks=chunks) as pipe:
+                xs = x.to(device)
+                medians = interleaved(clock, {"plain": step_of(plain, list(plain.parameters()), xs),
+                                              "pipe": step_of(pipe, list(model.parameters()), xs)}, args.repeats)
+            lines.append(f"| {name} | {len(x)} | {chunks} | {1e3 * medians['plain']:.1f} | {1e3 * medians['pipe']:.1f} "
+                         f"| {100 * (medians['pipe'] / medians['plain'] - 1):+.1f}% "
+                         f"| {plan.predict_step() / medians['pipe']:.2f} |")
+            print(lines[-1], flush=True)
+            del plain, model, pipe
+    # 2. memory per stage, predicted against measured, for each recompute mode
+    lines += ["", "### Memory of one stage: predicted against the allocator's peak", "",
+              "Parameters, gradients and activations (SGD without momentum keeps no state); the measured "
+              "peak also holds what the plan does not model, such as the cuBLAS workspace.", "",
+              "| model | recompute | predicted MB | measured MB | measured / predicted |", "|---|---|---|---|---|"]
+    for name in ("ResNet-50", "GPT-2 (12 x 768)"):
+        for recompute in ("never", "except_last", "always"):
+            model, x, cost = profiled(name, 4)
+            plan = la.partition(cost, stages=1, chunks=4, devices=[str(device)], recompute=recompute,
+                                optimizer_multiplier=0.0)
+            baseline = allocated(device)
+            with la.Pipeline(model, plan, chunks=4, recompute=recompute) as pipe:
+                step = step_of(pipe, list(model.parameters()), x.to(device))
+                step()
+                measured = peak_bytes(device, step, baseline)
+            predicted = plan.stages[0].memory_bytes
+            shown = "n/a" if measured is None else f"{measured / 1e6:.0f} | {measured / predicted:.2f}"
+            lines.append(f"| {name} | {recompute} | {predicted / 1e6:.0f} | {shown} |")
+            print(lines[-1], flush=True)
+            del model, pipe
+    # 3. K stages sharing the GPU against the plain module: the runtime's cost per micro-batch
+    lines += ["", f"### K stages on one device against the plain module ({args.chunks} micro-batches)", "",
+              "| model | K | plain step ms | pipeline step ms | ratio |", "|---|---|---|---|---|"]
+    for name in ("ResNet-50", "GPT-2 (12 x 768)"):
+        for stages in (2, 4):
+            model, x, cost = profiled(name, args.chunks)
+            plain = copy.deepcopy(model).to(device)
+            plan = la.partition(cost, stages=stages, chunks=args.chunks, devices=[str(device)] * stages)
+            with la.Pipeline(model, plan, chunks=args.chunks) as pipe:
+                xs = x.to(device)
+                medians = interleaved(clock, {"plain": step_of(plain, list(plain.parameters()), xs),
+                                              "pipe": step_of(pipe, list(model.parameters()), xs)}, args.repeats)
+            lines.append(f"| {name} | {stages} | {1e3 * medians['plain']:.1f} | {1e3 * medians['pipe']:.1f} "
+                         f"| {medians['pipe'] / medians['plain']:.2f} |")
+            print(lines[-1], flush=True)
+            del plain, model, pipe
+    # 4. simulated K-GPU speed-up from the measured profile (a simulation: one GPU is measured)
+    lines += ["", f"### Simulated speed-up on K GPUs from this GPU's profile ({args.chunks} micro-batches)", "",
+              "A simulation: the plan's predicted step on K identical GPUs (16 GB/s links) against one GPU's, "
+              "from the per-operation profile measured here; nothing ran on K GPUs.", "",
+              "| model | K=2 | K=4 | K=8 | torchgpipe (published, 8 GPUs) |", "|---|---|---|---|---|"]
+    for name in ("ResNet-101", "U-Net", "GPT-2 (12 x 768)"):
+        _, _, cost = profiled(name, args.chunks)
+        one = la.partition(cost, stages=1, chunks=args.chunks, devices=[la.DeviceSpec("gpu0")]).predict_step()
+        row = []
+        for stages in (2, 4, 8):
+            specs = [la.DeviceSpec(f"gpu{k}") for k in range(stages)]
+            plan = la.partition(cost, stages=stages, chunks=args.chunks, devices=specs, bandwidth_gbps=16.0)
+            row.append(f"{one / plan.predict_step():.2f}x")
+        published = f"{TORCHGPIPE_RESNET101_8:.2f}x" if name == "ResNet-101" else ""
+        lines.append(f"| {name} | {' | '.join(row)} | {published} |")
+        print(lines[-1], flush=True)
+    text = "\n".join([START, f"Command: `python {' '.join(sys.argv)}`  ", *lines, END])
+    publish(text, START, END, "## On a GPU", write=not args.no_write)
+
+
+if __name__ == "__main__":
+    main()
