@@ -97,9 +97,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _stage_devices(device: str, stages: int) -> list[str]:
-    """One device per stage of the kind profiled: cuda:0..K-1 for GPUs, the same CPU otherwise."""
-    kind = device.split(":")[0]
-    return [f"{kind}:{k}" for k in range(stages)] if kind == "cuda" else [device] * stages
+    """One device per stage of the kind profiled: for ``cuda:N``, the GPUs cuda:N..N+K-1; the same CPU otherwise."""
+    kind, _, index = device.partition(":")
+    first = int(index or 0)
+    return [f"cuda:{first + k}" for k in range(stages)] if kind == "cuda" else [device] * stages
 
 
 def _chunks(text: str) -> int | str:
@@ -146,6 +147,16 @@ def _check_device(device: str) -> None:
             raise ValueError(f"--device {device}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     elif parsed.type != "cpu":
         raise ValueError(f"--device {device!r}: profiling runs on cpu or cuda:N")
+
+
+def _check_stage_devices(devices: list[str]) -> None:
+    import torch
+
+    count = torch.cuda.device_count()
+    missing = [d for d in devices if torch.device(d).type == "cuda" and (torch.device(d).index or 0) >= count]
+    if missing:
+        raise ValueError(f"the {len(devices)} stages would run on {devices[0]} to {devices[-1]}, but torch sees "
+                         f"{count} CUDA device(s): ask for fewer --stages or an earlier --device")
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -202,6 +213,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("--chunks auto (the default) profiles the model at each candidate micro-batch size; it "
                          "cannot plan from --load-profile. Give --chunks as a number.")
     _check_device(args.device)
+    _check_stage_devices(_stage_devices(args.device, args.stages))
     _check_paths(args)
     micro_batch = args.batch_size if auto else -(-args.batch_size // args.chunks)
     cost = None

@@ -231,3 +231,15 @@ def test_the_cli_starts_from_the_strategys_defaults():
     plan = json.loads(result.stdout)
     assert [c["chunks"] for c in plan["candidates"]] == [1, 2, 4]
     assert plan["chunks"] in (1, 2, 4)
+
+
+def test_stage_devices_start_at_the_profiled_gpu():
+    import torch
+
+    from lightning_antichain.cli import _check_stage_devices, _stage_devices
+
+    assert _stage_devices("cuda:2", 3) == ["cuda:2", "cuda:3", "cuda:4"]
+    assert _stage_devices("cuda", 2) == ["cuda:0", "cuda:1"]
+    assert _stage_devices("cpu", 2) == ["cpu", "cpu"]
+    with pytest.raises(ValueError, match="fewer --stages"):
+        _check_stage_devices(_stage_devices(f"cuda:{torch.cuda.device_count()}", 1))
