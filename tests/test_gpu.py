@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import subprocess
+import sys
 
 import lightning as L
 import pytest
@@ -130,6 +132,8 @@ def test_many_steps_of_uneven_micro_batches_train_like_the_plain_module(gpu_devi
                 optimizer.zero_grad()
                 kept.append(loss.detach())
         assert_pipelined(pipe, stages=4)
+        busy = pipe.last_step.busy_s  # on a GPU: each stage's tasks timed by events on its stream
+        assert len(busy) == 4 and all(0 < b < 60 for b in busy), busy
     torch.testing.assert_close(torch.stack(losses).cpu(), torch.stack(plain_losses).cpu(), rtol=1e-9, atol=1e-12)
     torch.testing.assert_close([p.cpu() for p in model.parameters()], [p.cpu() for p in plain.parameters()],
                                rtol=1e-8, atol=1e-11)
@@ -200,6 +204,16 @@ def test_what_each_recompute_mode_saves_on_each_stage_is_what_the_plan_predicts(
             report.append((on_gpu, recompute, saved >> 20, saving >> 20))
             assert abs(saved - saving) <= 0.2 * saving + 8 * 2**20, report
     print("stage, mode, MiB saved against never: measured, predicted:", report)
+
+
+def test_plan_command_profiles_and_plans_on_the_device_asked_for(gpu_device, tmp_path):
+    out = tmp_path / "plan.json"
+    command = [sys.executable, "-m", "lightning_antichain", "plan", "torchvision.models.resnet18", "--model-kwargs",
+               '{"num_classes": 10}', "--stages", "1", "--input-shape", "3,32,32", "--batch-size", "8", "--chunks",
+               "2", "--device", str(gpu_device), "--output", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert la.Plan.load(out).stages[0].device == str(gpu_device)
 
 
 def test_streams_of_a_stage_on_the_gpu(gpu_device):
