@@ -206,6 +206,36 @@ def test_what_each_recompute_mode_saves_on_each_stage_is_what_the_plan_predicts(
     print("stage, mode, MiB saved against never: measured, predicted:", report)
 
 
+@pytest.mark.parametrize("kind", ["module", "functional"])
+@pytest.mark.parametrize("layout", [("gpu", "gpu"), ("gpu", "gpu", "gpu"), ("cpu", "gpu")])
+@pytest.mark.parametrize("recompute", MODES)
+def test_recomputed_dropout_on_the_gpu_draws_the_masks_the_output_saw(gpu_device, kind, layout, recompute):
+    """The GPU's generators under recomputation: every gradient is the true gradient of the output
+    the loss saw, read back from the output's own masks (see test_randomness.py)."""
+    from test_randomness import MODELS
+
+    devices = [str(gpu_device) if k == "gpu" else "cpu" for k in layout]
+    model = MODELS[kind](layers=2 * len(devices)).double()
+    cost = la.profile(model, torch.rand(2, 64, dtype=torch.float64) + 0.1, repeats=1, warmup=0, progress=False,
+                      runtime_overhead=False)
+    ops = sum(1 for v in cost.nodes if not cost.nodes[v].get("pinned"))
+    balance = [ops // len(devices)] * len(devices)
+    balance[-1] += ops - sum(balance)
+    plan = la.plan_from_balance(cost, balance, devices=devices)
+    with la.Pipeline(model, plan, chunks=4, recompute=recompute, output_device=devices[-1]) as pipe:
+        for seed in range(2):
+            torch.manual_seed(seed)
+            x = torch.rand(16, 64, dtype=torch.float64, device=devices[0]) + 0.1
+            model.zero_grad()
+            y = pipe(x)
+            assert (y == 0).any() and (y != 0).any()
+            c = torch.randn_like(y)
+            (c * y).sum().backward()
+            column_sums = (c * y).detach().sum(0).cpu()
+            for w in model.w:  # the output is linear in each weight: its gradient is the output's over it
+                torch.testing.assert_close(w.grad.cpu(), column_sums / w.detach().cpu(), rtol=1e-12, atol=1e-12)
+
+
 def test_plan_command_profiles_and_plans_on_the_device_asked_for(gpu_device, tmp_path):
     out = tmp_path / "plan.json"
     command = [sys.executable, "-m", "lightning_antichain", "plan", "torchvision.models.resnet18", "--model-kwargs",
