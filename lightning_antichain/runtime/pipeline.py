@@ -11,44 +11,37 @@ where and in what order its operations run.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx as fx
 from torch import nn
 
-from ..capture import NEEDS_EXAMPLE, OpGraph, UntraceableModelError, capture, capture_call
-from ..capture.assignments import Output, assign
-from ..capture.devices import on_module_device
-from ..capture.isolation import own_forward, side_effects_undone, training_flags, training_flags_set
+from ..capture import NEEDS_EXAMPLE, OpGraph, UntraceableModelError, capture
+from ..capture.assignments import assign
+from ..capture.isolation import own_forward, side_effects_undone, training_flags_set
 from ..capture.pytrees import flatten, iter_tensors, unflatten
 from . import microbatch
 from .autograd_bridge import PipelineBackward, PipelineFunction
 from .batch_dims import (
     check_per_sample,
-    first_micro_batch,
     grown_by_one,
-    placeholder_batch_dims,
     refuse_per_sample_lists,
 )
 from .batchnorm import deferred_batch_norm
+from .captures import Captures, Runnable
 from .device import shares_host
 from .engine import PassState, StepRecord, run_forward
 from .options import PipelineOptions
 from .output_join import Assigned, MicroOutputs, assigned_dim, output_dims, take_assigned
 from .plan import Plan, recomputed_micro_batches
-from .projection import project_plan
 from .randomness import step_seed
 from .saved_tensors import HeldMemory, state_storages
 from .schedule import make_schedule
-from .split import PlanMismatchError, StageModule, place_stages, split_stages
 from .worker import WorkerPool, share_malloc_arena
 
 
@@ -117,11 +110,9 @@ class Pipeline(nn.Module):
         self._devices = [torch.device(d) for d in (devices or [s.device for s in plan.stages])]
         if len(self._devices) != plan.num_stages:
             raise ValueError(f"got {len(self._devices)} devices for a plan of {plan.num_stages} stages")
-        #: every capture of the module made ready to run, by the modules' training flags (and, where
-        #: the graph captured first does not hold for a call, by what that call specialised)
-        self._runnables: dict[Hashable, _Runnable] = {}
-        self._run: _Runnable | None = None  # the one the last call ran
-        self._reference: OpGraph | None = None  # a capture with the plan's own operations
+        #: every capture of the module made ready to run
+        self._captures = Captures(module, plan, self._devices, chunks, batch_dim, self.leaf_modules)
+        self._run: Runnable | None = None  # the one the last call ran
         if share_cpu_allocator and any(shares_host(d) for d in self._devices):
             share_malloc_arena()
         self._pool = WorkerPool(plan.num_stages)
@@ -142,7 +133,7 @@ class Pipeline(nn.Module):
         if graph is None and frontend not in NEEDS_EXAMPLE:  # refuse a plan for another model at once
             graph = capture(module, leaf_modules=self.leaf_modules, frontends=(frontend,))
         if graph is not None:
-            self._runnables[(graph.training or training_flags(module), None)] = self._run = self._use(graph, None)
+            self._run = self._captures.given(graph)
 
     def close(self) -> None:
         """Stop the worker threads now (they also stop when the Pipeline is garbage collected)."""
@@ -195,12 +186,12 @@ class Pipeline(nn.Module):
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         if self.check_batch:
             refuse_per_sample_lists(self.module, args, kwargs, self.batch_dim)
-        run = self._runnable_for(args, kwargs)
+        run = self._run = self._captures.for_call(args, kwargs)
         values = run.graph.bind(args, kwargs)
         if self.check_batch:
             self._check_per_sample(run, values)
         micro_values = microbatch.scatter(values, self.chunks, run.input_dims)
-        micro_batch_stages = [self._stages_for(run, v) for v in micro_values]
+        micro_batch_stages = [self._captures.stages_for(run, v) for v in micro_values]
         sizes = [microbatch.batch_size(v, run.input_dims) for v in micro_values]
         micro_inputs = [flatten([v[i] for i in run.input_slots]) for v in micro_values]
         output_device = self.output_device or _first_device(args, kwargs) or self._devices[0]
@@ -254,7 +245,7 @@ class Pipeline(nn.Module):
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _start_measuring(self, run: _Runnable) -> list[HeldMemory]:
+    def _start_measuring(self, run: Runnable) -> list[HeldMemory]:
         """Counters for this step, one per stage, that leave the model's own tensors out."""
         if self._held is None:
             excluded = state_storages(self.module)
@@ -270,92 +261,9 @@ class Pipeline(nn.Module):
         (``True``) or eval mode now, rather than at the first such call. The strategy prepares
         the eval graph before Lightning's model summary runs the module with its hooks attached."""
         with training_flags_set(self.module, training):
-            self._runnable_for(args, kwargs)
+            self._run = self._captures.for_call(args, kwargs)
 
-    def _runnable_for(self, args: tuple, kwargs: dict) -> _Runnable:
-        """The capture that runs this call: the one made in the modules' present mode (captured now
-        if none was), or, where that graph does not hold for the call's first micro-batch (``None``
-        where it saw a tensor, another constant), one captured for that call."""
-        mode = training_flags(self.module)
-        run = self._runnables.get((mode, None))
-        if run is None:
-            run = self._runnables[(mode, None)] = self._use(self._capture_for(args, kwargs), (args, kwargs))
-        specialization = run.graph.specialization
-        if specialization is not None:
-            first = microbatch.scatter(run.graph.bind(args, kwargs), self.chunks, run.input_dims)[0]
-            if not specialization.holds_for(first):
-                key = (mode, specialization.key_of(first))
-                if key not in self._runnables:
-                    graph = specialization.recapture(*run.graph.signature.unbind(first))
-                    self._runnables[key] = self._use(graph, (args, kwargs))
-                run = self._runnables[key]
-        self._run = run
-        return run
-
-    def _use(self, graph: OpGraph, call: tuple[tuple, dict] | None) -> _Runnable:
-        """Cut the stages out of ``graph`` (by the plan, or by the plan carried over to this graph
-        where its operations differ) and place them on their devices."""
-        plan, stages = self._split(graph, call)
-        place_stages(stages)
-        placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
-        names = stages[-1].outputs
-        assigned = {leaf.node for a in graph.assignments for leaf in a.leaves if isinstance(leaf, Output)}
-        returned = assigned & _returned_names(graph)
-        returned_slots = [i for i, n in enumerate(names) if n not in assigned or n in returned]
-        return _Runnable(
-            graph=graph,
-            plan=plan,
-            stages=stages,
-            input_slots=[placeholders.index(name) for name in stages[0].inputs],
-            returned_slots=returned_slots,
-            assigned_slots={n: i for i, n in enumerate(names) if n in assigned},
-            output_names=tuple(names[i] for i in returned_slots),
-            input_dims=placeholder_batch_dims(graph, self.batch_dim),
-        )
-
-    def _split(self, graph: OpGraph, call: tuple[tuple, dict] | None) -> tuple[Plan, list[StageModule]]:
-        """The plan for ``graph`` and the stages cut by it: the Pipeline's plan where ``graph`` has
-        its operations, else that plan projected onto ``graph``
-        (:func:`~lightning_antichain.runtime.projection.project_plan`)."""
-        try:
-            stages = split_stages(graph, self.plan, self._devices)
-        except PlanMismatchError as mismatch:
-            reference = self._reference_graph(call, mismatch)
-            if reference is graph:
-                raise
-            plan = project_plan(self.plan, reference, graph)
-            return plan, split_stages(graph, plan, self._devices)
-        if self._reference is None:
-            self._reference = graph
-        return self.plan, stages
-
-    def _reference_graph(self, call: tuple[tuple, dict] | None, mismatch: PlanMismatchError) -> OpGraph:
-        """A capture whose operations are the plan's: plans are made in training mode, so the module
-        is captured in that mode when no capture so far had the plan's operations. Raises
-        ``mismatch`` if that one differs too: the plan was made for another model."""
-        if self._reference is not None:
-            return self._reference
-        frontend = self.plan.frontend or "fx"
-        if call is None and frontend in NEEDS_EXAMPLE:
-            raise mismatch
-        with training_flags_set(self.module, True):
-            graph = (self._capture_for(*call) if call is not None else
-                     capture(self.module, leaf_modules=self.leaf_modules, frontends=(frontend,)))
-        try:
-            split_stages(graph, self.plan, self._devices)
-        except PlanMismatchError:
-            raise mismatch from None
-        self._reference = graph
-        return graph
-
-    def _capture_for(self, args: tuple, kwargs: dict) -> OpGraph:
-        """Capture the module on the first micro-batch of this call, with the plan's frontend."""
-        first = on_module_device(self.module, first_micro_batch(self.module, args, kwargs, self.chunks,
-                                                                self.batch_dim))
-        return capture_call(self.module, *first, leaf_modules=self.leaf_modules,
-                            frontends=(self.plan.frontend or "fx",), batch_dim=self.batch_dim)
-
-    def _check_per_sample(self, run: _Runnable, values: list[Any]) -> None:
+    def _check_per_sample(self, run: Runnable, values: list[Any]) -> None:
         """Refuse, before the first step, a ``forward`` that micro-batching would change. The stages
         run the check where they call the user's modules (fx), the module itself where the stages
         share one device. An exported graph across devices is left to the caller: its training
@@ -378,51 +286,17 @@ class Pipeline(nn.Module):
             with own_forward(self.module):
                 check_per_sample(self.module, first, run.input_dims, eager)
 
-    def _stages_for(self, run: _Runnable, values: list[Any]) -> list[StageModule]:
-        """The stage modules for one micro-batch: captured again if the graph does not hold for it,
-        with the same inputs and outputs as ``run``'s stages, so the micro-batches of a call join."""
-        specialization = run.graph.specialization
-        if specialization is None or specialization.holds_for(values):
-            return run.stages
-        key = specialization.key_of(values)
-        if key not in run.variants:
-            graph = specialization.recapture(*run.graph.signature.unbind(values))
-            stages = self._variant_stages(run, graph)
-            for new, old in zip(stages, run.stages):
-                new.streams = old.streams
-            run.variants[key] = stages
-        return run.variants[key]
-
-    def _variant_stages(self, run: _Runnable, graph: OpGraph) -> list[StageModule]:
-        """``graph``'s stages for a micro-batch of another shape than ``run``'s graph holds for. Where
-        the two captures name their operations differently, the plan is carried over, and the first
-        stage's inputs and the last stage's outputs are matched by position."""
-        try:
-            return split_stages(graph, run.plan, self._devices)
-        except PlanMismatchError as mismatch:
-            plan = project_plan(self.plan, self._reference_graph(None, mismatch), graph)
-        try:
-            plan = _same_interface(plan, graph, run.plan, run.graph)
-        except PlanMismatchError as exc:
-            raise PlanMismatchError(
-                f"{graph.frontend} captured {type(self.module).__name__} again for a micro-batch of other shapes and "
-                f"got a different graph: {exc}"
-            ) from exc
-        stages = split_stages(graph, plan, self._devices)
-        place_stages(stages)
-        return stages
-
-
     @staticmethod
-    def _take_assigned_of(run: _Runnable, outputs: MicroOutputs) -> tuple[MicroOutputs, Assigned]:
+    def _take_assigned_of(run: Runnable, outputs: MicroOutputs) -> tuple[MicroOutputs, Assigned]:
         return take_assigned(outputs, run.returned_slots, run.assigned_slots)
 
-    def _run_whole(self, run: _Runnable, values: list[Any]) -> tuple[list[tuple[list[Any], Any]], Assigned]:
+    def _run_whole(self, run: Runnable, values: list[Any]) -> tuple[list[tuple[list[Any], Any]], Assigned]:
         """One forward of ``values`` through the stages as a single micro-batch, outside any step."""
         leaves = flatten([values[i] for i in run.input_slots])
-        return self._take_assigned_of(run, run_forward(self._pool, [self._stages_for(run, values)], [leaves], None, 0))
+        stages = self._captures.stages_for(run, values)
+        return self._take_assigned_of(run, run_forward(self._pool, [stages], [leaves], None, 0))
 
-    def _grown_run(self, run: _Runnable, first: list[Any]
+    def _grown_run(self, run: Runnable, first: list[Any]
                    ) -> tuple[list[tuple[int, ...] | None], dict[str, tuple[int, ...] | None]]:
         """The shapes of the output leaves and of the assigned values when the first micro-batch has
         one more sample (run once per input shapes, side effects undone)."""
@@ -439,68 +313,16 @@ class Pipeline(nn.Module):
         return run.grown[key]
 
 
-    def _assign(self, run: _Runnable, assigned: Assigned, first: list[Any], sizes: list[int | None]) -> None:
+    def _assign(self, run: Runnable, assigned: Assigned, first: list[Any], sizes: list[int | None]) -> None:
         """Give the attributes ``forward`` assigns the values a whole-batch call would."""
         if assigned.values:
             assign(self.module, run.graph.assignments, assigned.values, sizes,
                    lambda name, values: assigned_dim(values, sizes, lambda: self._grown_run(run, first)[1].get(name)))
 
-    def _assemble(self, run: _Runnable, leaves: list[Any], spec: Any) -> Any:
+    def _assemble(self, run: Runnable, leaves: list[Any], spec: Any) -> Any:
         assert run.graph.signature is not None
         by_name = dict(zip(run.output_names, unflatten(leaves, spec)))
         return run.graph.signature.assemble(by_name)
-
-
-@dataclass
-class _Runnable:
-    """One capture of the module, ready to run: its graph, the plan its stages were cut by (the
-    Pipeline's, or that plan carried over to this graph), and how a call's values map onto the stages.
-
-    ``variants`` are the stages of graphs captured again for micro-batches of other shapes, by what
-    they specialised; ``grown`` the output shapes of a run with one sample more, by input shapes.
-    """
-
-    graph: OpGraph
-    plan: Plan
-    stages: list[StageModule]
-    input_slots: list[int]
-    returned_slots: list[int]
-    assigned_slots: dict[str, int]
-    output_names: tuple[str, ...]
-    input_dims: list[Any]
-    variants: dict[Hashable, list[StageModule]] = field(default_factory=dict)
-    grown: dict[Hashable, Any] = field(default_factory=dict)
-
-
-def _same_interface(plan: Plan, graph: OpGraph, like: Plan, like_graph: OpGraph) -> Plan:
-    """``plan`` (for ``graph``) with the first stage taking the inputs and the last stage giving the
-    outputs that ``like`` does for ``like_graph``, matched by their positions among the graphs'
-    placeholders and outputs, so the micro-batches of one call can run on either and be joined."""
-    by_position = {}
-    for kind in ("placeholder", "output"):
-        ours, theirs = _interface_names(graph, kind), _interface_names(like_graph, kind)
-        if len(ours) != len(theirs):
-            raise PlanMismatchError(f"it has {len(ours)} {kind}s where the first capture had {len(theirs)}")
-        by_position.update(zip(theirs, ours))
-    inputs = [by_position[name] for name in like.stages[0].inputs]
-    outputs = [by_position[name] for name in like.stages[-1].outputs]
-    needed_in, given_out = set(plan.stages[0].inputs), set(plan.stages[-1].outputs)
-    if not needed_in <= set(inputs) or set(outputs) != given_out:
-        raise PlanMismatchError("its inputs or outputs are not those of the first capture")
-    stages = list(plan.stages)
-    stages[0] = dataclasses.replace(stages[0], inputs=inputs)
-    stages[-1] = dataclasses.replace(stages[-1], outputs=outputs)
-    return dataclasses.replace(plan, stages=stages)
-
-
-def _interface_names(graph: OpGraph, kind: str) -> list[str]:
-    """The graph's placeholders in order, or its output values in the order the output node lists them."""
-    if kind == "placeholder":
-        return [n.name for n in graph.nodes if n.kind == "placeholder"]
-    assert graph.graph_module is not None
-    found: list[str] = []
-    fx.node.map_arg(graph.graph_module.graph.output_node().args[0], lambda n: found.append(n.name))
-    return list(dict.fromkeys(found))
 
 
 def _warn_if_sequence_first(module: nn.Module, batch_dim: Any) -> None:
@@ -515,16 +337,6 @@ def _warn_if_sequence_first(module: nn.Module, batch_dim: Any) -> None:
             "batch_dim=1; if forward transposes them first, this is fine.",
             stacklevel=3,
         )
-
-
-def _returned_names(graph: OpGraph) -> set[str]:
-    """The output nodes whose values ``forward`` returns (as opposed to only assigning them)."""
-    assert graph.graph_module is not None
-    signature = graph.signature
-    returned = signature.output if signature is not None else graph.graph_module.graph.output_node().args[0]
-    found: set[str] = set()
-    fx.node.map_arg(returned, lambda n: found.add(n.name))
-    return found
 
 
 def _is_grad_tensor(value: Any) -> bool:

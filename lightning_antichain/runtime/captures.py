@@ -1,0 +1,232 @@
+"""Every capture of a Pipeline's module, ready to run: which graph runs a call, and its stages.
+
+A module is captured once per training mode (a graph bakes the mode in), again where the first
+graph does not hold for a call (``None`` where it saw a tensor, another constant), and again for a
+micro-batch of other shapes than the capture saw. Each capture is cut into stages by the plan, or
+by the plan carried over to it where its operations differ (:mod:`.projection`), and its stages
+are placed on their devices. The :class:`~.pipeline.Pipeline` asks :class:`Captures` for the
+:class:`Runnable` of each call and runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..capture import NEEDS_EXAMPLE, OpGraph, capture, capture_call
+from ..capture.assignments import Output
+from ..capture.devices import on_module_device
+from ..capture.isolation import training_flags, training_flags_set
+from . import microbatch
+from .batch_dims import first_micro_batch, placeholder_batch_dims
+from .plan import Plan
+from .projection import project_plan
+from .split import PlanMismatchError, StageModule, place_stages, split_stages
+
+
+class Captures:
+    """The captures of ``module`` for ``plan`` over ``devices``, by the modules' training flags
+    (and, where the graph captured first does not hold for a call, by what that call specialised)."""
+
+    def __init__(self, module: nn.Module, plan: Plan, devices: Sequence[torch.device], chunks: int,
+                 batch_dim: Any, leaf_modules: tuple) -> None:
+        self.module = module
+        self.plan = plan
+        self._devices = list(devices)
+        self.chunks = chunks
+        self.batch_dim = batch_dim
+        self.leaf_modules = leaf_modules
+        self.runnables: dict[Hashable, Runnable] = {}
+        self._reference: OpGraph | None = None  # a capture with the plan's own operations
+
+    def given(self, graph: OpGraph) -> Runnable:
+        """Make ``graph`` (captured by the caller) the runnable of the mode it was captured in."""
+        run = self.runnables[(graph.training or training_flags(self.module), None)] = self.use(graph, None)
+        return run
+
+    def for_call(self, args: tuple, kwargs: dict) -> Runnable:
+        """The capture that runs this call: the one made in the modules' present mode (captured now
+        if none was), or, where that graph does not hold for the call's first micro-batch (``None``
+        where it saw a tensor, another constant), one captured for that call."""
+        mode = training_flags(self.module)
+        run = self.runnables.get((mode, None))
+        if run is None:
+            run = self.runnables[(mode, None)] = self.use(self.capture_for(args, kwargs), (args, kwargs))
+        specialization = run.graph.specialization
+        if specialization is not None:
+            first = microbatch.scatter(run.graph.bind(args, kwargs), self.chunks, run.input_dims)[0]
+            if not specialization.holds_for(first):
+                key = (mode, specialization.key_of(first))
+                if key not in self.runnables:
+                    graph = specialization.recapture(*run.graph.signature.unbind(first))
+                    self.runnables[key] = self.use(graph, (args, kwargs))
+                run = self.runnables[key]
+        return run
+
+    def use(self, graph: OpGraph, call: tuple[tuple, dict] | None) -> Runnable:
+        """Cut the stages out of ``graph`` (by the plan, or by the plan carried over to this graph
+        where its operations differ) and place them on their devices."""
+        plan, stages = self._split(graph, call)
+        place_stages(stages)
+        placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
+        names = stages[-1].outputs
+        assigned = {leaf.node for a in graph.assignments for leaf in a.leaves if isinstance(leaf, Output)}
+        returned = assigned & _returned_names(graph)
+        returned_slots = [i for i, n in enumerate(names) if n not in assigned or n in returned]
+        return Runnable(
+            graph=graph,
+            plan=plan,
+            stages=stages,
+            input_slots=[placeholders.index(name) for name in stages[0].inputs],
+            returned_slots=returned_slots,
+            assigned_slots={n: i for i, n in enumerate(names) if n in assigned},
+            output_names=tuple(names[i] for i in returned_slots),
+            input_dims=placeholder_batch_dims(graph, self.batch_dim),
+        )
+
+    def _split(self, graph: OpGraph, call: tuple[tuple, dict] | None) -> tuple[Plan, list[StageModule]]:
+        """The plan for ``graph`` and the stages cut by it: the Pipeline's plan where ``graph`` has
+        its operations, else that plan projected onto ``graph``
+        (:func:`~lightning_antichain.runtime.projection.project_plan`)."""
+        try:
+            stages = split_stages(graph, self.plan, self._devices)
+        except PlanMismatchError as mismatch:
+            reference = self.reference_graph(call, mismatch)
+            if reference is graph:
+                raise
+            plan = project_plan(self.plan, reference, graph)
+            return plan, split_stages(graph, plan, self._devices)
+        if self._reference is None:
+            self._reference = graph
+        return self.plan, stages
+
+    def reference_graph(self, call: tuple[tuple, dict] | None, mismatch: PlanMismatchError) -> OpGraph:
+        """A capture whose operations are the plan's: plans are made in training mode, so the module
+        is captured in that mode when no capture so far had the plan's operations. Raises
+        ``mismatch`` if that one differs too: the plan was made for another model."""
+        if self._reference is not None:
+            return self._reference
+        frontend = self.plan.frontend or "fx"
+        if call is None and frontend in NEEDS_EXAMPLE:
+            raise mismatch
+        with training_flags_set(self.module, True):
+            graph = (self.capture_for(*call) if call is not None else
+                     capture(self.module, leaf_modules=self.leaf_modules, frontends=(frontend,)))
+        try:
+            split_stages(graph, self.plan, self._devices)
+        except PlanMismatchError:
+            raise mismatch from None
+        self._reference = graph
+        return graph
+
+    def capture_for(self, args: tuple, kwargs: dict) -> OpGraph:
+        """Capture the module on the first micro-batch of this call, with the plan's frontend."""
+        first = on_module_device(self.module, first_micro_batch(self.module, args, kwargs, self.chunks,
+                                                                self.batch_dim))
+        return capture_call(self.module, *first, leaf_modules=self.leaf_modules,
+                            frontends=(self.plan.frontend or "fx",), batch_dim=self.batch_dim)
+
+    def stages_for(self, run: Runnable, values: list[Any]) -> list[StageModule]:
+        """The stage modules for one micro-batch: captured again if the graph does not hold for it,
+        with the same inputs and outputs as ``run``'s stages, so the micro-batches of a call join."""
+        specialization = run.graph.specialization
+        if specialization is None or specialization.holds_for(values):
+            return run.stages
+        key = specialization.key_of(values)
+        if key not in run.variants:
+            graph = specialization.recapture(*run.graph.signature.unbind(values))
+            stages = self._variant_stages(run, graph)
+            for new, old in zip(stages, run.stages):
+                new.streams = old.streams
+            run.variants[key] = stages
+        return run.variants[key]
+
+    def _variant_stages(self, run: Runnable, graph: OpGraph) -> list[StageModule]:
+        """``graph``'s stages for a micro-batch of another shape than ``run``'s graph holds for. Where
+        the two captures name their operations differently, the plan is carried over, and the first
+        stage's inputs and the last stage's outputs are matched by position."""
+        try:
+            return split_stages(graph, run.plan, self._devices)
+        except PlanMismatchError as mismatch:
+            plan = project_plan(self.plan, self.reference_graph(None, mismatch), graph)
+        try:
+            plan = _same_interface(plan, graph, run.plan, run.graph)
+        except PlanMismatchError as exc:
+            raise PlanMismatchError(
+                f"{graph.frontend} captured {type(self.module).__name__} again for a micro-batch of other shapes and "
+                f"got a different graph: {exc}"
+            ) from exc
+        stages = split_stages(graph, plan, self._devices)
+        place_stages(stages)
+        return stages
+
+
+
+@dataclass
+class Runnable:
+    """One capture of the module, ready to run: its graph, the plan its stages were cut by (the
+    Pipeline's, or that plan carried over to this graph), and how a call's values map onto the stages.
+
+    ``variants`` are the stages of graphs captured again for micro-batches of other shapes, by what
+    they specialised; ``grown`` the output shapes of a run with one sample more, by input shapes.
+    """
+
+    graph: OpGraph
+    plan: Plan
+    stages: list[StageModule]
+    input_slots: list[int]
+    returned_slots: list[int]
+    assigned_slots: dict[str, int]
+    output_names: tuple[str, ...]
+    input_dims: list[Any]
+    variants: dict[Hashable, list[StageModule]] = field(default_factory=dict)
+    grown: dict[Hashable, Any] = field(default_factory=dict)
+
+
+def _same_interface(plan: Plan, graph: OpGraph, like: Plan, like_graph: OpGraph) -> Plan:
+    """``plan`` (for ``graph``) with the first stage taking the inputs and the last stage giving the
+    outputs that ``like`` does for ``like_graph``, matched by their positions among the graphs'
+    placeholders and outputs, so the micro-batches of one call can run on either and be joined."""
+    by_position = {}
+    for kind in ("placeholder", "output"):
+        ours, theirs = _interface_names(graph, kind), _interface_names(like_graph, kind)
+        if len(ours) != len(theirs):
+            raise PlanMismatchError(f"it has {len(ours)} {kind}s where the first capture had {len(theirs)}")
+        by_position.update(zip(theirs, ours))
+    inputs = [by_position[name] for name in like.stages[0].inputs]
+    outputs = [by_position[name] for name in like.stages[-1].outputs]
+    needed_in, given_out = set(plan.stages[0].inputs), set(plan.stages[-1].outputs)
+    if not needed_in <= set(inputs) or set(outputs) != given_out:
+        raise PlanMismatchError("its inputs or outputs are not those of the first capture")
+    stages = list(plan.stages)
+    stages[0] = dataclasses.replace(stages[0], inputs=inputs)
+    stages[-1] = dataclasses.replace(stages[-1], outputs=outputs)
+    return dataclasses.replace(plan, stages=stages)
+
+
+def _interface_names(graph: OpGraph, kind: str) -> list[str]:
+    """The graph's placeholders in order, or its output values in the order the output node lists them."""
+    if kind == "placeholder":
+        return [n.name for n in graph.nodes if n.kind == "placeholder"]
+    assert graph.graph_module is not None
+    found: list[str] = []
+    fx.node.map_arg(graph.graph_module.graph.output_node().args[0], lambda n: found.append(n.name))
+    return list(dict.fromkeys(found))
+
+
+def _returned_names(graph: OpGraph) -> set[str]:
+    """The output nodes whose values ``forward`` returns (as opposed to only assigning them)."""
+    assert graph.graph_module is not None
+    signature = graph.signature
+    returned = signature.output if signature is not None else graph.graph_module.graph.output_node().args[0]
+    found: set[str] = set()
+    fx.node.map_arg(returned, lambda n: found.add(n.name))
+    return found
+
+
