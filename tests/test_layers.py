@@ -84,7 +84,7 @@ def test_the_walk_sees_the_imports_it_must_judge():
     assert graph.number_of_nodes() > 40
     # Known edges of each kind: relative, relative to a sibling package, function-level, module import.
     assert graph.has_edge("runtime.pipeline", "runtime.engine")
-    assert graph.has_edge("lightning.strategy", "planner.planning")
+    assert graph.has_edge("lightning.planned_pipeline", "planner.planning")
     assert graph.has_edge("", "lightning.strategy")
     assert all(layer_of(m) == LAYERS.index("capture") for m in graph if m.startswith("capture"))
 

@@ -13,7 +13,6 @@ original parameters, and checkpoints hold the original keys as CPU tensors.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
@@ -30,23 +29,20 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
-from ..capture import OpGraph
 from ..capture.pytrees import map_tensors
-from ..capture.signature import FlatSignature, original_forward, split_inputs
-from ..planner.planning import AUTO, plan_model
-from ..planner.prediction_check import PredictionCheck
-from ..runtime.batch_dims import batch_size_of, first_micro_batch, refuse_per_sample_lists
+from ..capture.signature import split_inputs
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
 from .forward_patch import ForwardPatch
+from .planned_pipeline import PlannedPipeline
 from .replicas import average_gradients
 
 log = logging.getLogger(__name__)
@@ -143,15 +139,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self.start_method = start_method
         self.process_group_backend = process_group_backend
         self._num_nodes = 1
-        self.plan: Plan | None = None
-        self._planned_for: weakref.ref[nn.Module] | None = None  # the module self.plan was made for
-        self._graph: OpGraph | None = None  # the graph profiled for the plan, run by the pipeline
-        self._pipeline: Pipeline | None = None
-        self._prediction_check: PredictionCheck | None = None
+        #: the plan and the Pipeline of the module pipelined, made on its first batch
+        self._planned = PlannedPipeline(self, self.options, plan)
         self._calls = 0
         self._checked_first_step = False
-        self._checked_batch = False
-        self._checked_lists = False
         self._in_training_step = False
         self._forward_patch = ForwardPatch()
         self._tasks_before: Counter[tuple[int, int]] = Counter()
@@ -161,7 +152,20 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @property
     def pipeline(self) -> Pipeline | None:
         """The running pipeline (after the first forward or setup), for inspection."""
-        return self._pipeline
+        return self._planned.pipeline
+
+    @property
+    def _pipeline(self) -> Pipeline | None:
+        return self._planned.pipeline
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan the pipeline runs (``None`` before the first batch, unless ``plan=`` gave one)."""
+        return self._planned.plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self._planned.plan = plan
 
     @property
     def tasks_run(self) -> Counter[tuple[int, int]]:
@@ -329,7 +333,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         example = getattr(self.lightning_module, "example_input_array", None)
         if example is not None and self.module_path is None and self._pipeline is None:
             args, kwargs = split_inputs(move_data_to_device(example, self.root_device))
-            self._build(args, kwargs)
+            self._planned.build(self._target(), args, kwargs)
             assert self._pipeline is not None
             # Lightning's model summary runs the example in eval mode with hooks on every layer,
             # which tracing would run on traced values
@@ -351,98 +355,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
                 f"{type(module).__name__} has no submodule {self.module_path!r} to pipeline (module=...)"
             ) from None
 
-    def _build(self, args: tuple, kwargs: dict) -> None:
-        """Profile one micro-batch ``args, kwargs`` (or load its cached profile), plan, place the stages."""
-        target = self._target()
-        devices = self.stage_devices
-        planned_for = self._planned_for() if self._planned_for is not None else None
-        if self.plan is not None and self.plan_path is None and planned_for is not target:
-            self.plan, self._graph = None, None  # fit(a) then validate(b): b gets its own plan
-        if self.plan is None:
-            plan = self._make_plan(target, args, kwargs, devices) if self.is_global_zero else None
-            if self.is_distributed:  # every replica runs rank 0's plan
-                data = self.broadcast(plan.to_dict() if plan is not None else None)
-                plan = Plan.from_dict(data)
-            self.plan = plan
-            self._planned_for = weakref.ref(target)
-            rank_zero_info(self.plan.table())
-        graph = self._graph if self._graph is not None and self._graph.module is target else None
-        calibrated = self.plan.calibration is not None and self.is_global_zero
-        self._prediction_check = PredictionCheck(self.plan, self.plan_path) if calibrated else None
-        self._pipeline = Pipeline(
-            target,
-            self.plan,
-            self.options.replace(chunks=self.plan.chunks, check_batch=self.options.check_batch and graph is None),
-            graph=graph,  # the graph planning captured and checked, if it is of this module
-            devices=devices,
-            output_device=self.root_device,
-        )
-        state_with_parameters(self.optimizers)
-
-    def _make_plan(self, target: nn.Module, args: tuple, kwargs: dict, devices: list[torch.device]) -> Plan:
-        with torch.inference_mode(False), torch.enable_grad():
-            example = map_tensors(torch.Tensor.clone, (args, kwargs))  # ordinary tensors, even from inference mode
-            positional, keywords = example
-            if keywords and positional:  # keyword form: name the positional arguments too
-                positional, keywords = FlatSignature.canonical(original_forward(target), positional, keywords)
-            planned = plan_model(target, positional, keywords, devices, self.options, optimizers=self.optimizers)
-        self._graph = planned.graph
-        if planned.cached_from is not None:
-            rank_zero_info(f"lightning-antichain: using the cached profile {planned.cached_from}")
-        return planned.plan
-
     # -- steps ---------------------------------------------------------------------------------
 
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.options.check_batch and not self._checked_lists:
-            self._checked_lists = True
-            refuse_per_sample_lists(self._target(), args, kwargs, self.options.batch_dim)
-        if self._in_training_step and not self._checked_batch:
-            self._checked_batch = True
-            size = batch_size_of(self._target(), args, kwargs, self.options.batch_dim)
-            if size == 0:
-                raise ValueError(
-                    "the first training batch is empty (0 samples). Check the DataLoader: the dataset's length, "
-                    "its sampler, and drop_last."
-                )
-            if size is not None and self.options.chunks != AUTO and size < self.options.chunks:
-                raise ValueError(
-                    f"chunks={self.options.chunks} is larger than the batch of {size} samples; lower chunks or raise "
-                    "the batch size (a shorter last batch of an epoch is fine)"
-                )
-            if size is not None:
-                self._plan_for_batch(size)
-        if self._pipeline is None:
-            if self.options.chunks == AUTO:
-                self._build(args, kwargs)  # a whole batch: auto weighs how to split it
-            else:
-                self._build(*first_micro_batch(self._target(), args, kwargs, self.options.chunks,
-                                               self.options.batch_dim))
-        assert self._pipeline is not None
         self._calls += 1
-        return self._pipeline(*args, **kwargs)
-
-    def _plan_for_batch(self, size: int) -> None:
-        """Plan again if the plan was made for batches (or micro-batches) of another size than training's.
-
-        The example (``example_input_array``) or a sanity-check validation batch may arrive first
-        with another size; a plan made for it would predict the wrong times and, worse, check the
-        memory limits against activations of the wrong size.
-        """
-        if self.plan is None or self.plan_path is not None or self._pipeline is None:
-            return
-        if self.options.chunks == AUTO:
-            planned, wanted, what = self.plan.batch_size, size, "batches"
-        else:
-            planned, wanted, what = self.plan.micro_batch_size, -(-size // self.options.chunks), "micro-batches"
-        if planned in (None, wanted):
-            return
-        rank_zero_info(
-            f"lightning-antichain: the plan was made for {what} of {planned} samples, training runs "
-            f"{what} of {wanted}; profiling and planning again"
-        )
-        self._pipeline.close()
-        self._pipeline, self.plan, self._graph, self._prediction_check = None, None, None, None
+        return self._planned.forward(self._target(), args, kwargs, training_step=self._in_training_step)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -450,8 +367,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
         if self.log_stage_times and step is not None:
             for k, busy in enumerate(step.busy_s):  # the previous step's, backward included
                 self.lightning_module.log(f"pipeline/stage{k}_busy_ms", 1e3 * busy, on_step=True, on_epoch=False)
-        if self._prediction_check is not None and step is not None:
-            stale = self._prediction_check.observe(step.timed)  # the previous step's
+        check = self._planned.prediction_check
+        if check is not None and step is not None:
+            stale = check.observe(step.timed)  # the previous step's
             if stale:
                 rank_zero_warn(stale)
         calls = self._calls
@@ -509,9 +427,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._forward_patch.uninstall()
         if self._pipeline is not None:
-            self._pipeline.close()
             self._tasks_before += self._pipeline.tasks_run
-            self._pipeline = None  # modules go back to the CPU below; the plan is kept for the next run
+            self._planned.close()  # modules go back to the CPU below; the plan is kept for the next run
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, torch.device("cpu"))
         super().teardown()

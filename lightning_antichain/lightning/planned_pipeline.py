@@ -1,0 +1,157 @@
+"""The plan and the Pipeline of the module a strategy pipelines, from its first batch to teardown.
+
+The strategy decides *when* (setup, the first forward, teardown); this decides *what*: profile and
+plan on the first batch it sees (or ``example_input_array``), with rank 0's plan sent to every
+replica; plan again when training's batches are of another size than the plan was made for (the
+example or a sanity-check batch may come first); plan afresh for another module (``fit(a)`` then
+``validate(b)``); and refuse, before any work, a first training batch the plan cannot run.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from ..capture import OpGraph
+from ..capture.pytrees import map_tensors
+from ..capture.signature import FlatSignature, original_forward
+from ..planner.planning import AUTO, plan_model
+from ..planner.prediction_check import PredictionCheck
+from ..runtime.batch_dims import batch_size_of, first_micro_batch, refuse_per_sample_lists
+from ..runtime.optimizer_state import state_with_parameters
+from ..runtime.options import PipelineOptions
+from ..runtime.pipeline import Pipeline
+from ..runtime.plan import Plan
+
+
+class Host(Protocol):
+    """What the strategy tells: its devices, optimizers, and how replicas agree on one plan."""
+
+    stage_devices: list[torch.device]
+    root_device: torch.device
+    optimizers: list[Any]
+    is_global_zero: bool
+    is_distributed: bool
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+
+class PlannedPipeline:
+    """The plan (loaded from ``plan_path``, or made on the first batch) and the Pipeline running it."""
+
+    def __init__(self, host: Host, options: PipelineOptions, plan_path: str | None) -> None:
+        self.host = host
+        self.options = options
+        self.plan_path = plan_path
+        self.plan: Plan | None = None
+        self.pipeline: Pipeline | None = None
+        self.prediction_check: PredictionCheck | None = None
+        self._planned_for: weakref.ref[nn.Module] | None = None  # the module the plan was made for
+        self._graph: OpGraph | None = None  # the graph profiled for the plan, run by the pipeline
+        self._checked_batch = False
+        self._checked_lists = False
+
+    def build(self, target: nn.Module, args: tuple, kwargs: dict) -> Pipeline:
+        """Profile one micro-batch ``args, kwargs`` (or load its cached profile), plan, place the stages."""
+        host = self.host
+        planned_for = self._planned_for() if self._planned_for is not None else None
+        if self.plan is not None and self.plan_path is None and planned_for is not target:
+            self.plan, self._graph = None, None  # fit(a) then validate(b): b gets its own plan
+        if self.plan is None:
+            plan = self._make_plan(target, args, kwargs) if host.is_global_zero else None
+            if host.is_distributed:  # every replica runs rank 0's plan
+                data = host.broadcast(plan.to_dict() if plan is not None else None)
+                plan = Plan.from_dict(data)
+            self.plan = plan
+            self._planned_for = weakref.ref(target)
+            rank_zero_info(self.plan.table())
+        graph = self._graph if self._graph is not None and self._graph.module is target else None
+        calibrated = self.plan.calibration is not None and host.is_global_zero
+        self.prediction_check = PredictionCheck(self.plan, self.plan_path) if calibrated else None
+        self.pipeline = Pipeline(
+            target,
+            self.plan,
+            self.options.replace(chunks=self.plan.chunks, check_batch=self.options.check_batch and graph is None),
+            graph=graph,  # the graph planning captured and checked, if it is of this module
+            devices=host.stage_devices,
+            output_device=host.root_device,
+        )
+        state_with_parameters(host.optimizers)
+        return self.pipeline
+
+    def _make_plan(self, target: nn.Module, args: tuple, kwargs: dict) -> Plan:
+        with torch.inference_mode(False), torch.enable_grad():
+            example = map_tensors(torch.Tensor.clone, (args, kwargs))  # ordinary tensors, even from inference mode
+            positional, keywords = example
+            if keywords and positional:  # keyword form: name the positional arguments too
+                positional, keywords = FlatSignature.canonical(original_forward(target), positional, keywords)
+            planned = plan_model(target, positional, keywords, self.host.stage_devices, self.options,
+                                 optimizers=self.host.optimizers)
+        self._graph = planned.graph
+        if planned.cached_from is not None:
+            rank_zero_info(f"lightning-antichain: using the cached profile {planned.cached_from}")
+        return planned.plan
+
+    def forward(self, target: nn.Module, args: tuple, kwargs: dict, training_step: bool) -> Any:
+        """``target``'s pipelined forward of one call: checked, planned and built on first use."""
+        options = self.options
+        if options.check_batch and not self._checked_lists:
+            self._checked_lists = True
+            refuse_per_sample_lists(target, args, kwargs, options.batch_dim)
+        if training_step and not self._checked_batch:
+            self._checked_batch = True
+            self._check_first_batch(batch_size_of(target, args, kwargs, options.batch_dim))
+        if self.pipeline is None:
+            if options.chunks == AUTO:
+                self.build(target, args, kwargs)  # a whole batch: auto weighs how to split it
+            else:
+                self.build(target, *first_micro_batch(target, args, kwargs, options.chunks, options.batch_dim))
+        assert self.pipeline is not None
+        return self.pipeline(*args, **kwargs)
+
+    def _check_first_batch(self, size: int | None) -> None:
+        if size == 0:
+            raise ValueError(
+                "the first training batch is empty (0 samples). Check the DataLoader: the dataset's length, "
+                "its sampler, and drop_last."
+            )
+        if size is not None and self.options.chunks != AUTO and size < self.options.chunks:
+            raise ValueError(
+                f"chunks={self.options.chunks} is larger than the batch of {size} samples; lower chunks or raise "
+                "the batch size (a shorter last batch of an epoch is fine)"
+            )
+        if size is not None:
+            self._plan_for_batch(size)
+
+    def _plan_for_batch(self, size: int) -> None:
+        """Plan again if the plan was made for batches (or micro-batches) of another size than training's.
+
+        The example (``example_input_array``) or a sanity-check validation batch may arrive first
+        with another size; a plan made for it would predict the wrong times and, worse, check the
+        memory limits against activations of the wrong size.
+        """
+        if self.plan is None or self.plan_path is not None or self.pipeline is None:
+            return
+        if self.options.chunks == AUTO:
+            planned, wanted, what = self.plan.batch_size, size, "batches"
+        else:
+            planned, wanted, what = self.plan.micro_batch_size, -(-size // self.options.chunks), "micro-batches"
+        if planned in (None, wanted):
+            return
+        rank_zero_info(
+            f"lightning-antichain: the plan was made for {what} of {planned} samples, training runs "
+            f"{what} of {wanted}; profiling and planning again"
+        )
+        self.close()
+        self.plan, self._graph, self.prediction_check = None, None, None
+
+    def close(self) -> None:
+        """Stop the Pipeline's workers and drop it; the plan is kept for the next run."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+
