@@ -222,10 +222,40 @@ def place_stages(stages: list[StageModule]) -> None:
                     "Put both uses on one device (a fixed balance, or fewer stages)."
                 )
     for stage in stages:
+        _materialize(stage)
         for module in stage.submodules():
             module.to(stage.device)
         for tensor in [*stage.parameters(), *stage.buffers()]:
             _move_in_place(tensor, stage.device)
+
+
+def _materialize(stage: StageModule) -> None:
+    """Give the parameters and buffers a stage uses that are on the meta device (a model built
+    without memory) their storage on the stage's own device, each owning module initialised by its
+    ``reset_parameters()``, as Lightning's ``_materialize`` does. So a model built on meta is only
+    ever real stage by stage, each stage on its device."""
+    names = {id(m): name for name, m in stage.module.named_modules()}
+    owners: dict[int, nn.Module] = {}
+    for module in stage.submodules():
+        owners.update((id(m), m) for m in module.modules())
+    for node in stage.module.graph.nodes:
+        if node.op == "get_attr" and isinstance(_attr(stage.module, node.target), torch.Tensor):
+            owner = stage.module.get_submodule(node.target.rpartition(".")[0])
+            owners.setdefault(id(owner), owner)
+    for module in owners.values():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if not any(t.is_meta for t in own):
+            continue
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            name = names.get(id(module)) or type(module).__name__
+            raise TypeError(
+                f"{name} ({type(module).__name__}) has parameters or buffers on the meta device but no "
+                f"reset_parameters() to initialise them on {stage.device}: give {type(module).__name__} a "
+                "reset_parameters() method, or build the model with real tensors"
+            )
+        module.to_empty(device=stage.device, recurse=False)
+        reset()
 
 
 def _move_in_place(tensor: torch.Tensor, device: torch.device) -> None:
