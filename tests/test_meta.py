@@ -14,22 +14,30 @@ def build() -> nn.Module:
                          nn.Linear(64, 4)).double()
 
 
-def test_a_model_built_on_meta_trains_like_the_plain_module_once_given_its_weights():
+def test_a_model_built_on_meta_trains_like_the_plain_module_with_an_optimizer_made_before():
     torch.manual_seed(0)
     plain = build()
     cost = la.profile(plain, torch.randn(4, 16, dtype=torch.float64), repeats=1, warmup=0, progress=False)
     with torch.device("meta"):
         model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # made on the meta model
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     with la.Pipeline(model, la.partition(cost, 3, chunks=4), chunks=4) as pipe:
         assert not [name for name, t in model.state_dict().items() if t.is_meta]
         model.load_state_dict(plain.state_dict())
-        for _ in range(2):
+        losses, plain_losses = [], []
+        for _ in range(3):
             x = torch.randn(12, 16, dtype=torch.float64)
-            pipe(x).square().mean().backward()
-            plain(x).square().mean().backward()
+            for net, opt, kept in ((pipe, optimizer, losses), (plain, plain_optimizer, plain_losses)):
+                loss = net(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                kept.append(loss.item())
         assert_pipelined(pipe, stages=3)
-    torch.testing.assert_close([p.grad for p in model.parameters()], [p.grad for p in plain.parameters()],
-                               rtol=1e-12, atol=1e-14)
+    assert losses[0] != losses[-1]  # the optimizer made on meta moved the real weights
+    torch.testing.assert_close(losses, plain_losses, rtol=1e-12, atol=0)
+    torch.testing.assert_close(list(model.parameters()), list(plain.parameters()), rtol=1e-12, atol=1e-14)
 
 
 def test_each_module_is_initialised_by_its_reset_parameters():

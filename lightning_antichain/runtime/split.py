@@ -233,7 +233,8 @@ def _materialize(stage: StageModule) -> None:
     """Give the parameters and buffers a stage uses that are on the meta device (a model built
     without memory) their storage on the stage's own device, each owning module initialised by its
     ``reset_parameters()``, as Lightning's ``_materialize`` does. So a model built on meta is only
-    ever real stage by stage, each stage on its device."""
+    ever real stage by stage, each stage on its device. Unlike ``Module.to_empty``, the tensor
+    objects stay the same, so an optimizer made on the meta model trains the real one."""
     names = {id(m): name for name, m in stage.module.named_modules()}
     owners: dict[int, nn.Module] = {}
     for module in stage.submodules():
@@ -254,7 +255,11 @@ def _materialize(stage: StageModule) -> None:
                 f"reset_parameters() to initialise them on {stage.device}: give {type(module).__name__} a "
                 "reset_parameters() method, or build the model with real tensors"
             )
-        module.to_empty(device=stage.device, recurse=False)
+        for tensor in own:
+            if tensor.is_meta:  # in place: optimizers and other stages keep the same objects
+                real = torch.empty_like(tensor, device=stage.device)
+                torch.utils.swap_tensors(tensor, nn.Parameter(real, tensor.requires_grad)
+                                         if isinstance(tensor, nn.Parameter) else real)
         reset()
 
 
