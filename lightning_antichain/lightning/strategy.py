@@ -155,10 +155,6 @@ class AntichainPipelineStrategy(ParallelStrategy):
         return self._planned.pipeline
 
     @property
-    def _pipeline(self) -> Pipeline | None:
-        return self._planned.pipeline
-
-    @property
     def plan(self) -> Plan | None:
         """The plan the pipeline runs (``None`` before the first batch, unless ``plan=`` gave one)."""
         return self._planned.plan
@@ -171,7 +167,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def tasks_run(self) -> Counter[tuple[int, int]]:
         """Micro-batch tasks this strategy's pipelines ran, by stage and worker thread (see
         :attr:`Pipeline.tasks_run`), over every ``fit``/``validate``/``test``/``predict`` so far."""
-        current = self._pipeline.tasks_run if self._pipeline is not None else Counter()
+        current = self.pipeline.tasks_run if self.pipeline is not None else Counter()
         return self._tasks_before + current
 
     @property
@@ -331,14 +327,14 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         example = getattr(self.lightning_module, "example_input_array", None)
-        if example is not None and self.module_path is None and self._pipeline is None:
+        if example is not None and self.module_path is None and self.pipeline is None:
             args, kwargs = split_inputs(move_data_to_device(example, self.root_device))
             self._planned.build(self._target(), args, kwargs)
-            assert self._pipeline is not None
+            assert self.pipeline is not None
             # Lightning's model summary runs the example in eval mode with hooks on every layer,
             # which tracing would run on traced values
             with torch.inference_mode(False), torch.no_grad():
-                self._pipeline.prepare(*args, training=False, **kwargs)
+                self.pipeline.prepare(*args, training=False, **kwargs)
         if trainer.state.fn == TrainerFn.FITTING:
             state_with_parameters(self.optimizers)  # Lightning put it all on the root device
         self._forward_patch.install(self._target(), self._pipelined_forward)
@@ -363,7 +359,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        step = self._pipeline.last_step if self._pipeline is not None else None
+        step = self.pipeline.last_step if self.pipeline is not None else None
         if self.log_stage_times and step is not None:
             for k, busy in enumerate(step.busy_s):  # the previous step's, backward included
                 self.lightning_module.log(f"pipeline/stage{k}_busy_ms", 1e3 * busy, on_step=True, on_epoch=False)
@@ -426,8 +422,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._forward_patch.uninstall()
-        if self._pipeline is not None:
-            self._tasks_before += self._pipeline.tasks_run
+        if self.pipeline is not None:
+            self._tasks_before += self.pipeline.tasks_run
             self._planned.close()  # modules go back to the CPU below; the plan is kept for the next run
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, torch.device("cpu"))

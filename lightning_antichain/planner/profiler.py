@@ -11,6 +11,7 @@ saved and planned again without profiling.
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -86,7 +87,7 @@ def profile(
         retarget_devices(work_module, graph.capture_device, device)
     replay = graph.rebound(work_module if graph.graph_module is not None else None, work_module)
     args, kwargs = split_inputs(map_tensors(lambda t: t.to(device), example_inputs))
-    timer = _Timer(device)
+    timer = functools.partial(timed, device)
     with torch.enable_grad():
         calls = list(replay.record_calls(*args, **kwargs))
         kept = saved_per_call(calls, state_storages(work_module))
@@ -170,17 +171,7 @@ def profile(
     return cost
 
 
-class _Timer:
-    """Seconds a callable costs on the profiled device (:func:`~lightning_antichain.runtime.device.timed`)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def __call__(self, fn: Callable[[], Any]) -> tuple[float, Any]:
-        return timed(self.device, fn)
-
-
-def _time_once(call: RecordedCall, timer: _Timer) -> tuple[float, float]:
+def _time_once(call: RecordedCall, timer: Callable[[Callable[[], Any]], tuple[float, Any]]) -> tuple[float, float]:
     """Forward and backward seconds of one replay of ``call`` on fresh copies of its inputs."""
     if call.node.kind in ("placeholder", "get_attr"):
         return 0.0, 0.0

@@ -47,7 +47,7 @@ class Captures:
 
     def given(self, graph: OpGraph) -> Runnable:
         """Make ``graph`` (captured by the caller) the runnable of the mode it was captured in."""
-        run = self.runnables[(graph.training or training_flags(self.module), None)] = self.use(graph, None)
+        run = self.runnables[graph.training or training_flags(self.module), None] = self.use(graph, None)
         return run
 
     def for_call(self, args: tuple, kwargs: dict) -> Runnable:

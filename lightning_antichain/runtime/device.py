@@ -96,7 +96,7 @@ def timed(device: Device, fn: Any) -> tuple[float, Any]:
         start = time.perf_counter()
         result = fn()
         return time.perf_counter() - start, result
-    torch.cuda.synchronize(device)
+    synchronize(device)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     start = time.perf_counter()
@@ -202,6 +202,8 @@ def ship(values: Sequence[Any], source: StageStreams, target: StageStreams) -> t
     """Detached copies of ``values`` on the target stage's device, and the event its compute must
     wait for (``None``: ready now). Called by the source stage's worker, inside :func:`computing`."""
     detached = [v.detach() if isinstance(v, torch.Tensor) else v for v in values]
+    if source is target:  # the last stage's outputs (first stage's input gradients): the caller waits for all
+        return tuple(detached), None
     if source.compute is None and target.compute is None:
         return tuple(v.to(target.device) if isinstance(v, torch.Tensor) else v for v in detached), None
     if source.compute is None:  # host to accelerator: from pinned memory on the receiving side's stream

@@ -98,15 +98,13 @@ class StepRecord:
 
     @classmethod
     def for_stages(cls, count: int) -> StepRecord:
-        return cls([[] for _ in range(count)])
+        return cls([[] for _ in range(count)], marks=[[] for _ in range(count)])
 
     def add(self, task: Task, started: float, marks: tuple[Any, Any] | None = None) -> None:
         """Note that ``task`` ran from ``started`` (a ``time.perf_counter()`` reading) until now, and
         on a GPU between the two ``marks`` (:func:`~.device.start_clock`) on its compute stream."""
         self.timed[task.stage].append(Timed(task, started - self.started_at, time.perf_counter() - self.started_at))
         if marks is not None:
-            if not self.marks:
-                self.marks = [[] for _ in self.timed]
             self.marks[task.stage].append(marks)
 
     @property
@@ -118,8 +116,8 @@ class StepRecord:
     def busy_s(self) -> list[float]:
         """Seconds each stage worked: on a GPU its tasks' time on the device (read from events, so
         this waits for them), elsewhere their wall time."""
-        return [sum(clock_seconds(*pair) for pair in self.marks[k]) if self.marks and self.marks[k]
-                else sum(t.end - t.start for t in stage) for k, stage in enumerate(self.timed)]
+        return [sum(clock_seconds(*pair) for pair in marks) if marks else sum(t.end - t.start for t in stage)
+                for stage, marks in zip(self.timed, self.marks)]
 
 
 @dataclass

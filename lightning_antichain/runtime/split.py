@@ -235,7 +235,6 @@ def _materialize(stage: StageModule) -> None:
     ``reset_parameters()``, as Lightning's ``_materialize`` does. So a model built on meta is only
     ever real stage by stage, each stage on its device. Unlike ``Module.to_empty``, the tensor
     objects stay the same, so an optimizer made on the meta model trains the real one."""
-    names = {id(m): name for name, m in stage.module.named_modules()}
     owners: dict[int, nn.Module] = {}
     for module in stage.submodules():
         owners.update((id(m), m) for m in module.modules())
@@ -249,7 +248,7 @@ def _materialize(stage: StageModule) -> None:
             continue
         reset = getattr(module, "reset_parameters", None)
         if not callable(reset):
-            name = names.get(id(module)) or type(module).__name__
+            name = next((n for n, m in stage.module.named_modules() if m is module), type(module).__name__)
             raise TypeError(
                 f"{name} ({type(module).__name__}) has parameters or buffers on the meta device but no "
                 f"reset_parameters() to initialise them on {stage.device}: give {type(module).__name__} a "
