@@ -28,6 +28,7 @@ from ..capture.lifted import share_original_modules
 from ..capture.mutations import is_in_place, may_alias
 from ..capture.pytrees import flatten, unflatten
 from .device import StageStreams, stage_streams
+from .materialize import materialize
 from .plan import Plan
 from .randomness import seed_random_nodes
 
@@ -230,11 +231,10 @@ def place_stages(stages: list[StageModule]) -> None:
 
 
 def _materialize(stage: StageModule) -> None:
-    """Give the parameters and buffers a stage uses that are on the meta device (a model built
-    without memory) their storage on the stage's own device, each owning module initialised by its
-    ``reset_parameters()``, as Lightning's ``_materialize`` does. So a model built on meta is only
-    ever real stage by stage, each stage on its device. Unlike ``Module.to_empty``, the tensor
-    objects stay the same, so an optimizer made on the meta model trains the real one."""
+    """Make the parameters and buffers a stage uses that are on the meta device (a model built
+    without memory) real on the stage's own device, each owning module initialised by its
+    ``reset_parameters()`` (:mod:`.materialize`). So a model built on meta is only ever real stage
+    by stage, each stage on its device."""
     owners: dict[int, nn.Module] = {}
     for module in stage.submodules():
         owners.update((id(m), m) for m in module.modules())
@@ -242,24 +242,8 @@ def _materialize(stage: StageModule) -> None:
         if node.op == "get_attr" and isinstance(_attr(stage.module, node.target), torch.Tensor):
             owner = stage.module.get_submodule(node.target.rpartition(".")[0])
             owners.setdefault(id(owner), owner)
-    for module in owners.values():
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        if not any(t.is_meta for t in own):
-            continue
-        reset = getattr(module, "reset_parameters", None)
-        if not callable(reset):
-            name = next((n for n, m in stage.module.named_modules() if m is module), type(module).__name__)
-            raise TypeError(
-                f"{name} ({type(module).__name__}) has parameters or buffers on the meta device but no "
-                f"reset_parameters() to initialise them on {stage.device}: give {type(module).__name__} a "
-                "reset_parameters() method, or build the model with real tensors"
-            )
-        for tensor in own:
-            if tensor.is_meta:  # in place: optimizers and other stages keep the same objects
-                real = torch.empty_like(tensor, device=stage.device)
-                torch.utils.swap_tensors(tensor, nn.Parameter(real, tensor.requires_grad)
-                                         if isinstance(tensor, nn.Parameter) else real)
-        reset()
+    names = {id(m): n for n, m in stage.module.named_modules()}
+    materialize(owners.values(), stage.device, "reset", names)
 
 
 def _move_in_place(tensor: torch.Tensor, device: torch.device) -> None:

@@ -1,0 +1,97 @@
+"""Give a model built on the meta device real storage, one module at a time, where it is needed.
+
+A model built under ``torch.device("meta")`` (or Lightning's ``empty_init=True``) has the shapes of
+its parameters but no memory. The pipeline makes each stage real on the stage's own device, and the
+profiler makes each operation's modules real just long enough to time it, so that no device ever
+holds the whole model. Both follow Lightning's contract (``fabric/utilities/init.py``): a module
+with meta tensors of its own initialises them with its ``reset_parameters()``.
+
+Tensors are swapped in place (``torch.utils.swap_tensors``) instead of replaced as
+``Module.to_empty`` does: an optimizer made on the meta model, and every stage that fetches a
+parameter, keep the same objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from torch import nn
+
+Init = Literal["reset", "random"]
+
+
+def has_meta_state(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def meta_names(module: nn.Module) -> list[str]:
+    """The names of ``module``'s parameters and buffers on the meta device."""
+    return [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+
+
+def own_state(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers ``module`` holds itself (not its children's)."""
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def materialize(modules: Iterable[nn.Module], device: torch.device, init: Init = "reset",
+                names: dict[int, str] | None = None) -> list[nn.Module]:
+    """Give the meta tensors each of ``modules`` holds itself storage on ``device``; returns the
+    modules that had any.
+
+    ``init="reset"`` initialises each such module with its ``reset_parameters()`` and refuses, by
+    name (from ``names``, by ``id``), a module that has none. ``init="random"`` fills the new tensors
+    with values of the right kind for timing (small normal floats, zero integers) and calls
+    ``reset_parameters()`` only where a module has one, for the values that shape a computation
+    (a mask, a table of positions) where it rebuilds them.
+    """
+    made = []
+    for module in modules:
+        meta = [t for t in own_state(module) if t.is_meta]
+        if not meta:
+            continue
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset) and init == "reset":
+            name = (names or {}).get(id(module), type(module).__name__)
+            raise TypeError(
+                f"{name} ({type(module).__name__}) has parameters or buffers on the meta device but no "
+                f"reset_parameters() to initialise them on {device}: give {type(module).__name__} a "
+                "reset_parameters() method, load a checkpoint into the model, or build it with real tensors"
+            )
+        for tensor in meta:
+            real = torch.empty_like(tensor, device=device)
+            if init == "random":
+                _fill_for_timing(real)
+            _swap(tensor, real)
+        if callable(reset):
+            with torch.no_grad():
+                reset()
+        made.append(module)
+    return made
+
+
+def release(modules: Iterable[nn.Module]) -> None:
+    """Send the tensors each of ``modules`` holds itself back to the meta device, freeing their memory."""
+    for module in modules:
+        for tensor in own_state(module):
+            if not tensor.is_meta:
+                tensor.grad = None
+                _swap(tensor, torch.empty_like(tensor, device="meta"))
+
+
+def _swap(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Make ``tensor`` hold ``value`` without replacing the object (a Parameter stays a Parameter)."""
+    if isinstance(tensor, nn.Parameter):
+        value = nn.Parameter(value, tensor.requires_grad)
+    torch.utils.swap_tensors(tensor, value)
+
+
+def _fill_for_timing(tensor: torch.Tensor) -> None:
+    with torch.no_grad():
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.normal_(0.0, 0.02)
+        else:
+            tensor.zero_()
