@@ -145,11 +145,14 @@ def test_the_search_never_counts_less_than_the_exact_stage(profiled):
     """The program's additive estimate may only be conservative: a limit it meets, the plan meets."""
     _, _, cost, _, _ = profiled("resnet18", 4, 8)
     free = la.partition(cost, 2, chunks=4)
-    for fraction in (1.0, 0.9, 0.8):
+    met = 0
+    # the estimate may exceed the exact count, so even the free plan's own peak may be refused
+    for fraction in (1.5, 1.0, 0.9, 0.8):
         limit = fraction * max(s.memory_bytes for s in free.stages)
         try:
             capped = la.partition(cost, 2, chunks=4, memory_gb=limit / 1e9)
         except la.InfeasiblePlanError:
             continue
+        met += 1
         assert all(s.memory_bytes <= limit for s in capped.stages)
-    assert la.partition(cost, 2, chunks=4, memory_gb=max(s.memory_bytes for s in free.stages) / 1e9)
+    assert met
