@@ -3,8 +3,10 @@
 
 import pytest
 import torch
+from live_bytes import LiveBytes
 from pipelined import assert_pipelined
 from torch import nn
+from zoo import ZOO
 
 import lightning_antichain as la
 
@@ -68,3 +70,44 @@ def test_a_meta_module_without_reset_parameters_is_named():
         model = nn.Sequential(nn.Linear(16, 16), Scale())
     with pytest.raises(TypeError, match=r"1 \(Scale\) has parameters or buffers on the meta device but no reset_par"):
         la.Pipeline(model, la.partition(cost, 2), chunks=2)
+
+
+MEMORY_KEYS = ["output_bytes", "saved", "storages", "mutates", "saved_bytes", "param_bytes", "buffer_bytes", "params",
+               "uses"]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "hf_bert", "nanogpt", "nn_transformer"])
+def test_a_model_on_meta_is_profiled_with_the_memory_of_the_real_one(name):
+    """fx with BatchNorm and in-place ReLUs, export with views of buffers (a mask's slices, token
+    types), concrete capture with chunked projection weights."""
+    entry = ZOO[name]
+    torch.manual_seed(0)
+    real = entry.build()
+    with torch.device("meta"):
+        meta = entry.build()
+    args, kwargs = entry.batch(2)
+    example = kwargs or args
+    whole = la.profile(real, example, repeats=1, warmup=0, progress=False, runtime_overhead=False)
+    streamed = la.profile(meta, example, repeats=1, warmup=0, progress=False, runtime_overhead=False)
+    assert not whole.graph["just_in_time"] and streamed.graph["just_in_time"]
+    assert list(streamed.nodes) == list(whole.nodes)
+    assert set(streamed.edges) == set(whole.edges)
+    for node in whole.nodes:
+        assert {k: streamed.nodes[node][k] for k in MEMORY_KEYS} == {k: whole.nodes[node][k] for k in MEMORY_KEYS}
+    assert sum(streamed.nodes[n]["forward_s"] for n in streamed) > 0
+    assert sum(streamed.nodes[n]["backward_s"] for n in streamed) > 0
+    assert all(t.is_meta for t in [*meta.parameters(), *meta.buffers()])  # the caller's model stays as it was
+
+
+def test_profiling_a_model_on_meta_holds_a_few_layers_at_a_time():
+    def deep() -> nn.Module:
+        return nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(256, 256), nn.GELU())]).double()
+
+    with torch.device("meta"):
+        model = deep()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    with LiveBytes() as live:
+        cost = la.profile(model, torch.randn(8, 256, dtype=torch.float64), repeats=2, warmup=1, progress=False)
+    layer = whole / 12
+    assert live.peak["cpu"] < 3 * layer, f"the profile held {live.peak['cpu'] / layer:.1f} layers at once"
+    assert sum(cost.nodes[n]["param_bytes"] for n in cost) == whole

@@ -18,17 +18,21 @@ from ..runtime.device import same_device
 
 def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | None,
                      target: str | torch.device) -> fx.GraphModule:
-    """Rewrite every ``source`` device constant in ``graph_module`` to ``target``, in place."""
-    if source is None:
-        return graph_module
-    source, target = torch.device(source), torch.device(target)
-    if same_device(source, target):
+    """Rewrite every ``source`` device constant in ``graph_module`` to ``target``, in place.
+
+    ``meta`` is rewritten too: a graph captured from a model built on the meta device names it
+    where forward creates a tensor on a parameter's device, and nothing runs on meta."""
+    target = torch.device(target)
+    sources = [torch.device("meta")] if target.type != "meta" else []
+    if source is not None and not same_device(torch.device(source), target):
+        sources.append(torch.device(source))
+    if not sources:
         return graph_module
 
     swapped: list[bool] = []
 
     def swap(value: Any) -> Any:
-        if isinstance(value, torch.device) and same_device(value, source):
+        if isinstance(value, torch.device) and any(same_device(value, s) for s in sources):
             swapped.append(True)
             return target
         return value

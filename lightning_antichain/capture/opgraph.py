@@ -201,19 +201,23 @@ def _record_graph_calls(graph: OpGraph, args: tuple, kwargs: dict) -> Iterator[R
         else:
             call_args = fx.node.map_arg(node.args, lambda n: env[n.name])
             call_kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n.name])
-            if node.op == "call_module":
-                module = gm.get_submodule(node.target)
-                fn = module
-            elif node.op == "call_function":
-                fn = node.target
-            elif node.op == "call_method":
-                fn = MethodCall(node.target)
-            else:  # pragma: no cover - fx has no other node kinds
-                raise RuntimeError(f"unexpected fx node kind {node.op}")
+            fn, module = node_callable(gm, node)
             value = fn(*call_args, **call_kwargs)
         env[node.name] = value
         state = tuple((name, AttrFetch(gm, name)()) for name in op.state)
         yield RecordedCall(op, fn, tuple(call_args), dict(call_kwargs), value, module, state)
+
+
+def node_callable(gm: fx.GraphModule, node: fx.Node) -> tuple[Callable[..., Any], nn.Module | None]:
+    """What an fx node of ``gm`` calls, and the module it calls (``None`` for a function or method)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(node.target)
+        return module, module
+    if node.op == "call_function":
+        return node.target, None
+    if node.op == "call_method":
+        return MethodCall(node.target), None
+    raise RuntimeError(f"fx node {node.name} of kind {node.op} calls nothing")  # pragma: no cover
 
 
 def identity(value: Any) -> Any:

@@ -31,6 +31,7 @@ from ..capture.pytrees import iter_tensors
 from ..runtime import microbatch
 from ..runtime.batch_dims import call_dims
 from ..runtime.device import shares_host
+from ..runtime.materialize import has_meta_state
 from ..runtime.plan import Plan, recomputed_micro_batches
 from ..runtime.schedule import Task, Timed
 from .cache import DamagedEntry, entry_key, entry_path, read_entry, write_entry
@@ -56,9 +57,11 @@ class Calibration:
 
 
 def applies_to(plan: Plan, graph: OpGraph | None) -> bool:
-    """Whether calibration can help ``plan``: two or more stages sharing the CPU, and a graph to run."""
+    """Whether calibration can help ``plan``: two or more stages sharing the CPU, and a graph to run
+    of a model that is real (calibrating one built on meta would make all of it real at once)."""
     cpu_stages = sum(shares_host(s.device) for s in plan.stages)
-    return graph is not None and graph.granularity == "ops" and cpu_stages >= 2 and cpu_stages == plan.num_stages
+    return (graph is not None and graph.granularity == "ops" and cpu_stages >= 2 and cpu_stages == plan.num_stages
+            and not has_meta_state(graph.module))
 
 
 def calibrate(

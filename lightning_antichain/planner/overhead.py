@@ -111,26 +111,32 @@ def _parsed(data: Any) -> RuntimeOverhead:
     return found
 
 
-def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int = 256 * 2**20) -> float:
+def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int = 256 * 2**20,
+                     device: torch.device | None = None) -> float:
     """Seconds one ``step()`` of ``optimizers`` takes, measured on copies of their parameters.
 
     A fresh optimizer of the same class and settings steps copies of the parameters (with state, as
     after the first step), and of their gradients where they have them (random ones where not: on
     CPU, values change the time); beyond ``budget_bytes`` of parameters it steps the first ones
     only and scales by bytes, so planning a large model does not double its memory. An optimizer
-    that cannot be rebuilt from its parameter groups counts as free.
+    that cannot be rebuilt from its parameter groups counts as free. Parameters on the meta device
+    (a model built without memory) are stood in for by random ones on ``device``.
     """
     total = 0.0
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        budget = budget_bytes
+        state = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(p.is_meta for p in state):  # the model is not real anywhere: stay far below its size
+            budget = min(budget, sum(p.numel() * p.element_size() for p in state) // 8)
         groups, copied, all_bytes = [], 0, 0
         for group in optimizer.param_groups:
             params = []
             for p in group["params"]:
                 size = p.numel() * p.element_size()
                 all_bytes += size
-                if copied < budget_bytes:
-                    copy = nn.Parameter(p.detach().clone())
+                if copied < budget or not copied:
+                    copy = nn.Parameter(torch.randn_like(p, device=device) if p.is_meta else p.detach().clone())
                     copy.grad = p.grad.detach().clone() if p.grad is not None else torch.randn_like(copy)
                     params.append(copy)
                     copied += size

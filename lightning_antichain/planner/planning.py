@@ -26,6 +26,7 @@ from ..runtime import microbatch
 from ..runtime.batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
 from ..runtime.device import is_accelerator
 from ..runtime.device import memory_gb as device_memory_gb
+from ..runtime.materialize import has_meta_state
 from ..runtime.options import PipelineOptions
 from ..runtime.plan import Plan
 from . import calibration
@@ -173,10 +174,10 @@ def plan_model(
             raise ValueError('chunks="auto" needs a batch with samples on its batch dim (batch_dim=) to choose '
                              "how to split it; give chunks as a number instead")
         graph = _capture(module, args, kwargs, leaf_modules, batch_dim, fallback, progress)
-        if check_batch and graph.granularity == "ops":
-            check_micro_batchable(module, args, kwargs, batch_dim)
+        if check_batch and graph.granularity == "ops" and not has_meta_state(module):
+            check_micro_batchable(module, args, kwargs, batch_dim)  # on meta: by the Pipeline's first call
         if auto:
-            optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers)
+            optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, devices[0])
             plan, cost, cached_from = _choose_chunks(
                 module, args, kwargs, batch_dim, size, len(devices), name or type(module).__name__, optimizer_s,
                 profiled, lambda cost, count, key: measured(cut(cost, count), key, args, kwargs))
@@ -184,7 +185,7 @@ def plan_model(
         cost, cached_from, key = profiled(args, kwargs, name)
     if optimizers:
         cost = cost.copy()
-        cost.graph["optimizer_step_s"] = timed_optimizer_step_s(module, args, kwargs, optimizers)
+        cost.graph["optimizer_step_s"] = timed_optimizer_step_s(module, args, kwargs, optimizers, devices[0])
     plan = cut(cost, chunks)
     if key:  # profiled here, so there is a module to run
         plan = measured(plan, key, *_repeated(module, args, kwargs, plan.chunks, batch_dim))
@@ -192,12 +193,14 @@ def plan_model(
 
 
 def timed_optimizer_step_s(module: nn.Module | None, args: tuple, kwargs: dict,
-                           optimizers: Sequence[torch.optim.Optimizer]) -> float:
+                           optimizers: Sequence[torch.optim.Optimizer], device: torch.device | None = None) -> float:
     """Seconds of one step of ``optimizers``, timed on the gradients of one backward of ``module``
     on ``args, kwargs``: on CPU an optimizer's speed depends on its gradients' values (Adam took
     1.7x as long on ResNet-18's real gradients, most of them exactly zero, as on random ones)."""
     if module is None:
         return optimizer_step_s(list(optimizers))
+    if has_meta_state(module):  # no backward to take: random gradients on the profiling device
+        return optimizer_step_s(list(optimizers), device=device)
     with calibration.untouched(module):
         calibration.backward_from(original_forward(module)(*args, **kwargs))
         return optimizer_step_s(list(optimizers))

@@ -28,11 +28,13 @@ from ..capture.pytrees import iter_tensors, map_tensors
 from ..capture.signature import split_inputs
 from ..runtime.batch_dims import batch_size_of
 from ..runtime.device import device_name, shares_host, timed
+from ..runtime.materialize import has_meta_state
 from ..runtime.microbatch import MicroBatchError
 from ..runtime.saved_tensors import saved_per_call, state_storages
 from . import overhead
 from .contention import cpu_cores, parallel_capacity, training_step
 from .cost_graph import GRAPH_FORMAT
+from .just_in_time import profile_just_in_time
 from .progress import Progress
 
 
@@ -81,18 +83,49 @@ def profile(
     started = time.perf_counter()
     graph = op_graph or trace(module, example_inputs, fallback=fallback, leaf_modules=leaf_modules,
                                    batch_dim=batch_dim)
+    timer = functools.partial(timed, device)
+    label = f"profiling {name or type(module).__name__}"
+    if has_meta_state(module):
+        if graph.graph_module is None:
+            raise ValueError(
+                f"{type(module).__name__} is on the meta device, and a model on meta is profiled operation by "
+                f"operation from its captured graph, but it could not be captured ({graph.note}). Make it "
+                "capturable (see docs/capture.md), or build it with real tensors."
+            )
+        args, kwargs = split_inputs(example_inputs)
+        reporter = Progress(len(graph.nodes) * (warmup + repeats), enabled=progress, label=label, unit="op runs")
+        streamed = profile_just_in_time(graph, args, kwargs, device, lambda call: _time_once(call, timer),
+                                        warmup + repeats, warmup, reporter.step)
+        reporter.close()
+        calls, samples, kept = streamed.calls, streamed.samples, streamed.kept
+        capacity, scale = None, 1.0  # both need whole-model runs
+        just_in_time = {"just_in_time": True, "profile_peak_bytes": streamed.peak_bytes}
+    else:
+        args, kwargs = split_inputs(map_tensors(lambda t: t.to(device), example_inputs))
+        calls, samples, kept, capacity, scale = _profile_whole(graph, module, args, kwargs, device, timer, warmup,
+                                                               repeats, progress, label)
+        just_in_time = {"just_in_time": False}
+    cost = _cost_graph(graph, module, calls, samples, kept, capacity, scale, name, device, args, kwargs, batch_dim,
+                       warmup, repeats, runtime_overhead, started)
+    cost.graph.update(just_in_time)
+    return cost
+
+
+def _profile_whole(graph: OpGraph, module: nn.Module, args: tuple, kwargs: dict, device: torch.device,
+                   timer: Callable[[Callable[[], Any]], tuple[float, Any]], warmup: int, repeats: int,
+                   progress: bool, label: str) -> tuple[list[RecordedCall], list[list[tuple[float, float]]],
+                                                        list[Any], float | None, float]:
+    """Record one forward pass of a copy of the whole model on ``device``, then time every operation
+    round-robin; on a device that shares the host, also measure what per-op times miss."""
     work_module = copy.deepcopy(graph.graph_module if graph.graph_module is not None else module)
     work_module.to(device).train()
     if graph.graph_module is not None:
         retarget_devices(work_module, graph.capture_device, device)
     replay = graph.rebound(work_module if graph.graph_module is not None else None, work_module)
-    args, kwargs = split_inputs(map_tensors(lambda t: t.to(device), example_inputs))
-    timer = functools.partial(timed, device)
     with torch.enable_grad():
         calls = list(replay.record_calls(*args, **kwargs))
         kept = saved_per_call(calls, state_storages(work_module))
     rounds = warmup + repeats
-    label = f"profiling {name or type(module).__name__}"
     reporter = Progress(len(calls) * rounds, enabled=progress, label=label, unit="op runs")
     samples = [[] for _ in calls]
     # Round-robin over all ops, rather than op after op: a slow spell of the machine then
@@ -112,6 +145,14 @@ def profile(
              for _ in range(2)], repeats)
         ops_s = sum(statistics.median(t[0] for t in m) + statistics.median(t[1] for t in m) for m in samples)
         scale = whole_s / ops_s if ops_s > 0 else 1.0
+    return calls, samples, kept, capacity, scale
+
+
+def _cost_graph(graph: OpGraph, module: nn.Module, calls: list[RecordedCall], samples: list[list[tuple[float, float]]],
+                kept: list[Any], capacity: float | None, scale: float, name: str | None, device: torch.device,
+                args: tuple, kwargs: dict, batch_dim: int | Mapping[str, int], warmup: int, repeats: int,
+                runtime_overhead: bool, started: float) -> nx.DiGraph:
+    """The cost graph of the measured calls."""
     cost = nx.DiGraph()
     owned: set[int] = set()
     canonical: dict[int, str] = {}

@@ -168,34 +168,55 @@ def saved_per_call(calls: Sequence[Any], excluded: set[int]) -> list[CallMemory]
     Each call is replayed on copies of its inputs with the counting hooks, and the copies are traced
     back to the storages they copy. ``excluded`` are the storages of the model's own state.
     """
-    owner: dict[int, tuple[str, int]] = {}  # storage key -> (name, bytes)
-    made_by: dict[str, str] = {}  # name -> the call that made it
-    outputs: list[dict[str, int]] = []
+    ledger = SavedLedger()
     for call in calls:
+        ledger.add(call, excluded)
+    return ledger.memories()
+
+
+class SavedLedger:
+    """:func:`saved_per_call` one call at a time, for a profiler that frees values as it goes.
+
+    Storage keys are addresses, which the allocator reuses once a storage is freed: :meth:`forget`
+    drops those no longer alive, so that a later storage at the same address gets its own name.
+    """
+
+    def __init__(self) -> None:
+        self._owner: dict[int, tuple[str, int]] = {}  # storage key -> (name, bytes)
+        self._made_by: dict[str, str] = {}  # name -> the call that made it
+        self._kept: dict[str, int] = {}
+        self._calls: list[tuple[str, dict[str, int], list[str], dict[str, int]]] = []
+
+    def add(self, call: Any, excluded: set[int]) -> None:
+        """Count what ``call`` keeps; ``excluded`` are the storages of the model's state it may use."""
         found: dict[str, int] = {}
         fresh_index = 0
         for tensor in iter_tensors(call.output):
             key, nbytes = storage_of(tensor)
             if key in excluded or nbytes == 0:
                 continue
-            if key not in owner:
+            if key not in self._owner:
                 name = call.node.name + (f"#{fresh_index}" if fresh_index else "")
                 fresh_index += 1
                 size = tensor.numel() * tensor.element_size() if call.node.kind == "placeholder" else nbytes
-                owner[key] = (name, size)
-                made_by[name] = call.node.name
-            found[owner[key][0]] = owner[key][1]
-        outputs.append(found)
-    replays = [_replay(call, owner, excluded) for call in calls]
-    kept: dict[str, int] = {}
-    for call, (keys, _) in zip(calls, replays):
-        kept.update(keys)
-        made_by.update((name, call.node.name) for name in keys if name not in made_by)
-    owned = {call.node.name: 0 for call in calls}
-    for name, size in kept.items():
-        owned[made_by[name]] += size
-    return [CallMemory(keys, own, mutated, owned[call.node.name])
-            for call, (keys, mutated), own in zip(calls, replays, outputs)]
+                self._owner[key] = (name, size)
+                self._made_by[name] = call.node.name
+            found[self._owner[key][0]] = self._owner[key][1]
+        keys, mutated = _replay(call, self._owner, excluded)
+        self._kept.update(keys)
+        self._made_by.update((name, call.node.name) for name in keys if name not in self._made_by)
+        self._calls.append((call.node.name, keys, mutated, found))
+
+    def forget(self, alive: set[int]) -> None:
+        """Drop the storages not among the keys ``alive``: they were freed."""
+        self._owner = {key: value for key, value in self._owner.items() if key in alive}
+
+    def memories(self) -> list[CallMemory]:
+        """What each call added so far keeps, in the order they were added."""
+        owned = {name: 0 for name, *_ in self._calls}
+        for name, size in self._kept.items():
+            owned[self._made_by[name]] += size
+        return [CallMemory(keys, own, mutated, owned[name]) for name, keys, mutated, own in self._calls]
 
 
 def _replay(call: Any, owner: dict[int, tuple[str, int]], excluded: set[int]) -> tuple[dict[str, int], list[str]]:

@@ -1,0 +1,199 @@
+"""Profile a model built on the meta device while only a bounded part of it is real at once.
+
+The ordinary profile copies the whole model to the device and records one forward pass with every
+value kept. A model that does not fit on one device is built on meta instead, and profiled here:
+the graph runs in execution order, each operation's modules are made real on the device just
+before it runs (random values of the right shape and dtype, through ``reset_parameters()`` where a
+module has one) and sent back to meta after their last use, and each value is dropped after its
+last reader. So the device holds at most the live activations of one micro-batch (as a forward
+pass without autograd would) and the state of the operations in flight, never the whole model.
+
+Each operation is timed and its saved tensors counted as in the ordinary profile, on the real
+values of its inputs (integer tensors, such as positions, keep their meaning), except that it is
+timed ``warmup + repeats`` times in a row instead of round-robin over all operations.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..capture import OpGraph, RecordedCall
+from ..capture.devices import retarget_devices
+from ..capture.mutations import is_in_place
+from ..capture.opgraph import AttrFetch, identity, node_callable
+from ..capture.pytrees import iter_tensors, map_tensors
+from ..runtime.materialize import materialize, own_state, release
+from ..runtime.saved_tensors import CallMemory, SavedLedger, storage_of
+
+
+@dataclass
+class StreamedProfile:
+    """Per operation, in execution order: its call (values replaced by meta tensors of their shape),
+    its timings, and what it keeps for backward; and the most bytes the profile held on the device."""
+
+    calls: list[RecordedCall] = field(default_factory=list)
+    samples: list[list[tuple[float, float]]] = field(default_factory=list)
+    kept: list[CallMemory] = field(default_factory=list)
+    peak_bytes: int | None = None
+
+
+def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torch.device,
+                         time_once: Callable[[RecordedCall], tuple[float, float]], rounds: int, warmup: int,
+                         step: Callable[[], None]) -> StreamedProfile:
+    """Time and count each operation of ``graph`` (its module on meta) on ``device``, one at a time.
+
+    ``time_once`` times one replay of a call; ``rounds`` replays are made of each, the first
+    ``warmup`` not kept; ``step`` reports each replay's progress.
+    """
+    assert graph.graph_module is not None, "a model on meta is profiled from its captured graph"
+    work = copy.deepcopy(graph.graph_module)  # meta tensors: nothing is copied
+    work.train()
+    retarget_devices(work, graph.capture_device, device)
+    replay = graph.rebound(work, work)
+    run = _JustInTime(replay, work, device)
+    result = StreamedProfile()
+    ledger = SavedLedger()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    try:
+        for call in run.calls(args, kwargs):
+            measured = []
+            for round_index in range(rounds):
+                timing = time_once(call)
+                if round_index >= warmup:
+                    measured.append(timing)
+                step()
+            ledger.add(call, run.state_storages())
+            result.calls.append(_shapes_only(call))
+            result.samples.append(measured)
+            del call
+            run.forget()
+            ledger.forget(run.alive_storages())
+    finally:
+        release(work.modules())
+    result.kept = ledger.memories()
+    if device.type == "cuda":
+        result.peak_bytes = torch.cuda.max_memory_allocated(device) - base
+    return result
+
+
+class _JustInTime:
+    """Runs a graph module node by node, its state real only around the nodes that use it."""
+
+    def __init__(self, graph: OpGraph, work: fx.GraphModule, device: torch.device) -> None:
+        self.graph, self.work, self.device = graph, work, device
+        self.env: dict[str, Any] = {}
+        self._names = {id(m): name for name, m in work.named_modules()}
+        self._nodes = [n for n in work.graph.nodes if n.op != "output"]
+        self._needs: dict[str, list[nn.Module]] = {n.name: self._modules_of(n) for n in self._nodes}
+        last_module_use: dict[int, int] = {}
+        last_value_use: dict[str, int] = {}
+        for index, node in enumerate(self._nodes):
+            for module in self._needs[node.name]:
+                last_module_use[id(module)] = index
+            for source in node.all_input_nodes:
+                last_value_use[source.name] = index
+        self._release_after: dict[int, list[nn.Module]] = {}
+        for module in {id(m): m for n in self._nodes for m in self._needs[n.name]}.values():
+            self._release_after.setdefault(last_module_use[id(module)], []).append(module)
+        self._drop_after: dict[int, list[str]] = {}
+        kept = {n.name for n in work.graph.nodes if n.op == "output" for n in n.all_input_nodes}
+        for index, node in enumerate(self._nodes):
+            if node.name not in kept:
+                self._drop_after.setdefault(last_value_use.get(node.name, index), []).append(node.name)
+        self._done = -1
+        self._released: set[int] = set()  # storages of released state that kept values still view
+
+    def _modules_of(self, node: fx.Node) -> list[nn.Module]:
+        """The modules whose own state ``node`` uses: a called module and its children, or the
+        owner of each parameter or buffer it fetches."""
+        if node.op == "call_module":
+            return list(self.work.get_submodule(node.target).modules())
+        owners = []
+        for source in node.all_input_nodes:
+            if source.op == "get_attr" and isinstance(AttrFetch(self.work, str(source.target))(), torch.Tensor):
+                owners.append(self.work.get_submodule(str(source.target).rpartition(".")[0]))
+        return owners
+
+    def calls(self, args: tuple, kwargs: dict) -> Iterator[RecordedCall]:
+        """Each node's call on real values, its state made real for it; values it was the last to
+        read are dropped, and state it was the last to use sent back to meta, by :meth:`forget`."""
+        values = iter(self.graph.bind(*map_tensors(lambda t: t.to(self.device), (args, kwargs))))
+        gm = self.work
+        for index, node in enumerate(self._nodes):
+            if node.op == "get_attr":
+                self.env[node.name] = AttrFetch(gm, str(node.target))()
+                continue
+            materialize(self._needs[node.name], self.device, "random", self._names)
+            op = self.graph[node.name]
+            module = None
+            if node.op == "placeholder":
+                fn: Callable[..., Any] = identity
+                call_args: tuple = (next(values),)
+                call_kwargs: dict = {}
+            else:
+                call_args = fx.node.map_arg(node.args, lambda n: self.env[n.name])
+                call_kwargs = fx.node.map_arg(node.kwargs, lambda n: self.env[n.name])
+                fn, module = node_callable(gm, node)
+            output = self._run(node, fn, call_args, call_kwargs)
+            self.env[node.name] = output
+            state = tuple((name, AttrFetch(gm, name)()) for name in op.state)
+            self._done = index
+            yield RecordedCall(op, fn, tuple(call_args), dict(call_kwargs), output, module, state)
+        self.forget()
+
+    def _run(self, node: fx.Node, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """``fn``'s output with its autograd graph cut (so that it holds no earlier value or
+        parameter), still marked as needing gradients where it does. An in-place operation runs
+        without autograd, since the values it changes are such cut leaves, and its output is
+        marked as needing gradients where an input or a parameter does."""
+        in_place = node.op != "placeholder" and is_in_place(self.work, node)
+        with torch.no_grad() if in_place else torch.enable_grad():
+            output = fn(*args, **kwargs)
+        needs = in_place and any(t.requires_grad for t in [*iter_tensors((args, kwargs)), *_parameters(fn)])
+        return map_tensors(lambda t: _cut(t, needs), output)
+
+    def forget(self) -> None:
+        """Drop the values and release the state whose last use has run."""
+        index = self._done
+        for name in self._drop_after.pop(index, ()):
+            self.env.pop(name, None)
+        modules = self._release_after.pop(index, ())
+        released = {storage_of(t)[0] for m in modules for t in own_state(m) if not t.is_meta}
+        release(modules)
+        self._released = (self._released | released) & self.alive_storages()
+
+    def state_storages(self) -> set[int]:
+        """The storages of the model's state: real now, or sent back to meta while a kept value
+        still views it (a slice of a mask buffer, say)."""
+        real = {storage_of(t)[0] for t in [*self.work.parameters(), *self.work.buffers()] if not t.is_meta}
+        return real | self._released
+
+    def alive_storages(self) -> set[int]:
+        """The storages of the values still kept."""
+        return {storage_of(t)[0] for value in self.env.values() for t in iter_tensors(value)}
+
+
+def _cut(tensor: torch.Tensor, needs_grad: bool) -> torch.Tensor:
+    cut = tensor.detach()
+    if tensor.requires_grad or (needs_grad and (cut.is_floating_point() or cut.is_complex())):
+        cut.requires_grad_(True)
+    return cut
+
+
+def _parameters(fn: Any) -> list[torch.Tensor]:
+    return list(fn.parameters()) if isinstance(fn, nn.Module) else []
+
+
+def _shapes_only(call: RecordedCall) -> RecordedCall:
+    """``call`` without its values: its output as meta tensors of the same shapes and dtypes."""
+    output = map_tensors(lambda t: torch.empty_like(t, device="meta"), call.output)
+    return RecordedCall(call.node, call.fn, (), {}, output, call.module, call.state)
