@@ -144,11 +144,17 @@ def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
     built = evaluate_stages(graph, stage_nodes_of_chain(space, chain), order, model)
     worst = max(built, key=lambda st: st.memory_bytes)
     listed = ", ".join(f"{m / 1e9:.3g}" for m in limits)
+    limit = order[worst.index].memory_bytes if worst.index < len(order) else None
+    over = f", {(worst.memory_bytes - limit) / 1e9:.3g} GB over its limit" if limit is not None else ""
+    fixes = ["more devices (stages) or more memory per device (memory_gb)", "fewer micro-batches (chunks)"]
+    if model.recompute != "always":
+        fixes.append("recompute='always' (a stage then keeps only its inputs per micro-batch)")
+    fixes.append("a smaller optimizer_multiplier")
     return InfeasiblePlanError(
         f"no split into {len(specs)} stages fits the memory limits ({listed} GB): the fastest split "
-        f"without limits needs {worst.memory_bytes / 1e9:.3g} GB on stage {worst.index} "
+        f"without limits needs {worst.memory_bytes / 1e9:.3g} GB on stage {worst.index}{over} "
         f"({len(worst.nodes)} ops, {worst.nodes[0]} .. {worst.nodes[-1]}: "
         f"{worst.param_bytes / 1e9:.3g} GB parameters, {worst.activation_bytes / 1e9:.3g} GB activations "
-        "per micro-batch), and no other split brings every stage under its limit. Give more memory or "
-        "more stages, fewer micro-batches (chunks), or a smaller optimizer_multiplier."
+        "per micro-batch), and no other split brings every stage under its limit. Give "
+        + ", ".join(fixes[:-1]) + f", or {fixes[-1]}."
     )
