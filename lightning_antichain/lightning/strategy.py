@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Generator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +39,7 @@ from typing_extensions import override
 
 from ..capture.pytrees import map_tensors
 from ..capture.signature import split_inputs
+from ..runtime.materialize import materialize
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
@@ -91,6 +94,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
         check_batch: before the first step, refuse a ``forward`` whose result for a sample depends
             on the rest of its batch (micro-batching would change it). Turn off only where that is
             meant, e.g. a mixture of experts with a capacity per batch.
+        empty_init: build the model in ``LightningModule.configure_model()`` on the meta device,
+            without memory, as ``Trainer.init_module(empty_init=True)`` does. The pipelined module
+            is then profiled a few operations at a time and made real stage by stage on each
+            stage's device, each submodule initialised by its ``reset_parameters()``, so no device
+            ever holds all of it: the way to train a model bigger than one device.
     """
 
     strategy_name = "antichain_pipeline"
@@ -116,6 +124,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         batch_dim: int | dict[str, int] = 0,
         check_batch: bool = True,
+        empty_init: bool = False,
         checkpoint: Literal["never", "except_last", "always"] | None = None,
     ) -> None:
         super().__init__()
@@ -131,6 +140,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             use_profile_cache=use_profile_cache, calibrate=calibrate,
         )
         self.module_path = module
+        self.empty_init = empty_init
         self.plan_path = plan
         self.log_stage_times = log_stage_times
         if stages is not None and stages < 1:
@@ -318,10 +328,32 @@ class AntichainPipelineStrategy(ParallelStrategy):
             return self.plan.num_stages
         return None
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Tensors made inside go to the root device, or to the meta device with ``empty_init``
+        (the strategy's own, where Lightning passes none, as for ``configure_model()``)."""
+        if not (self.empty_init if empty_init is None else empty_init):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
     @override
     def model_to_device(self) -> None:
-        assert self.lightning_module is not None
-        self.lightning_module.to(self.root_device)
+        """Move the LightningModule to the root device, except what is on the meta device in the
+        pipelined module: each stage of it becomes real on its own device when the pipeline is
+        built. Meta tensors outside it (a loss module, a head around a pipelined backbone) are made
+        real on the root device by their modules' ``reset_parameters()``."""
+        module = self.lightning_module
+        assert module is not None
+        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+        target = self._target()
+        inside = {id(m) for m in target.modules()}
+        outside = [m for m in module.modules() if id(m) not in inside]
+        names = {id(m): name or type(module).__name__ for name, m in module.named_modules()}
+        materialize(outside, self.root_device, "reset", names)
 
     @override
     def setup(self, trainer: Any) -> None:
