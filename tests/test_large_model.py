@@ -7,9 +7,11 @@ from lit_models import loader, trainer
 from live_bytes import LiveBytes
 from pipelined import assert_pipelined
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_antichain as la
 from lightning_antichain.runtime import captures
+from lightning_antichain.runtime.budget import StageOverBudgetError, state_bytes
 
 WIDTH, LAYERS = 256, 8
 
@@ -105,3 +107,65 @@ def test_a_model_built_on_meta_another_way_trains_like_plain(how):
     fit.fit(model, loader())
     assert all(not t.is_meta for t in model.state_dict().values())
     torch.testing.assert_close(model.losses, plain_losses(model.initial, 4), rtol=1e-6, atol=0)
+
+
+def training_bytes(module: nn.Module) -> int:
+    """Parameters, gradients and SGD momentum."""
+    return 3 * parameter_bytes(module)
+
+
+def budget_run(memory_gb: float, batches: list[int], measured: "MeasuredStages | None" = None) -> L.Trainer:
+    torch.manual_seed(0)
+    x, y = torch.randn(sum(batches), 16), torch.randint(0, 4, (sum(batches),))
+    starts = [sum(batches[:i]) for i in range(len(batches))]
+    data = DataLoader(TensorDataset(x, y), batch_sampler=[list(range(s, s + n)) for s, n in zip(starts, batches)])
+    model = Deep()
+    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True, memory_gb=memory_gb)
+    fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=len(batches),
+                  callbacks=[measured or MeasuredStages()])
+    fit.fit(model, data)
+    return fit
+
+
+class MeasuredStages(L.Callback):
+    """Each stage's bytes after each optimizer step, counted as the planner counts them."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[int]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pipeline = trainer.strategy.pipeline
+        self.steps.append([state_bytes(stage, trainer.optimizers) + kept
+                           for stage, kept in zip(pipeline.stages, pipeline.last_activation_bytes)])
+
+
+def test_each_stage_fits_a_budget_the_whole_model_does_not():
+    whole = training_bytes(build().double())
+    budget = 0.6 * whole
+    fit = budget_run(budget / 1e9, [16, 16])
+    assert fit.strategy.plan.num_stages == 2
+    for stage in fit.strategy.plan.stages:
+        assert stage.memory_limit_bytes == int(budget)
+        assert stage.memory_bytes <= budget
+    (measured,) = [c for c in fit.callbacks if isinstance(c, MeasuredStages)]
+    assert len(measured.steps) == 2
+    assert max(max(step) for step in measured.steps) <= budget < whole
+    assert measured.steps[-1] == [stage.memory_bytes for stage in fit.strategy.plan.stages]  # to the byte
+
+
+def test_a_budget_no_split_meets_is_refused_with_what_to_change():
+    budget = 0.2 * training_bytes(build().double())
+    with pytest.raises(la.InfeasiblePlanError, match=r"(?s)on stage \d, [\d.e-]+ GB over its limit.*chunks.*"
+                                                     r"recompute='always'"):
+        budget_run(budget / 1e9, [16])
+
+
+def test_a_stage_over_its_budget_at_run_time_is_named():
+    """A bigger batch than the one planned for (a bucketing sampler): four times the activations."""
+    fit = budget_run(1.0, [16])  # the same split's predicted bytes, without a tight budget
+    predicted = max(s.memory_bytes for s in fit.strategy.plan.stages)
+    measured = MeasuredStages()
+    with pytest.raises(StageOverBudgetError, match=r"stage \d on cpu held .* GB over its budget of .*"
+                                                   r"micro-batches of 4 samples"):
+        budget_run(1.02 * predicted / 1e9, [16, 64], measured)
+    assert len(measured.steps) == 1  # the planned batch stayed within it

@@ -22,6 +22,7 @@ from ..capture.signature import FlatSignature, original_forward
 from ..planner.planning import AUTO, plan_model
 from ..planner.prediction_check import PredictionCheck
 from ..runtime.batch_dims import batch_size_of, first_micro_batch, refuse_per_sample_lists
+from ..runtime.budget import check_budgets
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions
 from ..runtime.pipeline import Pipeline
@@ -72,10 +73,12 @@ class PlannedPipeline:
         graph = self._graph if self._graph is not None and self._graph.module is target else None
         calibrated = self.plan.calibration is not None and host.is_global_zero
         self.prediction_check = PredictionCheck(self.plan, self.plan_path) if calibrated else None
+        budgeted = any(stage.memory_limit_bytes is not None for stage in self.plan.stages)
         self.pipeline = Pipeline(
             target,
             self.plan,
-            self.options.replace(chunks=self.plan.chunks, check_batch=self.options.check_batch and graph is None),
+            self.options.replace(chunks=self.plan.chunks, check_batch=self.options.check_batch and graph is None,
+                                 measure_activations=self.options.measure_activations or budgeted),
             graph=graph,  # the graph planning captured and checked, if it is of this module
             devices=host.stage_devices,
             output_device=host.root_device,
@@ -148,6 +151,14 @@ class PlannedPipeline:
         )
         self.close()
         self.plan, self._graph, self.prediction_check = None, None, None
+
+    def check_budgets(self) -> None:
+        """After an optimizer step: refuse a stage that held more than its memory budget
+        (:mod:`~lightning_antichain.runtime.budget`)."""
+        pipeline = self.pipeline
+        if pipeline is None or self.plan is None or not pipeline.measured_a_step:
+            return
+        check_budgets(self.plan, pipeline.stages, pipeline.last_activation_bytes, self.host.optimizers)
 
     def close(self) -> None:
         """Stop the Pipeline's workers and drop it; the plan is kept for the next run."""

@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from ..capture.pytrees import map_tensors
 from ..capture.signature import split_inputs
-from ..runtime.materialize import materialize
+from ..runtime.materialize import has_meta_state, materialize
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
@@ -284,9 +284,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Average the gradients of the replicas after the closure's backward, before the step."""
+        """Average the gradients of the replicas after the closure's backward, before the step;
+        after it, refuse a stage that held more than its memory budget."""
         if not (self.is_distributed and _distributed_is_initialized()):
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+            result = super().optimizer_step(optimizer, closure, model, **kwargs)
+            self._planned.check_budgets()
+            return result
 
         def closure_then_average() -> Any:
             result = closure()
@@ -294,7 +297,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
             average_gradients(params, self.root_device, self.world_size)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        self._planned.check_budgets()
+        return result
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -459,7 +464,18 @@ class AntichainPipelineStrategy(ParallelStrategy):
             self._planned.close()  # modules go back to the CPU below; the plan is kept for the next run
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, torch.device("cpu"))
-        super().teardown()
+        module = self._lightning_module
+        if module is None or not has_meta_state(module):
+            super().teardown()
+            return
+        # a run stopped before its stages were placed: what is real goes to the CPU, meta stays
+        # meta (Lightning's Module.cpu() would fail on it and hide the error that stopped the run)
+        module._apply(lambda t: t if t.is_meta else t.cpu())
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     @classmethod
     @override

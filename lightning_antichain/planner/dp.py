@@ -144,7 +144,8 @@ def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
     built = evaluate_stages(graph, stage_nodes_of_chain(space, chain), order, model)
     worst = max(built, key=lambda st: st.memory_bytes)
     listed = ", ".join(f"{m / 1e9:.3g}" for m in limits)
-    limit = order[worst.index].memory_bytes if worst.index < len(order) else None
+    placed = [i for i, spec in enumerate(unlimited) if worst.index < len(order) and spec is order[worst.index]]
+    limit = specs[placed[0]].memory_bytes if placed else largest_limit
     over = f", {(worst.memory_bytes - limit) / 1e9:.3g} GB over its limit" if limit is not None else ""
     fixes = ["more devices (stages) or more memory per device (memory_gb)", "fewer micro-batches (chunks)"]
     if model.recompute != "always":

@@ -167,6 +167,11 @@ class Pipeline(nn.Module):
         return Counter(self._pool.tasks_run)
 
     @property
+    def measured_a_step(self) -> bool:
+        """Whether :attr:`last_activation_bytes` holds a training step's counts."""
+        return self._held is not None
+
+    @property
     def last_activation_bytes(self) -> list[int]:
         """The most bytes each stage kept for backward at once in the last training step (with
         ``measure_activations=True``): what the plan's ``memory_bytes`` predicts beyond parameters,
