@@ -13,6 +13,8 @@ from .planner.cost_model import CostModel, DeviceSpec, InfeasiblePlanError
 from .planner.partition import partition, plan_from_balance
 from .planner.profiler import profile
 from .runtime.batch_dims import BatchDependenceError, check_micro_batchable
+from .runtime.budget import StageOverBudgetError
+from .runtime.materialize import load_state_dict
 from .runtime.pipeline import Pipeline
 from .runtime.plan import Plan, Stage
 from .runtime.split import PlanMismatchError
@@ -34,12 +36,14 @@ __all__ = [
     "Plan",
     "PlanMismatchError",
     "Stage",
+    "StageOverBudgetError",
     "StateSpace",
     "UntraceableModelError",
     "build_state_space",
     "check_micro_batchable",
     "enumerate_down_sets",
     "load_cost_graph",
+    "load_state_dict",
     "partition",
     "plan_from_balance",
     "profile",

@@ -169,3 +169,41 @@ def test_a_stage_over_its_budget_at_run_time_is_named():
                                                    r"micro-batches of 4 samples"):
         budget_run(1.02 * predicted / 1e9, [16, 64], measured)
     assert len(measured.steps) == 1  # the planned batch stayed within it
+
+
+def test_checkpoints_of_a_model_built_on_meta_go_four_stages_to_two_to_plain_to_four(tmp_path):
+    """Each run builds the model on meta (or plainly), resumes from the last one's checkpoint
+    (weights straight into the stages, optimizer state once they are placed) and continues with the
+    losses of a run that never stopped."""
+    def pipelined(devices: int) -> L.Trainer:
+        return trainer(strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True),
+                       devices=devices, precision="64-true", max_epochs=epochs)
+
+    epochs, steps = 1, 5  # 80 samples in batches of 16
+    first = Deep()
+    fit = pipelined(4)
+    fit.fit(first, loader(80))
+    path = tmp_path / "1.ckpt"
+    fit.save_checkpoint(path)
+
+    net = build().double()
+    uninterrupted = Deep("given", net)
+    uninterrupted.load_state_dict(first.initial)
+    trainer(devices=1, precision="64-true", max_epochs=4).fit(uninterrupted, loader(80))
+    torch.testing.assert_close(first.losses, uninterrupted.losses[:steps], rtol=1e-6, atol=0)
+
+    for run, (devices, make) in enumerate([(2, Deep), (1, lambda: Deep("given", build().double())), (4, Deep)], start=2):
+        epochs = run
+        saved = torch.load(path, weights_only=True)
+        model = make()
+        fit = pipelined(devices) if devices > 1 else trainer(devices=1, precision="64-true", max_epochs=epochs)
+        fit.fit(model, loader(80), ckpt_path=path)
+        assert list(model.initial) == list(saved["state_dict"])
+        assert all(torch.equal(model.initial[k], v) for k, v in saved["state_dict"].items())  # every tensor loaded
+        torch.testing.assert_close(model.losses, uninterrupted.losses[(run - 1) * steps:run * steps], rtol=1e-6,
+                                   atol=0)
+        path = tmp_path / f"{run}.ckpt"
+        fit.save_checkpoint(path)
+    final = torch.load(path, weights_only=True)["state_dict"]
+    torch.testing.assert_close(final, {k: v.cpu() for k, v in uninterrupted.state_dict().items()}, rtol=1e-6,
+                               atol=1e-9)

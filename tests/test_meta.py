@@ -111,3 +111,29 @@ def test_profiling_a_model_on_meta_holds_a_few_layers_at_a_time():
     layer = whole / 12
     assert live.peak["cpu"] < 3 * layer, f"the profile held {live.peak['cpu'] / layer:.1f} layers at once"
     assert sum(cost.nodes[n]["param_bytes"] for n in cost) == whole
+
+
+def test_a_state_dict_file_loads_straight_into_the_stages(tmp_path):
+    torch.manual_seed(0)
+    plain = build()
+    torch.save(plain.state_dict(), tmp_path / "weights.pt")
+    cost = la.profile(plain, torch.randn(4, 16, dtype=torch.float64), repeats=1, warmup=0, progress=False)
+    with torch.device("meta"):
+        model = build()
+    la.load_state_dict(model, torch.load(tmp_path / "weights.pt", mmap=True, weights_only=True))
+    assert all(p.is_meta for p in model.parameters())  # the values wait for their stages
+    with la.Pipeline(model, la.partition(cost, 3, chunks=2), chunks=2) as pipe:
+        for name, value in plain.state_dict().items():
+            assert torch.equal(model.state_dict()[name], value), name
+        x = torch.randn(6, 16, dtype=torch.float64)
+        torch.testing.assert_close(pipe(x), plain(x), rtol=1e-12, atol=0)
+
+
+def test_a_state_dict_that_does_not_match_is_refused_like_torch_refuses_it():
+    with torch.device("meta"):
+        model = build()
+    state = build().state_dict()
+    with pytest.raises(RuntimeError, match=r"missing keys \['5.bias'\], unexpected keys \['5.offset'\]"):
+        la.load_state_dict(model, {**{k: v for k, v in state.items() if k != "5.bias"}, "5.offset": torch.zeros(4)})
+    with pytest.raises(RuntimeError, match=r"size mismatch for 0.weight"):
+        la.load_state_dict(model, {**state, "0.weight": torch.zeros(3, 3)})

@@ -23,7 +23,6 @@ from ..planner.planning import AUTO, plan_model
 from ..planner.prediction_check import PredictionCheck
 from ..runtime.batch_dims import batch_size_of, first_micro_batch, refuse_per_sample_lists
 from ..runtime.budget import check_budgets
-from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
@@ -39,6 +38,9 @@ class Host(Protocol):
     is_distributed: bool
 
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def stages_placed(self) -> None:
+        """Each stage is real on its device now: put the optimizer state beside its parameters."""
 
 
 class PlannedPipeline:
@@ -83,7 +85,7 @@ class PlannedPipeline:
             devices=host.stage_devices,
             output_device=host.root_device,
         )
-        state_with_parameters(host.optimizers)
+        host.stages_placed()
         return self.pipeline
 
     def _make_plan(self, target: nn.Module, args: tuple, kwargs: dict) -> Plan:

@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from ..capture.pytrees import map_tensors
 from ..capture.signature import split_inputs
-from ..runtime.materialize import has_meta_state, materialize
+from ..runtime.materialize import has_meta_state, load_state_dict, materialize
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
@@ -156,6 +156,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._in_training_step = False
         self._forward_patch = ForwardPatch()
         self._tasks_before: Counter[tuple[int, int]] = Counter()
+        self._waiting_optimizer_states: list[dict[str, Any]] | None = None
 
     # -- one process, several devices ----------------------------------------------------------
 
@@ -437,10 +438,29 @@ class AntichainPipelineStrategy(ParallelStrategy):
         return map_tensors(lambda t: t.detach().cpu(), super().optimizer_state(optimizer))
 
     @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load the weights; those of a model still on meta wait to go straight into their stages."""
+        assert self.lightning_module is not None
+        load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         # torch puts each state tensor on its parameter's device; Lightning's default would then
-        # move all of it to the root device.
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        # move all of it to the root device. Parameters still on meta have no device yet: their
+        # optimizer state is loaded once the stages are placed.
+        states = checkpoint["optimizer_states"]
+        if any(p.is_meta for optimizer in self.optimizers for g in optimizer.param_groups for p in g["params"]):
+            self._waiting_optimizer_states = states
+            return
+        for optimizer, state in zip(self.optimizers, states):
+            optimizer.load_state_dict(state)
+        state_with_parameters(self.optimizers)
+
+    def stages_placed(self) -> None:
+        """Each stage is real on its device: optimizer state goes beside its parameters (loaded
+        now, if a checkpoint's waited for the stages)."""
+        states, self._waiting_optimizer_states = self._waiting_optimizer_states, None
+        for optimizer, state in zip(self.optimizers, states or ()):
             optimizer.load_state_dict(state)
         state_with_parameters(self.optimizers)
 

@@ -13,13 +13,58 @@ parameter, keep the same objects.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import torch
 from torch import nn
 
 Init = Literal["reset", "random"]
+
+_WAITING: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+"""Values that meta tensors take when they are made real (:func:`load_state_dict`), by ``id``
+(tensors compare by value, so they cannot be dictionary keys)."""
+
+
+def _wait(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    key = id(tensor)
+    _WAITING[key] = (weakref.ref(tensor, lambda _: _WAITING.pop(key, None)), value)
+
+
+def _is_waiting(tensor: torch.Tensor) -> bool:
+    entry = _WAITING.get(id(tensor))
+    return entry is not None and entry[0]() is tensor
+
+
+def _take(tensor: torch.Tensor) -> torch.Tensor:
+    return _WAITING.pop(id(tensor))[1]
+
+
+def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """``module.load_state_dict(state_dict)`` for a module that may be on the meta device.
+
+    Real tensors are loaded now. Each meta tensor keeps its value waiting, and takes it when it is
+    made real on its stage's device (:func:`materialize`) instead of its module's
+    ``reset_parameters()``: so a checkpoint goes straight into the stages, one tensor at a time,
+    never into a whole model first. Load the file with ``torch.load(path, mmap=True)`` and its
+    values stay on disk until then. ``strict`` refuses missing and unexpected keys, as torch does.
+    """
+    own = module.state_dict(keep_vars=True)
+    if strict:
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
+                               f"{missing[:5]}, unexpected keys {unexpected[:5]}")
+    real = {k: v for k, v in state_dict.items() if k in own and not own[k].is_meta}
+    for key, value in state_dict.items():
+        tensor = own.get(key)
+        if tensor is not None and tensor.is_meta:
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                                   f"the shape in the current model is {tuple(tensor.shape)}")
+            _wait(tensor, value)
+    module.load_state_dict(real, strict=False)
 
 
 def has_meta_state(module: nn.Module) -> bool:
@@ -53,6 +98,12 @@ def materialize(modules: Iterable[nn.Module], device: torch.device, init: Init =
         meta = [t for t in own_state(module) if t.is_meta]
         if not meta:
             continue
+        if init == "reset" and all(_is_waiting(t) for t in meta):  # loaded: no initialisation needed
+            for tensor in meta:
+                value = _take(tensor)
+                _swap(tensor, value.detach().to(device=device, dtype=tensor.dtype, copy=True))
+            made.append(module)
+            continue
         reset = getattr(module, "reset_parameters", None)
         if not callable(reset) and init == "reset":
             name = (names or {}).get(id(module), type(module).__name__)
@@ -69,6 +120,11 @@ def materialize(modules: Iterable[nn.Module], device: torch.device, init: Init =
         if callable(reset):
             with torch.no_grad():
                 reset()
+        if init == "reset":  # values loaded for some of its tensors win over the reset
+            with torch.no_grad():
+                for tensor in meta:
+                    if _is_waiting(tensor):
+                        tensor.copy_(_take(tensor))
         made.append(module)
     return made
 
