@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..runtime.device import same_device
+from ..runtime.device import is_meta, same_device
 
 
 def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | None,
@@ -23,7 +23,7 @@ def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | 
     ``meta`` is rewritten too: a graph captured from a model built on the meta device names it
     where forward creates a tensor on a parameter's device, and nothing runs on meta."""
     target = torch.device(target)
-    sources = [torch.device("meta")] if target.type != "meta" else []
+    sources = [] if is_meta(target) else [torch.device("meta")]
     if source is not None and not same_device(torch.device(source), target):
         sources.append(torch.device(source))
     if not sources:

@@ -29,6 +29,7 @@ from ..capture.devices import retarget_devices
 from ..capture.mutations import is_in_place
 from ..capture.opgraph import AttrFetch, identity, node_callable
 from ..capture.pytrees import iter_tensors, map_tensors
+from ..runtime.device import peak_memory_since, start_peak_memory
 from ..runtime.materialize import materialize, own_state, release
 from ..runtime.saved_tensors import CallMemory, SavedLedger, storage_of
 
@@ -60,9 +61,7 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
     run = _JustInTime(replay, work, device)
     result = StreamedProfile()
     ledger = SavedLedger()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+    start = start_peak_memory(device)
     try:
         for call in run.calls(args, kwargs):
             measured = []
@@ -80,8 +79,7 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
     finally:
         release(work.modules())
     result.kept = ledger.memories()
-    if device.type == "cuda":
-        result.peak_bytes = torch.cuda.max_memory_allocated(device) - base
+    result.peak_bytes = peak_memory_since(device, start)
     return result
 
 

@@ -120,7 +120,8 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
     CPU, values change the time); beyond ``budget_bytes`` of parameters it steps the first ones
     only and scales by bytes, so planning a large model does not double its memory. An optimizer
     that cannot be rebuilt from its parameter groups counts as free. Parameters on the meta device
-    (a model built without memory) are stood in for by random ones on ``device``.
+    (a model built without memory) are stood in for by random ones on ``device``, at most an eighth
+    of them and a quarter of ``budget_bytes``.
     """
     total = 0.0
     for optimizer in optimizers:
@@ -128,7 +129,7 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
         budget = budget_bytes
         state = [p for group in optimizer.param_groups for p in group["params"]]
         if any(p.is_meta for p in state):  # the model is not real anywhere: stay far below its size
-            budget = min(budget, sum(p.numel() * p.element_size() for p in state) // 8)
+            budget = min(budget // 4, sum(p.numel() * p.element_size() for p in state) // 8)
         groups, copied, all_bytes = [], 0, 0
         for group in optimizer.param_groups:
             params = []

@@ -76,6 +76,27 @@ def memory_gb(device: Device, usable: float = 0.9) -> float | None:
     return usable * torch.cuda.get_device_properties(device).total_memory / 1e9
 
 
+def is_meta(device: Device) -> bool:
+    """Whether ``device`` is the meta device: shapes without memory, where nothing runs."""
+    return as_device(device).type == "meta"
+
+
+def start_peak_memory(device: Device) -> int | None:
+    """Start counting the accelerator's peak allocation from now; returns the bytes allocated now
+    (``None`` on the CPU, which has no allocator of its own to ask)."""
+    if not is_accelerator(device):
+        return None
+    torch.cuda.reset_peak_memory_stats(as_device(device))
+    return torch.cuda.memory_allocated(as_device(device))
+
+
+def peak_memory_since(device: Device, start: int | None) -> int | None:
+    """The most bytes allocated on the accelerator since :func:`start_peak_memory`, beyond ``start``."""
+    if start is None:
+        return None
+    return torch.cuda.max_memory_allocated(as_device(device)) - start
+
+
 # Synchronisation, streams and events
 
 
