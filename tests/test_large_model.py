@@ -175,13 +175,13 @@ def test_checkpoints_of_a_model_built_on_meta_go_four_stages_to_two_to_plain_to_
     """Each run builds the model on meta (or plainly), resumes from the last one's checkpoint
     (weights straight into the stages, optimizer state once they are placed) and continues with the
     losses of a run that never stopped."""
-    def pipelined(devices: int) -> L.Trainer:
+    def pipelined(devices: int, epochs: int) -> L.Trainer:
         return trainer(strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True),
                        devices=devices, precision="64-true", max_epochs=epochs)
 
-    epochs, steps = 1, 5  # 80 samples in batches of 16
+    steps = 5  # an epoch: 80 samples in batches of 16
     first = Deep()
-    fit = pipelined(4)
+    fit = pipelined(4, 1)
     fit.fit(first, loader(80))
     path = tmp_path / "1.ckpt"
     fit.save_checkpoint(path)
@@ -192,11 +192,11 @@ def test_checkpoints_of_a_model_built_on_meta_go_four_stages_to_two_to_plain_to_
     trainer(devices=1, precision="64-true", max_epochs=4).fit(uninterrupted, loader(80))
     torch.testing.assert_close(first.losses, uninterrupted.losses[:steps], rtol=1e-6, atol=0)
 
-    for run, (devices, make) in enumerate([(2, Deep), (1, lambda: Deep("given", build().double())), (4, Deep)], start=2):
-        epochs = run
+    plain = lambda: Deep("given", build().double())  # noqa: E731
+    for run, (devices, make) in enumerate([(2, Deep), (1, plain), (4, Deep)], start=2):  # run = epochs so far
         saved = torch.load(path, weights_only=True)
         model = make()
-        fit = pipelined(devices) if devices > 1 else trainer(devices=1, precision="64-true", max_epochs=epochs)
+        fit = pipelined(devices, run) if devices > 1 else trainer(devices=1, precision="64-true", max_epochs=run)
         fit.fit(model, loader(80), ckpt_path=path)
         assert list(model.initial) == list(saved["state_dict"])
         assert all(torch.equal(model.initial[k], v) for k, v in saved["state_dict"].items())  # every tensor loaded
@@ -207,3 +207,24 @@ def test_checkpoints_of_a_model_built_on_meta_go_four_stages_to_two_to_plain_to_
     final = torch.load(path, weights_only=True)["state_dict"]
     torch.testing.assert_close(final, {k: v.cpu() for k, v in uninterrupted.state_dict().items()}, rtol=1e-6,
                                atol=1e-9)
+
+
+def test_several_stages_on_one_device_share_its_budget_and_train_like_plain():
+    torch.manual_seed(0)
+    model = Deep()
+    budget = training_bytes(build().double())  # per device: two stages of half the model each
+    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True, placement=[0, 0, 1, 1],
+                                            memory_gb=budget / 1e9)
+    fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=4)
+    fit.fit(model, loader())
+    plan = fit.strategy.plan
+    assert plan.num_stages == 4
+    assert [stage.memory_limit_bytes for stage in plan.stages] == [int(budget / 2)] * 4
+    assert {stage for stage, _ in assert_pipelined(fit)} == {0, 1, 2, 3}
+    torch.testing.assert_close(model.losses, plain_losses(model.initial, 4), rtol=1e-6, atol=0)
+
+
+def test_a_placement_naming_a_device_the_pipeline_lacks_is_refused():
+    strategy = la.AntichainPipelineStrategy(chunks=4, placement=[0, 1, 2])
+    with pytest.raises(ValueError, match=r"placement=\[0, 1, 2\] names device 2, but each pipeline has 2 devices"):
+        trainer(strategy=strategy, devices=2, max_steps=1).fit(Deep(), loader())

@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from ..capture.pytrees import map_tensors
 from ..capture.signature import split_inputs
+from ..planner.planning import default_memory_gb
 from ..runtime.materialize import has_meta_state, load_state_dict, materialize
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions, renamed_recompute
@@ -94,6 +95,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
         check_batch: before the first step, refuse a ``forward`` whose result for a sample depends
             on the rest of its batch (micro-batching would change it). Turn off only where that is
             meant, e.g. a mixture of experts with a capacity per batch.
+        placement: for each stage, the index of its device among the pipeline's devices, e.g.
+            ``[0, 0, 1, 1]``: four stages on two devices. Default: one stage per device. Stages
+            on one device split its memory budget equally; each has its own worker and streams.
         empty_init: build the model in ``LightningModule.configure_model()`` on the meta device,
             without memory, as ``Trainer.init_module(empty_init=True)`` does. The pipelined module
             is then profiled a few operations at a time and made real stage by stage on each
@@ -124,6 +128,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         batch_dim: int | dict[str, int] = 0,
         check_batch: bool = True,
+        placement: list[int] | None = None,
         empty_init: bool = False,
         checkpoint: Literal["never", "except_last", "always"] | None = None,
     ) -> None:
@@ -140,6 +145,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
             use_profile_cache=use_profile_cache, calibrate=calibrate,
         )
         self.module_path = module
+        if placement is not None and (not placement or any(not isinstance(i, int) or i < 0 for i in placement)):
+            raise ValueError(f"placement must list a device index (0, 1, ...) for each stage, got {placement}")
+        self.placement = None if placement is None else list(placement)
+        self._device_memory_gb = memory_gb
         self.empty_init = empty_init
         self.plan_path = plan
         self.log_stage_times = log_stage_times
@@ -197,11 +206,17 @@ class AntichainPipelineStrategy(ParallelStrategy):
         return self.num_nodes * self.num_processes > 1
 
     @property
-    def stage_devices(self) -> list[torch.device]:
+    def pipeline_devices(self) -> list[torch.device]:
         """The devices of this process's pipeline."""
         assert self.parallel_devices, "the Trainer has not assigned devices yet"
         first = self.local_rank * self.stages_per_replica
         return list(self.parallel_devices[first : first + self.stages_per_replica])
+
+    @property
+    def stage_devices(self) -> list[torch.device]:
+        """The device of each stage: one stage per pipeline device, or as ``placement`` says."""
+        devices = self.pipeline_devices
+        return devices if self.placement is None else [devices[i] for i in self.placement]
 
     @property
     @override
@@ -314,17 +329,40 @@ class AntichainPipelineStrategy(ParallelStrategy):
                 f"devices={devices} is not a multiple of stages={self.stages}; each pipeline replica needs "
                 f"{self.stages} devices"
             )
+        if self.placement is not None and max(self.placement) >= self.stages_per_replica:
+            raise ValueError(
+                f"placement={self.placement} names device {max(self.placement)}, but each pipeline has "
+                f"{self.stages_per_replica} devices (0 to {self.stages_per_replica - 1}); give more devices or "
+                "name fewer"
+            )
         stages = self._requested_stages()
-        if stages is not None and stages != self.stages_per_replica:
+        if stages is not None and stages != len(self.stage_devices):
             raise ValueError(
                 f"the {'plan' if self.plan_path else 'balance'} has {stages} stages but the Trainer gives "
-                f"{self.stages_per_replica} devices per pipeline; set devices={stages} (one device per stage)"
+                f"{len(self.stage_devices)} stages per pipeline; set devices={stages} (one device per stage), "
+                "or a placement= of that many stages"
             )
+        if self.placement is not None:
+            self._share_device_memory()
         if self.is_distributed:
             self.set_world_ranks()
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             _init_dist_connection(self.cluster_environment, backend)
         super().setup_environment()
+
+    def _share_device_memory(self) -> None:
+        """Stages placed on one device split its memory budget equally (``memory_gb`` per device)."""
+        assert self.placement is not None
+        devices = self.pipeline_devices
+        given = self._device_memory_gb
+        per_device = (list(given) if isinstance(given, tuple) else [given] * len(devices)) if given is not None else (
+            default_memory_gb(devices))
+        if len(per_device) != len(devices):
+            raise ValueError(f"memory_gb lists {len(per_device)} values for {len(devices)} devices")
+        sharing = Counter(self.placement)
+        self.options = self.options.replace(memory_gb=tuple(
+            None if per_device[i] is None else per_device[i] / sharing[i] for i in self.placement))
+        self._planned.options = self.options
 
     def _requested_stages(self) -> int | None:
         if self.options.balance is not None:
