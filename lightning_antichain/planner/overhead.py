@@ -128,15 +128,17 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
         budget = budget_bytes
         state = [p for group in optimizer.param_groups for p in group["params"]]
-        if any(p.is_meta for p in state):  # the model is not real anywhere: stay far below its size
-            budget = min(budget // 4, sum(p.numel() * p.element_size() for p in state) // 8)
+        sizes = [p.numel() * p.element_size() for p in state]
+        on_meta = any(p.is_meta for p in state)
+        if on_meta:  # the model is not real anywhere: stay far below its size, even its largest tensor
+            budget = max(min(budget // 4, sum(sizes) // 8), min(sizes, default=0))
         groups, copied, all_bytes = [], 0, 0
         for group in optimizer.param_groups:
             params = []
             for p in group["params"]:
                 size = p.numel() * p.element_size()
                 all_bytes += size
-                if copied < budget or not copied:
+                if (copied + size <= budget) if on_meta else (copied < budget or not copied):
                     copy = nn.Parameter(torch.randn_like(p, device=device) if p.is_meta else p.detach().clone())
                     copy.grad = p.grad.detach().clone() if p.grad is not None else torch.randn_like(copy)
                     params.append(copy)

@@ -1,0 +1,223 @@
+"""A decoder bigger than the planning device can hold twice, planned from the meta device; and a
+smaller one trained over four stages under a memory budget a quarter of its size.
+
+Part 1 builds a decoder of about 2 B parameters (bf16) on meta, then profiles and plans it over 4
+stages on ``--device``, one operation's modules real at a time. It prints the planning process's
+peak memory (resident set on the CPU, the allocator's peak on a GPU) against the model's bytes,
+and the time to plan.
+
+Part 2 builds a decoder of about 100 M parameters in ``configure_model()`` with ``empty_init=True``,
+sets ``memory_gb`` to a quarter of its training bytes (parameters, gradients, Adam state, and the
+activations of a whole batch), and trains a few steps over 4 stages through the Lightning Trainer.
+It prints each stage's measured bytes against the plan's prediction: on the CPU counted by the
+runtime (the stage's tensors, and what autograd's hooks saw kept for backward), on a GPU from the
+allocator's peak on each device (one stage per GPU).
+
+    python benchmarks/large_model.py              # both parts, on the CPU
+    python benchmarks/large_model.py --device cuda:0 --part train
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_antichain as la
+from lightning_antichain.planner.planning import plan_model
+from lightning_antichain.runtime.budget import state_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import machine, publish, section  # noqa: E402
+
+START, END = "<!-- large-model:start -->", "<!-- large-model:end -->"
+BIG = {"vocab": 50304, "width": 2560, "heads": 20, "layers": 25, "block": 128}
+SMALL = {"vocab": 8192, "width": 768, "heads": 12, "layers": 14, "block": 128}
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, c))
+        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class Decoder(nn.Module):
+    """A GPT-style decoder: token and position embeddings, pre-norm blocks, an untied head."""
+
+    def __init__(self, vocab: int, width: int, heads: int, layers: int, block: int) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(block, width)
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(layers)])
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.head(self.norm(self.blocks(self.tokens(ids) + self.positions(positions))))
+
+
+def nbytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def plan_big(device: torch.device, stages: int, tokens: int) -> list[str]:
+    """Part 1: plan the 2 B decoder from meta; its peak memory against its bytes."""
+    with torch.device("meta"):
+        model = Decoder(**BIG).to(torch.bfloat16)
+    total = nbytes(model)
+    optimizer = torch.optim.Adam(model.parameters())
+    ids = torch.randint(0, BIG["vocab"], (1, tokens))
+    gc.collect()
+    before = peak_rss_bytes()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    planned = plan_model(model, (ids,), {}, [device] * stages, chunks=4, use_profile_cache=False,
+                         optimizers=[optimizer], progress=True, calibrate=False)
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+    print(planned.plan.table())
+    where = "allocator peak on " + str(device) if device.type == "cuda" else "peak resident set of the process"
+    return [
+        f"**Planning a {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B-parameter decoder from meta** "
+        f"({BIG['layers']} blocks of width {BIG['width']}, vocabulary {BIG['vocab']}, bf16: {total / 1e9:.2f} GB of "
+        f"parameters; one micro-batch of {tokens} tokens, {stages} stages, Adam):",
+        "",
+        "| model bytes | planning peak | peak / model | peak before planning | time to plan |",
+        "|---|---|---|---|---|",
+        f"| {total / 1e9:.2f} GB | {peak / 1e9:.2f} GB ({where}) | {peak / total:.2f} | {before / 1e9:.2f} GB | "
+        f"{seconds:.0f} s |",
+        "",
+    ]
+
+
+class Small(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: Decoder | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = Decoder(**SMALL)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        logits = self(ids[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+class Measured(L.Callback):
+    """Each stage's bytes after the last optimizer step: counted, and the allocator's peaks."""
+
+    def __init__(self) -> None:
+        self.counted: list[int] = []
+        self.allocated: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pipeline = trainer.strategy.pipeline
+        self.counted = [state_bytes(stage, trainer.optimizers) + kept
+                        for stage, kept in zip(pipeline.stages, pipeline.last_activation_bytes)]
+        self.allocated = [torch.cuda.max_memory_allocated(stage.device) if stage.device.type == "cuda" else 0
+                          for stage in pipeline.stages]
+
+
+def train_small(device: torch.device, stages: int, batch: int, chunks: int, steps: int) -> list[str]:
+    """Part 2: train the 100 M decoder over ``stages`` under a quarter of its training bytes."""
+    with torch.device("meta"):
+        reference = Decoder(**SMALL)
+    params = nbytes(reference)
+    tokens = SMALL["block"]
+    activations = _activation_bytes(batch, tokens - 1)
+    training = 4 * params + activations  # parameters, gradients, Adam's two moments; a batch's activations
+    budget = training / 4
+    ids = torch.randint(0, SMALL["vocab"], (batch * steps, tokens))
+    data = DataLoader(TensorDataset(ids), batch_size=batch)
+    measured = Measured()
+    gpu = device.type == "cuda"
+    strategy = la.AntichainPipelineStrategy(chunks=chunks, empty_init=True, memory_gb=budget / 1e9,
+                                            use_profile_cache=False, calibrate=False)
+    trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=[device.index + k for k in range(stages)] if gpu
+                        else stages, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, callbacks=[measured])
+    started = time.perf_counter()
+    trainer.fit(Small(), data)
+    seconds = time.perf_counter() - started
+    plan = trainer.strategy.plan
+    print(plan.table())
+    observed = measured.allocated if gpu else measured.counted
+    how = "allocator peak" if gpu else "counted by the runtime"
+    lines = [
+        f"**Training a {sum(p.numel() for p in reference.parameters()) / 1e6:.0f} M-parameter decoder built in "
+        f"configure_model() on meta** ({SMALL['layers']} blocks of width {SMALL['width']}, float32, Adam; batches of "
+        f"{batch} x {tokens - 1} tokens in {plan.chunks} micro-batches; {steps} steps in {seconds:.0f} s). "
+        f"Training bytes {training / 1e9:.2f} GB ({params / 1e9:.2f} GB of parameters); `memory_gb` = a quarter, "
+        f"{budget / 1e9:.3f} GB per stage:",
+        "",
+        f"| stage | device | ops | predicted | measured ({how}) | measured / predicted |",
+        "|---|---|---|---|---|---|",
+    ]
+    for stage, seen in zip(plan.stages, observed):
+        lines.append(f"| {stage.index} | {stage.device} | {len(stage.nodes)} | {stage.memory_bytes / 1e9:.3f} GB | "
+                     f"{seen / 1e9:.3f} GB | {seen / stage.memory_bytes:.3f} |")
+    return [*lines, ""]
+
+
+def _activation_bytes(batch: int, tokens: int) -> int:
+    """A rough count of what a float32 batch keeps for backward: per block about 16 width-sized
+    and 2 head-by-token-squared values per token, plus the logits twice."""
+    width, heads, layers, vocab = SMALL["width"], SMALL["heads"], SMALL["layers"], SMALL["vocab"]
+    per_token = layers * (16 * width + 2 * heads * tokens) + 2 * vocab
+    return 4 * batch * tokens * per_token
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--part", choices=("plan", "train", "both"), default="both")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens of the micro-batch part 1 profiles")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md as it is")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    lines = [f"Machine: {machine(torch.get_num_threads())}" + (f", {torch.cuda.get_device_name(device)}"
+                                                               if device.type == "cuda" else ""), ""]
+    if args.part in ("plan", "both"):
+        lines += plan_big(device, args.stages, args.tokens)
+    if args.part in ("train", "both"):
+        lines += train_small(device, args.stages, args.batch, args.chunks, args.steps)
+    publish(section(START, END, lines), START, END, "## A model bigger than one device", not args.no_write)
+
+
+if __name__ == "__main__":
+    main()
