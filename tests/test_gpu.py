@@ -260,3 +260,60 @@ def test_streams_of_a_stage_on_the_gpu(gpu_device):
     back, event = ship([to_cpu[0]], stage_streams("cpu"), streams)
     torch.cuda.current_stream(gpu_device).wait_event(event)
     assert torch.equal(back[0], x)
+
+
+class MetaBuilt(TinyClassifier):
+    """TinyClassifier's network built in configure_model(), on meta under empty_init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+class _StagesNotBefore(L.Callback):
+    """Where the pipelined module's parameters are when training starts, before the first forward."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.devices = {p.device.type for p in pl_module.parameters()}
+        self.allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.parametrize("empty_init", [False, True])
+def test_the_root_device_gets_no_stage_before_the_pipeline_places_it(gpu_device, empty_init):
+    """A model built on the CPU (or on meta) waits there until each stage goes to its device: the
+    root GPU is never handed the whole model first. Four stages share the GPU (placement)."""
+    accelerator = "gpu" if gpu_device.type == "cuda" else "cpu"
+    probe = _StagesNotBefore()
+    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, placement=[0, 0, 0, 0],
+                                            empty_init=empty_init)
+    trainer = L.Trainer(accelerator=accelerator, devices=[gpu_device.index or 0] if accelerator == "gpu" else 1,
+                        strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
+    model = MetaBuilt() if empty_init else TinyClassifier()
+    trainer.fit(model, loader())
+    assert probe.devices == ({"meta"} if empty_init else {"cpu"})
+    assert trainer.strategy.plan.num_stages == 4
+    assert {p.device.type for p in model.net.parameters()} == {"cpu"}  # teardown brings it back
+    assert len(model.losses) == 3 and all(torch.isfinite(torch.tensor(model.losses)))
+
+
+def test_a_model_too_big_for_a_quarter_of_the_gpu_is_profiled_one_operation_at_a_time(gpu_device):
+    """The profiler's automatic choice, forced by a tiny memory limit is not possible, so the
+    just-in-time profile is asked for on the GPU: its memory per operation is the whole profile's,
+    and the GPU's peak while profiling stays below the model's bytes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(1024, 1024), nn.GELU())])
+    example = torch.randn(8, 1024)
+    whole = la.profile(model, example, str(gpu_device), repeats=1, warmup=1, progress=False, runtime_overhead=False)
+    streamed = la.profile(model, example, str(gpu_device), repeats=1, warmup=1, progress=False,
+                          runtime_overhead=False, just_in_time=True)
+    keys = ["output_bytes", "saved", "storages", "saved_bytes", "param_bytes"]
+    for node in whole.nodes:
+        assert {k: streamed.nodes[node][k] for k in keys} == {k: whole.nodes[node][k] for k in keys}
+    if gpu_device.type == "cuda":
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert streamed.graph["profile_peak_bytes"] < model_bytes / 2

@@ -228,3 +228,13 @@ def test_a_placement_naming_a_device_the_pipeline_lacks_is_refused():
     strategy = la.AntichainPipelineStrategy(chunks=4, placement=[0, 1, 2])
     with pytest.raises(ValueError, match=r"placement=\[0, 1, 2\] names device 2, but each pipeline has 2 devices"):
         trainer(strategy=strategy, devices=2, max_steps=1).fit(Deep(), loader())
+
+
+def test_metrics_built_on_meta_are_refused_with_where_to_build_them():
+    from lit_models import TinyClassifier
+
+    fit = trainer(strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False), devices=2, max_steps=1)
+    with fit.init_module(empty_init=True):
+        model = TinyClassifier()
+    with pytest.raises(ValueError, match=r"not parameters or buffers \(val_acc\..*create metrics in __init__"):
+        fit.fit(model, loader())

@@ -99,10 +99,11 @@ def test_a_model_on_meta_is_profiled_with_the_memory_of_the_real_one(name):
     assert all(t.is_meta for t in [*meta.parameters(), *meta.buffers()])  # the caller's model stays as it was
 
 
-def test_profiling_a_model_on_meta_holds_a_few_layers_at_a_time():
-    def deep() -> nn.Module:
-        return nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(256, 256), nn.GELU())]).double()
+def deep() -> nn.Module:
+    return nn.Sequential(*[m for _ in range(12) for m in (nn.Linear(256, 256), nn.GELU())]).double()
 
+
+def test_profiling_a_model_on_meta_holds_a_few_layers_at_a_time():
     with torch.device("meta"):
         model = deep()
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -137,3 +138,20 @@ def test_a_state_dict_that_does_not_match_is_refused_like_torch_refuses_it():
         la.load_state_dict(model, {**{k: v for k, v in state.items() if k != "5.bias"}, "5.offset": torch.zeros(4)})
     with pytest.raises(RuntimeError, match=r"size mismatch for 0.weight"):
         la.load_state_dict(model, {**state, "0.weight": torch.zeros(3, 3)})
+
+
+def test_a_real_model_profiled_just_in_time_is_left_as_it_was_and_costs_the_same_memory():
+    torch.manual_seed(0)
+    model = deep()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    example = torch.randn(4, 256, dtype=torch.float64)
+    whole = la.profile(model, example, repeats=1, warmup=0, progress=False, runtime_overhead=False)
+    with LiveBytes() as live:
+        streamed = la.profile(model, example, repeats=1, warmup=0, progress=False, runtime_overhead=False,
+                              just_in_time=True)
+    assert streamed.graph["just_in_time"]
+    for node in whole.nodes:
+        assert {k: streamed.nodes[node][k] for k in MEMORY_KEYS} == {k: whole.nodes[node][k] for k in MEMORY_KEYS}
+    layer = sum(p.numel() * p.element_size() for p in model.parameters()) / 12
+    assert live.peak["cpu"] < 3 * layer  # never a copy of all of it
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -40,7 +41,7 @@ from typing_extensions import override
 from ..capture.pytrees import map_tensors
 from ..capture.signature import split_inputs
 from ..planner.planning import default_memory_gb
-from ..runtime.materialize import has_meta_state, load_state_dict, materialize
+from ..runtime.materialize import has_meta_state, load_state_dict, materialize, meta_attributes
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
@@ -166,6 +167,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._forward_patch = ForwardPatch()
         self._tasks_before: Counter[tuple[int, int]] = Counter()
         self._waiting_optimizer_states: list[dict[str, Any]] | None = None
+        self._leftovers_placed = False
 
     # -- one process, several devices ----------------------------------------------------------
 
@@ -337,10 +339,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
             )
         stages = self._requested_stages()
         if stages is not None and stages != len(self.stage_devices):
+            what = "the plan" if self.plan_path else "the balance"
+            if self.placement is not None:
+                raise ValueError(f"{what} has {stages} stages but placement={self.placement} has "
+                                 f"{len(self.placement)}; give one device index per stage")
             raise ValueError(
-                f"the {'plan' if self.plan_path else 'balance'} has {stages} stages but the Trainer gives "
-                f"{len(self.stage_devices)} stages per pipeline; set devices={stages} (one device per stage), "
-                "or a placement= of that many stages"
+                f"{what} has {stages} stages but the Trainer gives {self.stages_per_replica} devices per pipeline; "
+                f"set devices={stages} (one device per stage), or placement= with a device for each of {stages} stages"
             )
         if self.placement is not None:
             self._share_device_memory()
@@ -386,18 +391,47 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        """Move the LightningModule to the root device, except what is on the meta device in the
-        pipelined module: each stage of it becomes real on its own device when the pipeline is
-        built. Meta tensors outside it (a loss module, a head around a pipelined backbone) are made
+        """Move the LightningModule to the root device, except the pipelined module's parameters and
+        buffers: each stage goes from where it is (the CPU, or the meta device) straight to its own
+        device when the pipeline is built, so the root device never holds the whole model. What
+        no stage uses follows to the root device then (:meth:`_place_leftovers`). Meta tensors
+        outside the pipelined module (a loss module, a head around a pipelined backbone) are made
         real on the root device by their modules' ``reset_parameters()``."""
         module = self.lightning_module
         assert module is not None
-        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+        unknown = meta_attributes(module)
+        if unknown:
+            raise ValueError(
+                f"{type(module).__name__} holds tensors on the meta device that are not parameters or buffers "
+                f"({', '.join(unknown[:4])}): nothing knows how to make them real. Build these (torchmetrics "
+                "metrics, say) outside the meta context: empty_init and Trainer.init_module(empty_init=True) are for "
+                "the network; create metrics in __init__ and the network in configure_model()."
+            )
         target = self._target()
+        staying = {id(t) for t in [*target.parameters(), *target.buffers()]}
+        staying |= {id(p.grad) for p in target.parameters() if p.grad is not None}
+        module._apply(lambda t: t if t.is_meta or id(t) in staying else t.to(self.root_device))
+        _update_properties(module, device=self.root_device)  # what Module.to(root) would have recorded
         inside = {id(m) for m in target.modules()}
         outside = [m for m in module.modules() if id(m) not in inside]
         names = {id(m): name or type(module).__name__ for name, m in module.named_modules()}
         materialize(outside, self.root_device, "reset", names)
+        self._leftovers_placed = False
+
+    def _place_leftovers(self) -> None:
+        """Once the stages are placed: the pipelined module's tensors that no stage uses (a loss
+        module, metrics, an unused branch) go to the root device, where the step runs."""
+        pipeline = self.pipeline
+        if self._leftovers_placed or pipeline is None or not pipeline.stages:
+            return
+        self._leftovers_placed = True
+        staged: set[int] = set()
+        for stage in pipeline.stages:
+            tensors = [*stage.parameters(), *stage.buffers(), *(b for m in stage.submodules() for b in m.buffers())]
+            staged |= {id(t) for t in tensors} | {id(t.grad) for t in tensors if t.grad is not None}
+        module = self.lightning_module
+        assert module is not None
+        module._apply(lambda t: t if t.is_meta or id(t) in staged else t.to(self.root_device))
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -431,7 +465,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
         self._calls += 1
-        return self._planned.forward(self._target(), args, kwargs, training_step=self._in_training_step)
+        output = self._planned.forward(self._target(), args, kwargs, training_step=self._in_training_step)
+        self._place_leftovers()  # where the stages were placed by this call
+        return output
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -497,6 +533,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def stages_placed(self) -> None:
         """Each stage is real on its device: optimizer state goes beside its parameters (loaded
         now, if a checkpoint's waited for the stages)."""
+        self._place_leftovers()
         states, self._waiting_optimizer_states = self._waiting_optimizer_states, None
         for optimizer, state in zip(self.optimizers, states or ()):
             optimizer.load_state_dict(state)

@@ -1,7 +1,8 @@
-"""Profile a model built on the meta device while only a bounded part of it is real at once.
+"""Profile a model while only a bounded part of it is real on the device at once.
 
 The ordinary profile copies the whole model to the device and records one forward pass with every
-value kept. A model that does not fit on one device is built on meta instead, and profiled here:
+value kept. A model built on meta, or too big for the device, is profiled here instead, from a
+copy of it on meta:
 the graph runs in execution order, each operation's modules are made real on the device just
 before it runs (random values of the right shape and dtype, through ``reset_parameters()`` where a
 module has one) and sent back to meta after their last use, and each value is dropped after its
@@ -54,7 +55,7 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
     ``warmup`` not kept; ``step`` reports each replay's progress.
     """
     assert graph.graph_module is not None, "a model on meta is profiled from its captured graph"
-    work = copy.deepcopy(graph.graph_module)  # meta tensors: nothing is copied
+    work = meta_copy(graph.graph_module)
     work.train()
     retarget_devices(work, graph.capture_device, device)
     replay = graph.rebound(work, work)
@@ -81,6 +82,17 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
     result.kept = ledger.memories()
     result.peak_bytes = peak_memory_since(device, start)
     return result
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers are on the meta device: nothing of a model
+    on meta is copied, nor of a real one (its values are not needed for timing)."""
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        stand_in = torch.empty_like(tensor, device="meta")
+        is_parameter = isinstance(tensor, nn.Parameter)
+        memo[id(tensor)] = nn.Parameter(stand_in, tensor.requires_grad) if is_parameter else stand_in
+    return copy.deepcopy(module, memo)
 
 
 class _JustInTime:

@@ -119,9 +119,10 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
     after the first step), and of their gradients where they have them (random ones where not: on
     CPU, values change the time); beyond ``budget_bytes`` of parameters it steps the first ones
     only and scales by bytes, so planning a large model does not double its memory. An optimizer
-    that cannot be rebuilt from its parameter groups counts as free. Parameters on the meta device
-    (a model built without memory) are stood in for by random ones on ``device``, at most an eighth
-    of them and a quarter of ``budget_bytes``.
+    that cannot be rebuilt from its parameter groups counts as free. The copies are made on
+    ``device`` where one is named (the profiling device, for a model that waits elsewhere).
+    Parameters on the meta device (a model built without memory) are stood in for by random ones,
+    at most an eighth of them and a quarter of ``budget_bytes``.
     """
     total = 0.0
     for optimizer in optimizers:
@@ -139,8 +140,10 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
                 size = p.numel() * p.element_size()
                 all_bytes += size
                 if (copied + size <= budget) if on_meta else (copied < budget or not copied):
-                    copy = nn.Parameter(torch.randn_like(p, device=device) if p.is_meta else p.detach().clone())
-                    copy.grad = p.grad.detach().clone() if p.grad is not None else torch.randn_like(copy)
+                    copy = nn.Parameter(torch.randn_like(p, device=device) if p.is_meta else
+                                        p.detach().to(device or p.device, copy=True))
+                    copy.grad = p.grad.detach().to(copy.device, copy=True) if p.grad is not None else (
+                        torch.randn_like(copy))
                     params.append(copy)
                     copied += size
             if params:

@@ -20,11 +20,12 @@ import torch
 from torch import nn
 
 from ..capture import OpGraph, UntraceableModelError, capture_call, children_instead
+from ..capture.devices import on_module_device
 from ..capture.isolation import keeps_random_state, planned_in_training
 from ..capture.signature import original_forward
 from ..runtime import microbatch
 from ..runtime.batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
-from ..runtime.device import is_accelerator
+from ..runtime.device import is_accelerator, same_device
 from ..runtime.device import memory_gb as device_memory_gb
 from ..runtime.materialize import has_meta_state
 from ..runtime.options import PipelineOptions
@@ -173,9 +174,9 @@ def plan_model(
         if auto and not size:
             raise ValueError('chunks="auto" needs a batch with samples on its batch dim (batch_dim=) to choose '
                              "how to split it; give chunks as a number instead")
-        graph = _capture(module, args, kwargs, leaf_modules, batch_dim, fallback, progress)
+        graph = _capture(module, *_beside(module, args, kwargs), leaf_modules, batch_dim, fallback, progress)
         if check_batch and graph.granularity == "ops" and not has_meta_state(module):
-            check_micro_batchable(module, args, kwargs, batch_dim)  # on meta: by the Pipeline's first call
+            check_micro_batchable(module, *_beside(module, args, kwargs), batch_dim)  # not on meta: no values
         if auto:
             optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, devices[0])
             plan, cost, cached_from = _choose_chunks(
@@ -199,7 +200,7 @@ def timed_optimizer_step_s(module: nn.Module | None, args: tuple, kwargs: dict,
     1.7x as long on ResNet-18's real gradients, most of them exactly zero, as on random ones)."""
     if module is None:
         return optimizer_step_s(list(optimizers))
-    if has_meta_state(module):  # no backward to take: random gradients on the profiling device
+    if not _runs_on(module, device):  # no backward to take there: random gradients on the profiling device
         return optimizer_step_s(list(optimizers), device=device)
     with calibration.untouched(module):
         calibration.backward_from(original_forward(module)(*args, **kwargs))
@@ -287,6 +288,22 @@ def _choose_chunks(
     best[0].candidates = rows
     best[0].batch_size = size
     return best
+
+
+def _runs_on(module: nn.Module, device: torch.device | None) -> bool:
+    """Whether all of ``module`` is real on ``device`` (or, with no device named, real at all)."""
+    state = [*module.parameters(), *module.buffers()]
+    if device is None:
+        return not any(t.is_meta for t in state)
+    return all(same_device(t.device, device) for t in state)
+
+
+def _beside(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call moved to the device of a real module that waits on one device for its stages (the
+    CPU, while the batch is on a GPU already): capture and the batch check run it there."""
+    if has_meta_state(module):
+        return args, kwargs
+    return on_module_device(module, (args, kwargs))
 
 
 def _capture(module: nn.Module, args: tuple, kwargs: dict, leaf_modules: Sequence[type | str],

@@ -28,6 +28,7 @@ from ..capture.pytrees import iter_tensors, map_tensors
 from ..capture.signature import split_inputs
 from ..runtime.batch_dims import batch_size_of
 from ..runtime.device import device_name, shares_host, timed
+from ..runtime.device import memory_gb as device_memory_gb
 from ..runtime.materialize import has_meta_state
 from ..runtime.microbatch import MicroBatchError
 from ..runtime.saved_tensors import saved_per_call, state_storages
@@ -53,6 +54,7 @@ def profile(
     name: str | None = None,
     batch_dim: int | Mapping[str, int] = 0,
     runtime_overhead: bool = True,
+    just_in_time: bool | None = None,
 ) -> nx.DiGraph:
     """Profile ``module`` on ``device`` and return its cost graph.
 
@@ -76,6 +78,12 @@ def profile(
     lock and large ones for memory bandwidth); and,
     unless ``runtime_overhead=False``, the runtime's own cost per task and per step on ``device``
     (:func:`lightning_antichain.planner.overhead.runtime_overhead`, measured once per machine).
+
+    ``just_in_time`` profiles one operation at a time from a copy of the model on meta, its modules
+    made real on ``device`` with random values just before each operation
+    (:mod:`~lightning_antichain.planner.just_in_time`), so the device never holds the whole model;
+    the measurements that need the whole model are left out. Default: for a model with state on
+    meta, or one whose parameters and buffers take more than a quarter of the device's memory.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -85,12 +93,14 @@ def profile(
                                    batch_dim=batch_dim)
     timer = functools.partial(timed, device)
     label = f"profiling {name or type(module).__name__}"
-    if has_meta_state(module):
+    if just_in_time is None:
+        just_in_time = has_meta_state(module) or _too_big_for(module, device)
+    if just_in_time:
         if graph.graph_module is None:
             raise ValueError(
-                f"{type(module).__name__} is on the meta device, and a model on meta is profiled operation by "
-                f"operation from its captured graph, but it could not be captured ({graph.note}). Make it "
-                "capturable (see docs/capture.md), or build it with real tensors."
+                f"{type(module).__name__} is profiled operation by operation (it is on the meta device, or too "
+                f"big for {device}), which needs its captured graph, but it could not be captured ({graph.note}). "
+                "Make it capturable (see docs/capture.md)."
             )
         args, kwargs = split_inputs(example_inputs)
         reporter = Progress(len(graph.nodes) * (warmup + repeats), enabled=progress, label=label, unit="op runs")
@@ -109,6 +119,13 @@ def profile(
                        warmup, repeats, runtime_overhead, started)
     cost.graph.update(just_in_time)
     return cost
+
+
+def _too_big_for(module: nn.Module, device: torch.device) -> bool:
+    """Whether a copy of ``module`` would take more than a quarter of ``device``'s memory."""
+    limit = device_memory_gb(device)
+    state = sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    return limit is not None and state > limit * 1e9 / 4
 
 
 def _profile_whole(graph: OpGraph, module: nn.Module, args: tuple, kwargs: dict, device: torch.device,

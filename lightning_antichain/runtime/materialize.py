@@ -77,6 +77,20 @@ def meta_names(module: nn.Module) -> list[str]:
     return [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
 
 
+def meta_attributes(module: nn.Module) -> list[str]:
+    """Names of the tensors on the meta device that ``module`` and its children hold as plain
+    attributes, not as parameters or buffers (a torchmetrics metric's states): nothing knows how to
+    make them real."""
+    found = []
+    for name, sub in module.named_modules():
+        for attribute, value in vars(sub).items():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if attribute not in ("_parameters", "_buffers") and any(
+                    isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                found.append(f"{name}.{attribute}" if name else attribute)
+    return found
+
+
 def own_state(module: nn.Module) -> list[torch.Tensor]:
     """The parameters and buffers ``module`` holds itself (not its children's)."""
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
