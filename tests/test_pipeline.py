@@ -1,5 +1,6 @@
 """The pipeline runtime against the plain module: float64 parity of outputs and every gradient."""
 
+import copy
 import signal
 import threading
 from collections import Counter
@@ -372,3 +373,20 @@ def test_the_evidence_of_a_pipelined_run_counts_each_stage_on_its_own_worker():
         assert_pipelined(Counter({(0, 1): 8, (1, 1): 8}))
     with pytest.raises(AssertionError, match="calling thread"):
         assert_pipelined(Counter({(0, 1): 8, (1, threading.get_ident()): 8}))
+
+
+def test_batch_norm_trains_when_the_output_needs_a_grown_run_to_find_its_batch_dim():
+    """An output of 4 features from micro-batches of 4 samples: the pipeline runs the stages once
+    more, on a grown micro-batch, to tell the batch dim, and undoes that run's BatchNorm updates.
+    Putting the running statistics back must not count as changing what the step's backward saved."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4)).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(16, 16, dtype=torch.float64)
+    cost = la.profile(model, x[:4], progress=False, repeats=1, warmup=0)
+    with la.Pipeline(model, la.partition(cost, 2, chunks=4), chunks=4) as pipe:
+        pipe(x).sum().backward()
+    for chunk in x.chunk(4):  # what micro-batching does to BatchNorm: statistics per micro-batch
+        plain(chunk).sum().backward()
+    torch.testing.assert_close(model[1].running_mean, plain[1].running_mean, rtol=1e-12, atol=0)
+    torch.testing.assert_close(model[0].weight.grad, plain[0].weight.grad, rtol=1e-9, atol=1e-12)

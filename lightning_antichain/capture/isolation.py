@@ -104,7 +104,9 @@ def side_effects_undone(module: nn.Module) -> Iterator[None]:
             with torch.no_grad():
                 for name, b in module.named_buffers():
                     if name in buffers:
-                        b.copy_(buffers[name])
+                        # through .data: putting values back must not count as a change for the
+                        # backward of a step that saved the buffer before (BatchNorm's running stats)
+                        b.data.copy_(buffers[name])
 
 
 def keeps_random_state(fn: Callable[P, R]) -> Callable[P, R]:
@@ -128,4 +130,4 @@ def buffers_restored(state: dict[str, torch.Tensor]) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for k, v in saved.items():
-                state[k].copy_(v)
+                state[k].data.copy_(v)  # not a change for a backward that saved it (see side_effects_undone)
