@@ -238,3 +238,21 @@ def test_metrics_built_on_meta_are_refused_with_where_to_build_them():
         model = TinyClassifier()
     with pytest.raises(ValueError, match=r"not parameters or buffers \(val_acc\..*create metrics in __init__"):
         fit.fit(model, loader())
+
+
+class Centered(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)  # each sample's result depends on its batch
+
+
+class DeepCentered(Deep):
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = nn.Sequential(nn.Linear(16, WIDTH), Centered(), nn.Tanh(), nn.Linear(WIDTH, 4))
+
+
+def test_a_model_on_meta_is_checked_for_batch_dependence_once_its_stages_are_real():
+    """Planning cannot run the check on meta tensors; the pipeline's first call does."""
+    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True)
+    with pytest.raises(la.BatchDependenceError):
+        trainer(strategy=strategy, devices=2, max_steps=1).fit(DeepCentered(), loader())

@@ -23,6 +23,7 @@ from ..planner.planning import AUTO, plan_model
 from ..planner.prediction_check import PredictionCheck
 from ..runtime.batch_dims import batch_size_of, first_micro_batch, refuse_per_sample_lists
 from ..runtime.budget import check_budgets
+from ..runtime.materialize import has_meta_state
 from ..runtime.options import PipelineOptions
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
@@ -76,10 +77,11 @@ class PlannedPipeline:
         calibrated = self.plan.calibration is not None and host.is_global_zero
         self.prediction_check = PredictionCheck(self.plan, self.plan_path) if calibrated else None
         budgeted = any(stage.memory_limit_bytes is not None for stage in self.plan.stages)
+        checked = graph is not None and not has_meta_state(target)  # planning ran the batch check on real values
         self.pipeline = Pipeline(
             target,
             self.plan,
-            self.options.replace(chunks=self.plan.chunks, check_batch=self.options.check_batch and graph is None,
+            self.options.replace(chunks=self.plan.chunks, check_batch=self.options.check_batch and not checked,
                                  measure_activations=self.options.measure_activations or budgeted),
             graph=graph,  # the graph planning captured and checked, if it is of this module
             devices=host.stage_devices,
