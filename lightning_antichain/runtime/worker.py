@@ -60,8 +60,9 @@ class WorkerPool:
         #: tasks done, by (stage, identity of the thread that did it), since the pool was made: the
         #: evidence that work really ran on the workers, spread over stages and threads
         self.tasks_run: Counter[tuple[int, int]] = Counter()
-        self._calls: queue.Queue | None = None  # while ``run`` waits: where workers hand it calls
-        self._calls_lock = threading.Lock()
+        # while ``run`` waits: where workers hand it calls. Swapped by plain assignment, no lock: an
+        # interrupt can land between any two lines, and a lock it left taken would hang the next run
+        self._calls: queue.Queue | None = None
 
     def count_task(self, stage: int) -> None:
         """Note that the calling thread finished one task of ``stage``."""
@@ -92,8 +93,7 @@ class WorkerPool:
             pending = 0
             failures: list[BaseException] = []
             try:
-                with self._calls_lock:
-                    self._calls = done
+                self._calls = done
                 if not self._threads:
                     self._start()
                 for inbox, task in zip(self._inboxes, tasks):
@@ -120,19 +120,22 @@ class WorkerPool:
         """Run ``function`` on the thread waiting in :meth:`run`, from a worker's task, and return
         once it has (raising what it raised). For work only that thread can do: the backward of a
         GPU stage while that thread is the GPU's autograd thread, waiting inside a backward node."""
+        calls = self._calls
+        if calls is None:
+            raise RuntimeError("call_on_caller is for a worker's task while the pool runs it")
         call = _Call(function)
-        with self._calls_lock:
-            if self._calls is None:
-                raise RuntimeError("call_on_caller is for a worker's task while the pool runs it")
-            self._calls.put(call)
-        call.finished.wait()
+        calls.put(call)
+        while not call.finished.wait(0.05):
+            if self._calls is not calls:  # the pass stopped taking calls; this one may never be run
+                if not call.finished.wait(0.05):
+                    raise RuntimeError("the pipeline pass was stopped")
         if call.error is not None:
             raise call.error
 
     def _stop_calls(self, done: queue.Queue) -> None:
-        """Stop taking calls; any still queued fail, so no worker waits for them."""
-        with self._calls_lock:
-            self._calls = None
+        """Stop taking calls; any still queued fail, so no worker waits for them (one that hands
+        its call in after this sees that the pass stopped taking them)."""
+        self._calls = None
         left: list[Any] = []
         while not done.empty():
             left.append(done.get())
