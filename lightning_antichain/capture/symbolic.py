@@ -8,6 +8,7 @@ real shapes (``assert t <= block_size``, ``torch.ones(t, t)``).
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -94,7 +95,34 @@ def capture_symbolic(module: nn.Module, leaf_modules: Sequence[type | str] = (),
     if constants:
         _restore_parameters(graph, inspect.signature(type(module).forward))
         _drop_guards(graph)
-    return fx.GraphModule(tracer.root, graph, type(module).__name__)
+    return fx.GraphModule(tracer.root, _canonical_names(graph), type(module).__name__)
+
+
+def _canonical_names(graph: fx.Graph) -> fx.Graph:
+    """``graph`` with names that depend only on its own nodes, in order.
+
+    fx never gives a name twice in a graph, even one whose node it deleted: tracing with constant
+    arguments makes and drops guards, and the nodes after them came out as ``_assert_2`` and
+    ``attn_mask_1`` where a trace without constants names them ``_assert`` and ``attn_mask``. A
+    plan names operations, so two captures of one model must name them alike. Functions and
+    methods take their name from what they call, numbered in order; placeholders are named after
+    their argument; modules and attributes keep their paths.
+    """
+    fresh = fx.Graph(tracer_cls=graph._tracer_cls, tracer_extras=graph._tracer_extras)
+    fresh._codegen = graph._codegen
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            name = str(node.target).lstrip("*")
+        elif node.op in ("call_function", "call_method"):
+            name = re.sub(r"_\d+$", "", node.name)
+        else:
+            name = node.name
+        args = fx.node.map_arg(node.args, lambda n: env[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+        env[node] = fresh.create_node(node.op, node.target, args, kwargs, name, node.type)
+        env[node].meta = dict(node.meta)
+    return fresh
 
 
 def _kind(value: Any) -> Hashable:

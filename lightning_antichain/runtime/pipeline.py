@@ -42,6 +42,7 @@ from .plan import Plan, recomputed_micro_batches
 from .randomness import step_seed
 from .saved_tensors import HeldMemory, state_storages
 from .schedule import make_schedule
+from .split import PlanMismatchError
 from .worker import WorkerPool, share_malloc_arena
 
 
@@ -130,10 +131,17 @@ class Pipeline(nn.Module):
                 "offending code whole with leaf_modules=[...], or pipeline a submodule (module=...). The frontends "
                 "said:\n  " + "\n  ".join(plan.refused)
             )
-        if graph is None and frontend not in NEEDS_EXAMPLE:  # refuse a plan for another model at once
-            graph = capture(module, leaf_modules=self.leaf_modules, frontends=(frontend,))
         if graph is not None:
             self._run = self._captures.given(graph)
+        elif frontend not in NEEDS_EXAMPLE:  # refuse a plan for another model at once
+            bare = capture(module, leaf_modules=self.leaf_modules, frontends=(frontend,))
+            try:
+                self._run = self._captures.given(bare)
+            except PlanMismatchError:
+                if {n.name for n in bare.nodes} != set(plan.stage_of()):
+                    raise
+                # the plan's operations wired otherwise: its capture took arguments given as
+                # constants (None, a flag) as fixed, so the first call captures again with them
 
     def close(self) -> None:
         """Stop the worker threads now (they also stop when the Pipeline is garbage collected)."""
