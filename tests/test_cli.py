@@ -243,3 +243,52 @@ def test_stage_devices_start_at_the_profiled_gpu():
     assert _stage_devices("cpu", 2) == ["cpu", "cpu"]
     with pytest.raises(ValueError, match="fewer --stages"):
         _check_stage_devices(_stage_devices(f"cuda:{torch.cuda.device_count()}", 1))
+
+
+VIT = {"model_name": "vit_tiny_patch16_224", "img_size": 32, "patch_size": 8, "depth": 2, "num_classes": 4}
+
+
+def test_a_plan_saved_by_the_command_trains_a_fresh_capture_with_plan(tmp_path):
+    """The command captures the model in its own process; the strategy captures it again in this
+    one and must find the plan's operations under the same names (a ViT, whose forward takes
+    attn_mask=None, a constant the capture bakes in)."""
+    import lightning as L
+    import timm
+    import torch
+    from lit_models import trainer
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_antichain as la
+
+    path = tmp_path / "vit.json"
+    run_cli("plan", "timm.create_model", "--model-kwargs", json.dumps(VIT), "--stages", "2", "--input-shape",
+            "3,32,32", "--batch-size", "8", "--chunks", "4", "--output", str(path), "--quiet")
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = timm.create_model(**VIT)
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.model(x), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    generator = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(24, 3, 32, 32, generator=generator), torch.randint(0, 4, (24,), generator=generator)
+    data = TensorDataset(images, labels)
+    runs = []
+    for strategy in ("auto", la.AntichainPipelineStrategy(plan=str(path), module="model")):
+        torch.manual_seed(0)
+        model = Classifier()
+        fit = trainer(strategy=strategy, devices=1 if strategy == "auto" else 2, max_steps=3)
+        fit.fit(model, DataLoader(data, batch_size=8))
+        runs.append(model.losses)
+    assert fit.strategy.plan.num_stages == 2
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=0)

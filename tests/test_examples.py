@@ -25,7 +25,7 @@ SHORT_RUN = [
 
 @pytest.mark.parametrize(
     "strategy",
-    [[], ["--trainer.strategy", "antichain_pipeline"]],
+    [[], pytest.param(["--trainer.strategy", "antichain_pipeline"], marks=pytest.mark.slow)],  # the same run
     ids=["yaml-class-path", "registered-name"],
 )
 def test_cifar10_example_trains_from_yaml(tmp_path, strategy):
