@@ -114,13 +114,15 @@ def training_bytes(module: nn.Module) -> int:
     return 3 * parameter_bytes(module)
 
 
-def budget_run(memory_gb: float, batches: list[int], measured: "MeasuredStages | None" = None) -> L.Trainer:
+def budget_run(memory_gb: float, batches: list[int], measured: "MeasuredStages | None" = None,
+               balance: list[int] | None = None) -> L.Trainer:
     torch.manual_seed(0)
     x, y = torch.randn(sum(batches), 16), torch.randint(0, 4, (sum(batches),))
     starts = [sum(batches[:i]) for i in range(len(batches))]
     data = DataLoader(TensorDataset(x, y), batch_sampler=[list(range(s, s + n)) for s, n in zip(starts, batches)])
     model = Deep()
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True, memory_gb=memory_gb)
+    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True, memory_gb=memory_gb,
+                                            balance=balance)
     fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=len(batches),
                   callbacks=[measured or MeasuredStages()])
     fit.fit(model, data)
@@ -162,12 +164,13 @@ def test_a_budget_no_split_meets_is_refused_with_what_to_change():
 
 def test_a_stage_over_its_budget_at_run_time_is_named():
     """A bigger batch than the one planned for (a bucketing sampler): four times the activations."""
-    fit = budget_run(1.0, [16])  # the same split's predicted bytes, without a tight budget
+    fit = budget_run(1.0, [16])  # a split and its predicted bytes, without a tight budget
+    balance = [len(s.nodes) - (s.index == 0) for s in fit.strategy.plan.stages]  # the input is no operation
     predicted = max(s.memory_bytes for s in fit.strategy.plan.stages)
     measured = MeasuredStages()
     with pytest.raises(StageOverBudgetError, match=r"stage \d on cpu held .* GB over its budget of .*"
                                                    r"micro-batches of 4 samples"):
-        budget_run(1.02 * predicted / 1e9, [16, 64], measured)
+        budget_run(1.02 * predicted / 1e9, [16, 64], measured, balance)  # the same split, a fixed balance
     assert len(measured.steps) == 1  # the planned batch stayed within it
 
 

@@ -113,11 +113,14 @@ def plan_from_balance(
     optimizer_multiplier: float = 2.0,
     recompute: str = "never",
     checkpoint: str | None = None,
+    memory_gb: float | Sequence[float | None] | None = None,
 ) -> Plan:
     """A plan that puts ``balance[k]`` consecutive operations (in execution order) on stage k.
 
     For users who know the split they want (torchgpipe's ``balance``); the plan still reports the
     predicted costs. The counts must be positive and add up to the number of operations.
+    ``memory_gb`` is recorded as each stage's budget, for the run-time check, not enforced here:
+    the split is the user's.
     """
     started = time.perf_counter()
     graph = normalize_cost_graph(cost_graph)
@@ -126,7 +129,7 @@ def plan_from_balance(
         raise InfeasiblePlanError(
             f"balance {list(balance)} must be positive counts adding up to the model's {len(free)} operations"
         )
-    specs = device_specs(len(balance), devices, None, None)
+    specs = device_specs(len(balance), devices, None, memory_gb)
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
     model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)))
     bounds = np.cumsum([0, *balance])

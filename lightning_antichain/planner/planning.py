@@ -235,10 +235,10 @@ def _cut(cost: nx.DiGraph, devices: list[torch.device], chunks: int, recompute: 
          memory_gb: float | Sequence[float | None] | None, optimizer_multiplier: float) -> Plan:
     names = [str(d) for d in devices]
     bandwidth = bandwidth_gbps if bandwidth_gbps is not None else default_bandwidth_gbps(devices)
-    if balance is not None:
-        return plan_from_balance(cost, list(balance), chunks=chunks, devices=names, bandwidth_gbps=bandwidth,
-                                 optimizer_multiplier=optimizer_multiplier, recompute=recompute)
     memory = memory_gb if memory_gb is not None else default_memory_gb(devices)
+    if balance is not None:  # the budgets are recorded for the run-time check, not enforced
+        return plan_from_balance(cost, list(balance), chunks=chunks, devices=names, bandwidth_gbps=bandwidth,
+                                 optimizer_multiplier=optimizer_multiplier, recompute=recompute, memory_gb=memory)
     return partition(cost, len(devices), chunks=chunks, method=method, devices=names, bandwidth_gbps=bandwidth,
                      memory_gb=memory, optimizer_multiplier=optimizer_multiplier, recompute=recompute)
 
