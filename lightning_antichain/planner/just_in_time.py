@@ -115,9 +115,9 @@ class _JustInTime:
         for module in {id(m): m for n in self._nodes for m in self._needs[n.name]}.values():
             self._release_after.setdefault(last_module_use[id(module)], []).append(module)
         self._drop_after: dict[int, list[str]] = {}
-        kept = {n.name for n in work.graph.nodes if n.op == "output" for n in n.all_input_nodes}
+        returned = {source.name for node in work.graph.nodes if node.op == "output" for source in node.all_input_nodes}
         for index, node in enumerate(self._nodes):
-            if node.name not in kept:
+            if node.name not in returned:
                 self._drop_after.setdefault(last_value_use.get(node.name, index), []).append(node.name)
         self._done = -1
         self._released: set[int] = set()  # storages of released state that kept values still view

@@ -25,7 +25,7 @@ from ..capture.devices import on_module_device
 from ..capture.isolation import training_flags, training_flags_set
 from . import microbatch
 from .batch_dims import first_micro_batch, placeholder_batch_dims
-from .materialize import materialize
+from .materialize import has_meta_state, materialize
 from .plan import Plan
 from .projection import project_plan
 from .split import PlanMismatchError, StageModule, place_stages, split_stages
@@ -75,9 +75,9 @@ class Captures:
         where its operations differ) and place them on their devices."""
         plan, stages = self._split(graph, call)
         place_stages(stages)
-        # state on meta that no stage uses is made real on the first stage's device, for checkpoints
-        names = {id(m): name or type(self.module).__name__ for name, m in self.module.named_modules()}
-        materialize(self.module.modules(), self._devices[0], "reset", names)
+        if has_meta_state(self.module):  # what no stage uses is made real on the first stage's device
+            names = {id(m): name or type(self.module).__name__ for name, m in self.module.named_modules()}
+            materialize(self.module.modules(), self._devices[0], "reset", names)
         placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
         names = stages[-1].outputs
         assigned = {leaf.node for a in graph.assignments for leaf in a.leaves if isinstance(leaf, Output)}
