@@ -29,6 +29,7 @@ from .concrete import SpecializationError, capture_concrete
 from .errors import FrontendRefused, UntraceableModelError, logging_call
 from .exported import capture_exported
 from .isolation import attributes_restored, own_forward, training_flags
+from .kept import attributes_read, merged
 from .leaves import capture_with_leaves
 from .opgraph import OpGraph, OpNode, RecordedCall, op_graph
 from .settle import settle
@@ -167,7 +168,7 @@ def _capture(
             logs = logs or logging_call(exc)
             continue
         if warm_start is not None:
-            warm_start()
+            graph.cache = merged(graph.cache, warm_start())
         graph.refused = tuple(refused)
         graph.training = training_flags(module)
         _report(progress, f"captured {name} with {frontend}: {len(graph)} operations in "
@@ -212,6 +213,7 @@ def _capture_with(
     specialization.recapture = functools.partial(_capture_again, module, leaf_modules, frontend, batch_dim)
     graph = op_graph(module, graph_module, frontend, signature, specialization)
     graph.assignments = assignments
+    graph.cache = attributes_read(module, graph_module)
     first = next(iter_tensors((args, kwargs)), None)
     graph.capture_device = str(first.device) if first is not None else None
     return graph

@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from .assignments import Assignment
+from .kept import KeptCache
 from .mutations import ordering
 from .signature import FlatSignature, FxSignature
 from .specialization import Specialization
@@ -73,7 +74,8 @@ class OpGraph:
     ``assignments`` are the attributes ``forward`` assigns, replayed by the runtime after each call;
     each group of ``together`` must share a stage (views read across an in-place change);
     ``training`` holds the ``training`` flag of every submodule (``module.modules()`` order) at
-    capture, since the graph bakes in the mode (dropout, BatchNorm, ``if self.training:``).
+    capture, since the graph bakes in the mode (dropout, BatchNorm, ``if self.training:``);
+    ``cache`` the attributes ``forward`` built once that the graph reads (``None``: none).
     """
 
     module: nn.Module
@@ -91,6 +93,7 @@ class OpGraph:
     together: tuple[tuple[str, ...], ...] = ()
     recorder: Callable[[OpGraph, tuple, dict], Iterator[RecordedCall]] | None = field(default=None, repr=False)
     training: tuple[bool, ...] | None = None
+    cache: KeptCache | None = None
     _by_name: dict[str, OpNode] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,7 +121,7 @@ class OpGraph:
         """The same graph over another copy of the module (the profiler's)."""
         return OpGraph(module, self.nodes, self.outputs, self.granularity, graph_module, self.note, self.frontend,
                        self.refused, self.signature, self.specialization, self.capture_device, self.assignments,
-                       self.together, self.recorder, self.training)
+                       self.together, self.recorder, self.training, self.cache)
 
 
 def op_graph(module: nn.Module, graph_module: fx.GraphModule, frontend: str, signature: Any = None,

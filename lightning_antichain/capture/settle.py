@@ -19,13 +19,15 @@ from torch import nn
 from .assignments import assign, per_sample
 from .errors import FrontendRefused
 from .isolation import side_effects_undone
+from .kept import KeptCache, kept
 from .opgraph import OpGraph
 
 
 def settle(
     module: nn.Module, call: tuple[tuple, dict], first: OpGraph, capture_again: Callable[[], OpGraph]
-) -> tuple[OpGraph, Callable[[], None] | None]:
-    """The graph to run for a ``forward`` that assigns attributes, and what to do once after capture.
+) -> tuple[OpGraph, Callable[[], KeptCache] | None]:
+    """The graph to run for a ``forward`` that assigns attributes, and what to do once after capture
+    (assign the cache; it returns the :class:`~.kept.KeptCache` the graph reads).
 
     ``first`` was captured from the module as it is; ``capture_again`` captures it with the same
     frontend from the module's state at the time. Capture again from the state one call leaves:
@@ -34,8 +36,9 @@ def settle(
     - some attributes no longer assigned (a cache such as ``self.src_mask``, built once, then
       reused), and from there on every call does the same: the state after one call is where the
       model stays, so it is kept (the attributes get the values one call on the example gives, as
-      the first call would) and the second graph runs. Only if the cached values do not depend on
-      the batch and the first call wrote no other state;
+      the first call would) and the second graph runs. Only if the cached values depend on the
+      batch's shapes alone (not its values, nor parameters that training changes) and the first
+      call wrote no other state. The runtime checks the cache on every call (:mod:`.kept`);
     - otherwise (a counter, a one-time initialisation from the batch) a captured graph cannot
       follow what plain calls do, and the frontend refuses.
     """
@@ -44,13 +47,15 @@ def settle(
         return first, None
     again = {a.path for a in second.assignments}
     cached = [a for a in first.assignments if a.path not in again]
-    batch_dependent = [a.path for a in cached if any(getattr(v, "per_sample", False) for v in a.leaves)]
+    batch_dependent = [a.path for a in cached if any(getattr(v, "per_sample", False) or getattr(
+        v, "requires_grad", False) for v in a.leaves)]
     settles = bool(cached) and not batch_dependent and _only_first_does_is_pure(first, second)
     if settles and second.assignments:
         third, _ = _after_one_call(module, call, second, capture_again)
         settles = _replays(second, third)
     if settles:
-        return second, lambda: _assign_once(module, first, values)
+        paths = [a.path for a in cached]
+        return second, lambda: kept(module, paths, lambda: _assign_once(module, first, values))
     changed = ", ".join("self." + a.path for a in first.assignments)
     raise FrontendRefused(
         f"forward changes {changed}, and that changes what the next call "
@@ -101,17 +106,23 @@ def _same_operations(first: OpGraph, second: OpGraph) -> bool:
 def _only_first_does_is_pure(first: OpGraph, second: OpGraph) -> bool:
     """Whether the operations ``first`` has and ``second`` lacks (what building a cache costs) read
     nothing of the batch and write no state: then skipping them from the second call on is exact.
-    Operations are told apart by what they call, so every node calling such a target must qualify."""
+    Operations are told apart by what they call: every target the batch reaches runs as often in
+    both graphs, and every call of a target that ``first`` runs more often writes no state."""
     assert first.graph_module is not None and second.graph_module is not None
     extra = Counter(_targets(first.graph_module)) - Counter(_targets(second.graph_module))
-    inputs = {n.name for n in first.graph_module.graph.nodes if n.op == "placeholder"}
+    if _per_sample_targets(first.graph_module) != _per_sample_targets(second.graph_module):
+        return False
     for node in first.graph_module.graph.nodes:
         if node.op == "call_function" and node.target in extra:
             if isinstance(node.target, torch._ops.HigherOrderOperator) or _writes_state(node):
                 return False
-            if per_sample(node, inputs):
-                return False
     return True
+
+
+def _per_sample_targets(graph_module: fx.GraphModule) -> Counter:
+    """How often each target runs on values that differ with the batch."""
+    inputs = {n.name for n in graph_module.graph.nodes if n.op == "placeholder"}
+    return Counter(n.target for n in graph_module.graph.nodes if n.op == "call_function" and per_sample(n, inputs))
 
 
 def _targets(graph_module: fx.GraphModule) -> list[Any]:

@@ -54,21 +54,33 @@ class Captures:
     def for_call(self, args: tuple, kwargs: dict) -> Runnable:
         """The capture that runs this call: the one made in the modules' present mode (captured now
         if none was), or, where that graph does not hold for the call's first micro-batch (``None``
-        where it saw a tensor, another constant), one captured for that call."""
+        where it saw a tensor, another constant) or for the caches the module holds now
+        (:mod:`~lightning_antichain.capture.kept`), one captured for that call from that state."""
         mode = training_flags(self.module)
         run = self.runnables.get((mode, None))
         if run is None:
             run = self.runnables[(mode, None)] = self.use(self.capture_for(args, kwargs), (args, kwargs))
-        specialization = run.graph.specialization
-        if specialization is not None:
+        specialization, cache = run.graph.specialization, run.graph.cache
+        if specialization is not None or cache is not None:
             first = microbatch.scatter(run.graph.bind(args, kwargs), self.chunks, run.input_dims)[0]
-            if not specialization.holds_for(first):
-                key = (mode, specialization.key_of(first))
-                if key not in self.runnables:
-                    graph = specialization.recapture(*run.graph.signature.unbind(first))
-                    self.runnables[key] = self.use(graph, (args, kwargs))
-                run = self.runnables[key]
+            inputs_hold = specialization is None or specialization.holds_for(first)
+            if not inputs_hold or (cache is not None and not cache.holds(self.module)):
+                key = (mode, None if inputs_hold else specialization.key_of(first),  # type: ignore[union-attr]
+                       None if cache is None else cache.key(self.module))
+                found = self.runnables.get(key)
+                if found is None or (found.graph.cache is not None and not found.graph.cache.holds(self.module)):
+                    graph = self._recapture(run.graph, first)
+                    found = self.runnables[key] = self.use(graph, (args, kwargs))
+                run = found
+        if run.graph.cache is not None:
+            run.graph.cache.apply(self.module)
         return run
+
+    def _recapture(self, graph: OpGraph, values: list[Any]) -> OpGraph:
+        """``graph``'s frontend again, on these placeholder values, from the module's present state
+        (a graph reading a cache comes from export or concrete capture, which specialise)."""
+        assert graph.specialization is not None and graph.signature is not None
+        return graph.specialization.recapture(*graph.signature.unbind(values))
 
     def use(self, graph: OpGraph, call: tuple[tuple, dict] | None) -> Runnable:
         """Cut the stages out of ``graph`` (by the plan, or by the plan carried over to this graph
