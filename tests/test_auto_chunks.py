@@ -6,7 +6,7 @@ import pytest
 import torch
 from lit_models import TinyClassifier, loader, trainer
 from models import SequentialCNN
-from test_cli import run_cli
+from test_cli import run_main
 from torch import nn
 
 import lightning_antichain as la
@@ -83,11 +83,12 @@ def test_the_pipeline_runs_as_many_micro_batches_as_its_plan_by_default():
 
 
 def test_the_cli_plans_with_auto_and_refuses_it_with_a_saved_profile(tmp_path):
-    result = run_cli("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32",
-                     "--batch-size", "8", "--chunks", "auto", "--quiet", "--profile-cache", str(tmp_path))
+    result = run_main("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32",
+                      "--batch-size", "8", "--chunks", "auto", "--quiet", "--profile-cache", str(tmp_path))
+    assert result.returncode == 0, result.stderr
     assert "chunks=auto for batches of 8: chose" in result.stdout
-    refused = run_cli("plan", "torchvision.models.resnet18", "--stages", "2", "--chunks", "auto",
-                      "--load-profile", str(tmp_path / "x.json"), check=False)
+    refused = run_main("plan", "torchvision.models.resnet18", "--stages", "2", "--chunks", "auto",
+                       "--load-profile", str(tmp_path / "x.json"))
     assert refused.returncode == 2 and "cannot plan from --load-profile" in refused.stderr
 
 

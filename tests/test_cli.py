@@ -1,9 +1,17 @@
-"""The ``lightning-antichain plan`` command, run as a user runs it: a real subprocess."""
+"""The ``lightning-antichain plan`` command, run as a user runs it: a real subprocess.
 
+Checks of the command's own messages call its ``main`` in this process instead (``run_main``):
+the same code from argument parsing to the exit status, without paying for a fresh interpreter
+importing torch and Lightning each time.
+"""
+
+import contextlib
+import io
 import json
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +23,26 @@ def run_cli(*args, check=True):
     if check:
         assert result.returncode == 0, result.stderr
     return result
+
+
+def run_main(*args):
+    """``lightning-antichain ARGS`` through its ``main`` in this process: returncode, stdout, stderr."""
+    from lightning_antichain.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's own errors
+            code = exc.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def test_a_user_error_from_the_installed_command_is_status_2_on_stderr():
+    result = run_cli("plan", "no.such.module", "--stages", "2", "--input-shape", "3,8,8", check=False)
+    assert result.returncode == 2
+    assert "cannot import" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr
 
 
 def test_issue_command_prints_the_plan_as_json(tmp_path):
@@ -134,7 +162,7 @@ def test_plot_draws_a_png(tmp_path):
     ],
 )
 def test_bad_input_gets_a_clear_error(args, message):
-    result = run_cli("plan", *args, check=False)
+    result = run_main("plan", *args)
     assert result.returncode == 2
     assert message in result.stderr
 
@@ -159,7 +187,7 @@ RESNET = ["torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32
     ],
 )
 def test_every_user_error_is_one_line_and_status_2(args, message):
-    result = run_cli("plan", *args, check=False)
+    result = run_main("plan", *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr.strip().splitlines()[-1]
     assert "Traceback" not in result.stderr
@@ -168,7 +196,7 @@ def test_every_user_error_is_one_line_and_status_2(args, message):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without a GPU")
 def test_a_gpu_device_without_a_gpu_is_one_line_and_status_2():
-    result = run_cli("plan", *RESNET, "--device", "cuda:0", check=False)
+    result = run_main("plan", *RESNET, "--device", "cuda:0")
     assert result.returncode == 2
     assert "asks for a GPU, but torch sees no CUDA device here; use --device cpu" in result.stderr
     assert "Traceback" not in result.stderr
@@ -177,7 +205,7 @@ def test_a_gpu_device_without_a_gpu_is_one_line_and_status_2():
 def test_a_damaged_saved_profile_names_the_file(tmp_path):
     path = tmp_path / "cost.json"
     path.write_text('{"format": "lightning-antichain/cost-graph/1", "nodes": null}')
-    result = run_cli("plan", *RESNET, "--chunks", "2", "--load-profile", str(path), check=False)
+    result = run_main("plan", *RESNET, "--chunks", "2", "--load-profile", str(path))
     assert result.returncode == 2
     assert f"--load-profile {path} is not a cost graph saved by --save-profile" in result.stderr
 
@@ -190,9 +218,9 @@ def test_the_cli_and_the_library_take_one_planning_path_with_the_same_defaults(t
     from lightning_antichain.planner import planning
 
     profile = tmp_path / "cost.json"
-    run_cli("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32", "--batch-size", "8",
+    run_main("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32", "--batch-size", "8",
             "--chunks", "4", "--quiet", "--save-profile", str(profile), "--no-profile-cache")
-    result = run_cli("plan", "torchvision.models.resnet18", "--stages", "3", "--chunks", "4", "--load-profile",
+    result = run_main("plan", "torchvision.models.resnet18", "--stages", "3", "--chunks", "4", "--load-profile",
                      str(profile), "--json")
     from_cli = json.loads(result.stdout)
     planned = planning.plan_model(None, (), {}, ["cpu"] * 3, chunks=4, cost=load_cost_graph(profile))
@@ -204,7 +232,7 @@ def test_the_cli_and_the_library_take_one_planning_path_with_the_same_defaults(t
     assert planning.default_memory_gb([torch.device("cpu")] * 2) == [None, None]
     # the profile the CLI cached is the one the library finds for the same module and micro-batch
     cache = tmp_path / "cache"
-    run_cli("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32", "--batch-size", "8",
+    run_main("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32", "--batch-size", "8",
             "--chunks", "4", "--quiet", "--profile-cache", str(cache))
     model = torchvision.models.resnet18()
     again = planning.plan_model(model, (torch.randn(2, 3, 32, 32),), {}, ["cpu", "cpu"], chunks=4,
@@ -225,7 +253,7 @@ def test_the_cli_starts_from_the_strategys_defaults():
     assert parsed.no_calibrate is not strategy.options.calibrate
     assert parsed.no_profile_cache is not strategy.options.use_profile_cache
     # and by default it weighs the micro-batch counts, as the strategy does
-    result = run_cli("plan", "torchvision.models.squeezenet1_0", "--model-kwargs", '{"num_classes": 10}', "--stages",
+    result = run_main("plan", "torchvision.models.squeezenet1_0", "--model-kwargs", '{"num_classes": 10}', "--stages",
                      "2", "--input-shape", "3,32,32", "--batch-size", "4", "--quiet", "--json", "--no-profile-cache",
                      "--no-calibrate")
     plan = json.loads(result.stdout)
