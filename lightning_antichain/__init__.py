@@ -15,6 +15,7 @@ from .planner.profiler import profile
 from .runtime.batch_dims import BatchDependenceError, check_micro_batchable
 from .runtime.budget import StageOverBudgetError
 from .runtime.materialize import load_state_dict
+from .runtime.microbatch import MicroBatchError
 from .runtime.pipeline import Pipeline
 from .runtime.plan import Plan, Stage
 from .runtime.split import PlanMismatchError
@@ -31,6 +32,7 @@ __all__ = [
     "CostModel",
     "DeviceSpec",
     "InfeasiblePlanError",
+    "MicroBatchError",
     "OpGraph",
     "Pipeline",
     "Plan",

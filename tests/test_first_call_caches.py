@@ -11,55 +11,16 @@ pipelined call does what a plain one does, state included. Taken through the doc
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 from torch import nn
+from zoo import FirstCallCaches
 
 import lightning_antichain as la
 from lightning_antichain.capture import UntraceableModelError, capture_call
 
 VOCAB, WIDTH = 32, 16
-
-
-def causal_mask(length: int, device: torch.device) -> torch.Tensor:
-    return torch.triu(torch.full((length, length), float("-inf"), device=device), diagonal=1)
-
-
-def positional_table(length: int, width: int, device: torch.device) -> torch.Tensor:
-    position = torch.arange(length, device=device).unsqueeze(1)
-    scale = torch.exp(torch.arange(0, width, 2, device=device) * (-math.log(10000.0) / width))
-    table = torch.zeros(length, width, device=device)
-    table[:, 0::2] = torch.sin(position * scale)
-    table[:, 1::2] = torch.cos(position * scale)
-    return table
-
-
-class FirstCallCaches(nn.Module):
-    """A positional table built once on the batch's device, and a causal mask rebuilt whenever the
-    sequence length changes: the two patterns of the issue."""
-
-    def __init__(self, table: bool = True) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.attention = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
-        self.head = nn.Linear(WIDTH, VOCAB)
-        self.table = table
-        self.pe = None
-        self.mask = None
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        length = tokens.size(1)
-        hidden = self.embed(tokens)
-        if self.table:
-            if self.pe is None:
-                self.pe = positional_table(16, WIDTH, tokens.device)
-            hidden = hidden + self.pe[:length].to(hidden.dtype)
-        if self.mask is None or self.mask.size(0) != length:
-            self.mask = causal_mask(length, tokens.device)
-        attended, _ = self.attention(hidden, hidden, hidden, attn_mask=self.mask.to(hidden.dtype), need_weights=False)
-        return self.head(hidden + attended)
 
 
 def _pipeline(model: nn.Module, example: torch.Tensor, frontend: str | None = None) -> la.Pipeline:

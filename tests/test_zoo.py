@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from pipelined import assert_pipelined
-from zoo import ZOO
+from zoo import DECODER, ZOO
 
 import lightning_antichain as la
 from lightning_antichain.capture import capture_call
@@ -27,18 +27,17 @@ def _floating(value):
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _double(args):
-    return tuple(a.double() if a.is_floating_point() else a for a in args)
+def _double(value):
+    return pytree.tree_map(lambda a: a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a, value)
 
 
 def zoo_parity(name: str, stages: int = 3, chunks: int = 4, batch: int = 8):
     """Pipeline a zoo model against the plain module; returns (graph, plan, output error, gradient error)."""
     entry = ZOO[name]
     torch.manual_seed(0)
-    model = entry.build().double().eval()
-    args, kwargs = entry.batch(batch)
-    example_args, example_kwargs = entry.batch(batch // chunks)
-    args, example_args = _double(args), _double(example_args)
+    model = entry.model()
+    args, kwargs = _double(entry.batch(batch))
+    example_args, example_kwargs = _double(entry.batch(batch // chunks))
     # the documented path (docs/runtime.md): profile, partition, Pipeline, no graph carried by hand
     cost = la.profile(model, example_kwargs or example_args, repeats=1, warmup=0, progress=False)
     plan = la.partition(cost, stages, chunks=chunks)
@@ -68,7 +67,12 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+def zoo_params() -> list:
+    """Every zoo entry, those marked slow under ``-m slow``."""
+    return [pytest.param(n, marks=[pytest.mark.slow] if ZOO[n].slow else []) for n in sorted(ZOO)]
+
+
+@pytest.mark.parametrize("name", zoo_params())
 def test_zoo_model_pipelines_with_float64_parity(name):
     RESULTS[name] = "failed"
     graph, plan, out_error, grad_error = zoo_parity(name)
@@ -81,22 +85,62 @@ def test_zoo_model_pipelines_with_float64_parity(name):
 def test_zoo_covers_the_libraries_people_train_with():
     libraries = {entry.library for entry in ZOO.values()}
     assert {"torchvision", "timm", "transformers", "torch.nn", "nanoGPT-style"} <= libraries
-    assert len(ZOO) >= 15
+    assert len(ZOO) >= 30
+
+
+def test_a_mixture_of_experts_routed_by_a_loop_over_its_tokens_is_refused_saying_what_to_change():
+    """Hugging Face's "eager" experts loop over the tokens each expert was routed: shapes that depend
+    on the batch's values. The zoo's Mixtral runs its experts with "batched_mm" instead, as the
+    message says; with "eager", profiling falls back to the children and says why."""
+    import transformers
+
+    entry = ZOO["hf_mixtral"]
+    config = transformers.MixtralConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2,
+                                        experts_implementation="eager")
+    model = transformers.MixtralForCausalLM(config).eval()
+    _, kwargs = entry.batch(2)
+    with pytest.raises(la.UntraceableModelError) as info:
+        capture_call(model, (), kwargs)
+    message = str(info.value)
+    assert "has Python control flow on its input's values at" in message and "modeling_mixtral.py" in message
+    assert 'build it with experts_implementation="batched_mm"' in message
+    with pytest.warns(UserWarning, match="profiled at its 3 top-level children instead"):
+        cost = la.profile(model, kwargs, repeats=1, warmup=0, progress=False)
+    with pytest.raises(la.InfeasiblePlanError, match="holds only MixtralForCausalLM's top-level children"):
+        la.partition(cost, 3, chunks=4)
+
+
+def test_a_similarity_of_every_sample_with_every_other_is_refused_saying_to_compute_it_outside():
+    """CLIP's logits compare each text with each image of the batch, which no micro-batch holds. The
+    zoo pipelines the per-sample embeddings (``ContrastiveEmbeddings``), as the message says."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = ZOO["hf_clip"].build().model.double().eval()  # the CLIP model inside the zoo's wrapper
+    args, kwargs = _double(ZOO["hf_clip"].batch(8))
+    _, example = _double(ZOO["hf_clip"].batch(2))
+    assert isinstance(model, transformers.CLIPModel)
+    cost = la.profile(model, example, repeats=1, warmup=0, progress=False)
+    with la.Pipeline(model, la.partition(cost, 2, chunks=4), chunks=4) as pipe:
+        with pytest.raises(la.MicroBatchError, match=r"grows in dims \[0, 1\].*Compute it outside the pipelined"):
+            pipe(*args, **kwargs)
 
 
 def _captured(name: str) -> list[tuple]:
     entry = ZOO[name]
     torch.manual_seed(0)
-    model = entry.build().double().eval()
-    args, kwargs = entry.batch(2)
-    graph = capture_call(model, _double(args), kwargs)
+    model = entry.model()
+    args, kwargs = _double(entry.batch(2))
+    graph = capture_call(model, args, kwargs)
     return [(n.name, n.kind, n.target, n.inputs) for n in graph.nodes]
 
 
-def test_every_zoo_model_captures_to_the_same_graph_and_names_twice_in_any_order():
+@pytest.mark.parametrize("slow", [pytest.param(False), pytest.param(True, marks=pytest.mark.slow)])
+def test_every_zoo_model_captures_to_the_same_graph_and_names_twice_in_any_order(slow):
     """A plan names operations: a capture made later, after others (the Pipeline's, another
-    process's), must name them as the one the plan was made from did."""
-    names = sorted(ZOO)
+    process's), must name them as the one the plan was made from did. The slow entries under
+    ``-m slow``."""
+    names = sorted(name for name, entry in ZOO.items() if entry.slow == slow)
     first = {name: _captured(name) for name in names}
     again = {name: _captured(name) for name in reversed(names)}
     for name in names:

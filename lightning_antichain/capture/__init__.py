@@ -232,6 +232,17 @@ def _refuse_assignments(module: nn.Module, before: dict) -> None:
                               "(torch.export and concrete capture can)")
 
 
+def _experts_hint(module: nn.Module) -> str:
+    """What to change in a Hugging Face mixture of experts whose experts loop over the tokens each
+    one was routed (shapes that depend on the routing, so on the batch's values)."""
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) != "eager":
+        return ""
+    return ('Its experts run with experts_implementation="eager", which loops over the tokens routed to each '
+            'expert; build it with experts_implementation="batched_mm" (or "grouped_mm" in float32 or bfloat16), '
+            "whose shapes do not depend on the routing. ")
+
+
 def _explain(module: nn.Module, refused: list[str], data_dependent: FrontendRefused | None, logs: str = "") -> str:
     name = type(module).__name__
     if logs:
@@ -249,6 +260,7 @@ def _explain(module: nn.Module, refused: list[str], data_dependent: FrontendRefu
     )
     return (
         lead
+        + _experts_hint(module)
         + "Keep the block holding that code whole with leaf_modules=['path.to.block'], or pipeline a submodule "
         "that has none (AntichainPipelineStrategy(module='backbone')). Each frontend said:\n  "
         + "\n  ".join(refused)

@@ -7,6 +7,7 @@ and compared with others, not run as a pipeline.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +27,11 @@ def children_instead(module: nn.Module, example_inputs: Any, refusal: Untraceabl
             f"{refusal}\nThe 'children' fallback needs example inputs to observe the data flow."
         ) from refusal
     graph = trace_children(module, example_inputs)
+    warnings.warn(
+        f"{refusal}\nSo {type(module).__name__} was profiled at its {len(graph)} top-level children instead, which "
+        "a plan can compare but a Pipeline cannot run (fallback=None raises this instead).",
+        stacklevel=3,
+    )
     graph.note = "fell back to top-level children (planning only): no capture frontend succeeded"
     graph.refused = refusal.refused
     return graph

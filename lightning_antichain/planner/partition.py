@@ -72,6 +72,8 @@ def partition(
     if len(free) < stages:
         raise InfeasiblePlanError(
             f"cannot cut {len(free)} operations into {stages} stages; ask for at most {len(free)} stages"
+            + (f". The profile holds only {graph.graph.get('model', 'the model')}'s top-level children, since no "
+               f"frontend captured it: {_refusals(graph)}" if graph.graph.get("granularity") == "children" else "")
         )
     compression: list[str] = []
     num_states = len(free) + 1
@@ -211,3 +213,6 @@ def _make_plan(
     return plan
 
 
+def _refusals(graph: nx.DiGraph) -> str:
+    refused = graph.graph.get("refused") or []
+    return "; ".join(refused) if isinstance(refused, list) else str(refused)
