@@ -145,3 +145,29 @@ def test_every_zoo_model_captures_to_the_same_graph_and_names_twice_in_any_order
     again = {name: _captured(name) for name in reversed(names)}
     for name in names:
         assert again[name] == first[name], name
+
+
+def test_the_pipeline_runs_the_capture_its_plan_was_profiled_from_while_the_model_is_unchanged(tmp_path):
+    """No graph carried by hand: ``la.Pipeline`` reuses the profile's capture through the plan, and
+    captures afresh once the module has changed (another dtype) or for a plan loaded from a file."""
+    from lightning_antichain.capture.carried import carried
+
+    torch.manual_seed(0)
+    model = ZOO["lstm_lm"].model()
+    args, _ = ZOO["lstm_lm"].batch(8)
+    cost = la.profile(model, ZOO["lstm_lm"].batch(2)[0], repeats=1, warmup=0, progress=False)
+    plan = la.partition(cost, 2, chunks=4)
+    profiled = carried(plan, model)
+    assert profiled is not None and profiled.module is model
+    with la.Pipeline(model, plan, chunks=4) as pipe:
+        pipe(*args)
+        assert pipe.graph is profiled
+    plan.save(tmp_path / "plan.json")
+    with la.Pipeline(model, la.Plan.load(tmp_path / "plan.json"), chunks=4) as pipe:
+        pipe(*args)
+        assert pipe.graph is not profiled and [n.name for n in pipe.graph.nodes] == [n.name for n in profiled.nodes]
+    model.float()
+    assert carried(plan, model) is None
+    with la.Pipeline(model, plan, chunks=4) as pipe:
+        pipe(*args)
+        assert pipe.graph is not profiled

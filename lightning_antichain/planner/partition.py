@@ -18,6 +18,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
+from ..capture.carried import pass_on
 from ..runtime.options import PLANNING_METHODS, renamed_recompute
 from ..runtime.plan import Plan, Stage
 from .antichain import DEFAULT_MAX_STATES, build_state_space
@@ -102,7 +103,9 @@ def partition(
         pinned = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]]
         stage_nodes[0] = pinned + stage_nodes[0]
     built = evaluate_stages(graph, stage_nodes, specs, model)
-    return _make_plan(graph, built, specs, model, method, time.perf_counter() - started, num_states, compression)
+    plan = _make_plan(graph, built, specs, model, method, time.perf_counter() - started, num_states, compression)
+    pass_on(cost_graph, plan)
+    return plan
 
 
 def plan_from_balance(
@@ -145,7 +148,9 @@ def plan_from_balance(
                 "before an in-place change and read after it. Move the boundary before or after them."
             )
     built = evaluate_stages(graph, stage_nodes, specs, model)
-    return _make_plan(graph, built, specs, model, "balance", time.perf_counter() - started, len(free) + 1, [])
+    plan = _make_plan(graph, built, specs, model, "balance", time.perf_counter() - started, len(free) + 1, [])
+    pass_on(cost_graph, plan)
+    return plan
 
 
 def tied_groups(graph: nx.DiGraph) -> list[set[Any]]:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..capture import OpGraph, RecordedCall, trace
+from ..capture.carried import carry
 from ..capture.devices import retarget_devices
 from ..capture.isolation import keeps_random_state
 from ..capture.pytrees import iter_tensors, map_tensors
@@ -118,6 +119,7 @@ def profile(
     cost = _cost_graph(graph, module, calls, samples, kept, capacity, scale, name, device, args, kwargs, batch_dim,
                        warmup, repeats, runtime_overhead, started)
     cost.graph.update(just_in_time)
+    carry(cost, graph)  # a Pipeline given a plan made from this profile runs this capture
     return cost
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..capture import NEEDS_EXAMPLE, OpGraph, UntraceableModelError, capture
 from ..capture.assignments import assign
+from ..capture.carried import carried
 from ..capture.isolation import own_forward, side_effects_undone, training_flags_set
 from ..capture.pytrees import flatten, iter_tensors, unflatten
 from . import microbatch
@@ -131,9 +132,15 @@ class Pipeline(nn.Module):
                 "offending code whole with leaf_modules=[...], or pipeline a submodule (module=...). The frontends "
                 "said:\n  " + "\n  ".join(plan.refused)
             )
+        profiled = carried(plan, module) if graph is None else None
+        if profiled is not None:  # the capture the plan's profile was made from, of this module as it is
+            try:
+                self._run = self._captures.given(profiled)
+            except PlanMismatchError:
+                pass
         if graph is not None:
             self._run = self._captures.given(graph)
-        elif frontend not in NEEDS_EXAMPLE:  # refuse a plan for another model at once
+        elif self._run is None and frontend not in NEEDS_EXAMPLE:  # refuse a plan for another model at once
             bare = capture(module, leaf_modules=self.leaf_modules, frontends=(frontend,))
             try:
                 self._run = self._captures.given(bare)
