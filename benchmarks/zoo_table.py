@@ -48,7 +48,7 @@ def trainer_path(name: str) -> tuple[bool, str, str]:
         losses, fit = _losses(name, strategy)
     except Exception as exc:
         return False, "failed", f"failed: {type(exc).__name__}"
-    error = max(abs(a - b) / abs(b) for a, b in zip(losses, plain))
+    error = max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(losses, plain))
     ok = len(losses) == len(plain) and error <= LIMIT_TRAINER
     return ok, fit.strategy.plan.frontend, f"{fit.strategy.plan.frontend}, loss error {error:.0e}"
 

@@ -93,6 +93,7 @@ def test_table_and_saved_profile(tmp_path):
         "--save-profile",
         str(profile),
         "--quiet",
+        "--no-calibrate",
     )
     assert "stage" in first.stdout and "bottleneck" in first.stdout
     again = run_cli(
@@ -120,6 +121,7 @@ def test_plot_draws_a_png(tmp_path):
         "--chunks",
         "4",
         "--quiet",
+        "--no-calibrate",
         "--plot",
         str(picture),
     )

@@ -126,9 +126,8 @@ def test_densenet121_parity_on_a_small_input():
     model = frozen_norms(torchvision.models.densenet121(num_classes=5))
     CASES["densenet121"] = (lambda: model, lambda n: (torch.randn(n, 3, 32, 32),), {})
     try:
-        for stages in (1, 2, 3, 4):
-            for chunks in (1, 3, 8):
-                check_parity("densenet121", stages, chunks, batch=10)
+        for stages, chunks in ((1, 3), (2, 8), (3, 1), (4, 3)):  # each count of stages and of chunks once
+            check_parity("densenet121", stages, chunks, batch=10)
     finally:
         del CASES["densenet121"]
 

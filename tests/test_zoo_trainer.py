@@ -57,7 +57,7 @@ class ZooModule(L.LightningModule):
         args, kwargs = batch
         outputs = [t for t in pytree.tree_leaves(self(*args, **kwargs))
                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        loss = sum(t.square().mean() for t in outputs)
+        loss = sum((t - 1).square().mean() for t in outputs)  # away from 0: some heads start at zero
         self.losses.append(loss.item())
         return loss
 
@@ -84,7 +84,7 @@ def _marks(name: str) -> list:
 def test_zoo_model_trains_through_the_trainer_like_plain_lightning(name):
     RESULTS[name] = "failed"
     plain, _ = _losses(name, "auto")
-    assert len(plain) == STEPS
+    assert len(plain) == STEPS and plain[-1] != plain[0]  # it trains: the comparison is not of constants
     strategy = la.AntichainPipelineStrategy(chunks=CHUNKS, module="net", use_profile_cache=False, calibrate=False)
     losses, fit = _losses(name, strategy)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-6, atol=0)
