@@ -15,7 +15,6 @@ import torchmetrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lit_models import TinyClassifier, loader  # noqa: E402
-from test_zoo_trainer import ZooModule  # noqa: E402
 
 import lightning_antichain as la  # noqa: E402
 
@@ -35,12 +34,32 @@ class Synced(TinyClassifier):
         return loss
 
 
-class SyncedGPT(ZooModule):
+VOCAB = 40
+
+
+class SyncedGPT(L.LightningModule):
     """GPT-2 captured by torch.export: every replica must capture the same operation names."""
 
     def __init__(self):
-        super().__init__("gpt2")
-        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=40)
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                         use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.net = transformers.GPT2LMHeadModel(config)
+        self.example_input_array = self.batch(8)[:-1]
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=VOCAB)
+
+    @staticmethod
+    def batch(n, generator=None):
+        tokens = torch.randint(0, VOCAB, (n, 10), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def forward(self, tokens):
+        return self.net(input_ids=tokens).logits
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def training_step(self, batch, batch_idx):
         tokens, target = batch
@@ -62,7 +81,7 @@ class ShardedData(L.LightningDataModule):
 
     def train_dataloader(self):
         if self.model == "gpt2":
-            dataset = torch.utils.data.TensorDataset(*ZooModule("gpt2").batch(160, torch.Generator().manual_seed(3)))
+            dataset = torch.utils.data.TensorDataset(*SyncedGPT.batch(160, torch.Generator().manual_seed(3)))
         else:
             dataset = loader(160).dataset
         sampler = None
