@@ -12,6 +12,7 @@ from .planner.cost_graph import CostGraphError, load_cost_graph, save_cost_graph
 from .planner.cost_model import CostModel, DeviceSpec, InfeasiblePlanError
 from .planner.partition import partition, plan_from_balance
 from .planner.profiler import profile
+from .planner.public import plan
 from .runtime.batch_dims import BatchDependenceError, check_micro_batchable
 from .runtime.budget import StageOverBudgetError
 from .runtime.materialize import load_state_dict
@@ -47,6 +48,7 @@ __all__ = [
     "load_cost_graph",
     "load_state_dict",
     "partition",
+    "plan",
     "plan_from_balance",
     "profile",
     "save_cost_graph",

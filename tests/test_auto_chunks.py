@@ -17,15 +17,16 @@ from lightning_antichain.runtime.batch_dims import first_micro_batch
 def test_auto_picks_the_count_whose_own_plan_predicts_the_shortest_step(tmp_path):
     model = SequentialCNN()
     batch = torch.randn(16, 3, 16, 16)
+    # the counts are weighed on their profiles' splits; the loop then moves only the chosen one's
     auto = planning.plan_model(model, (batch,), {}, ["cpu", "cpu"], chunks="auto", profile_cache=tmp_path,
-                               progress=False).plan
+                               progress=False, rebalance_rounds=0).plan
     rows = auto.candidates
     assert [r["chunks"] for r in rows] == planning.chunk_candidates(16, 2) == [1, 2, 4, 8, 16]
     assert auto.batch_size == 16
     for row in rows:  # each row is the plan of that count on its own micro-batch (profiles from the cache)
         micro = first_micro_batch(model, (batch,), {}, row["chunks"], 0)
         alone = planning.plan_model(model, *micro, ["cpu", "cpu"], chunks=row["chunks"], profile_cache=tmp_path,
-                                    progress=False)
+                                    progress=False, rebalance_rounds=0)
         assert alone.cached_from is not None
         assert alone.plan.micro_batch_size == row["micro_batch_size"] == -(-16 // row["chunks"])
         assert alone.plan.predicted_step_s == pytest.approx(row["predicted_step_s"])

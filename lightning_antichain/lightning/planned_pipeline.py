@@ -18,10 +18,10 @@ from torch import nn
 
 from ..capture import OpGraph
 from ..capture.pytrees import map_tensors
-from ..capture.signature import FlatSignature, original_forward
-from ..planner.planning import AUTO, plan_model
+from ..planner.planning import AUTO
 from ..planner.prediction_check import PredictionCheck
-from ..runtime.batch_dims import batch_size_of, first_micro_batch, refuse_per_sample_lists
+from ..planner.public import planned_for_call, planning_call
+from ..runtime.batch_dims import batch_size_of, refuse_per_sample_lists
 from ..runtime.budget import check_budgets
 from ..runtime.materialize import has_meta_state
 from ..runtime.options import PipelineOptions
@@ -93,11 +93,8 @@ class PlannedPipeline:
     def _make_plan(self, target: nn.Module, args: tuple, kwargs: dict) -> Plan:
         with torch.inference_mode(False), torch.enable_grad():
             example = map_tensors(torch.Tensor.clone, (args, kwargs))  # ordinary tensors, even from inference mode
-            positional, keywords = example
-            if keywords and positional:  # keyword form: name the positional arguments too
-                positional, keywords = FlatSignature.canonical(original_forward(target), positional, keywords)
-            planned = plan_model(target, positional, keywords, self.host.stage_devices, self.options,
-                                 optimizers=self.host.optimizers)
+            planned = planned_for_call(target, *example, self.host.stage_devices, self.options,
+                                       self.host.optimizers)
         self._graph = planned.graph
         if planned.cached_from is not None:
             rank_zero_info(f"lightning-antichain: using the cached profile {planned.cached_from}")
@@ -112,11 +109,8 @@ class PlannedPipeline:
         if training_step and not self._checked_batch:
             self._checked_batch = True
             self._check_first_batch(batch_size_of(target, args, kwargs, options.batch_dim))
-        if self.pipeline is None:
-            if options.chunks == AUTO:
-                self.build(target, args, kwargs)  # a whole batch: auto weighs how to split it
-            else:
-                self.build(target, *first_micro_batch(target, args, kwargs, options.chunks, options.batch_dim))
+        if self.pipeline is None:  # auto weighs how to split the whole batch; else its first micro-batch
+            self.build(target, *planning_call(target, args, kwargs, options))
         assert self.pipeline is not None
         return self.pipeline(*args, **kwargs)
 

@@ -161,6 +161,7 @@ def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) ->
         total_compute_s=total,
         parallel_capacity=capacity,
         calibration={**asdict(found), "profiled_compute_s": [s.compute_s for s in plan.stages],
+                     "profiled_bound_ratio": plan.bound_ratio,
                      "profiled_parallel_capacity": plan.parallel_capacity,
                      "read_from": None if read_from is None else str(read_from)},
     )

@@ -38,6 +38,7 @@ from .overhead import optimizer_step_s
 from .partition import InfeasiblePlanError, partition, plan_from_balance
 from .profile_store import load_profile, profile_file, profile_key, store_profile
 from .profiler import profile
+from .rebalance import rebalanced
 
 GPU_LINK_GBPS = 16.0
 """Bandwidth assumed between GPU stages when none is given: PCIe 4.0 x16 in one direction."""
@@ -164,6 +165,16 @@ def plan_model(
                 calibration.store(directory, calibration_key, found)
         return calibration.calibrated(plan, found, read_from)
 
+    def best_measured(raw: Plan, cost: nx.DiGraph, key: str, args: tuple, kwargs: dict,
+                      first: Plan | None = None) -> Plan:
+        """``raw`` measured, then cut again on its measured stage times while that measures better
+        (:mod:`.rebalance`); ``raw`` measured alone where there is nothing to measure or to move."""
+        if balance is not None or not options.rebalance_rounds or not calibrate or not calibration.applies_to(
+                raw, graph):
+            return first if first is not None else measured(raw, key, args, kwargs)
+        return rebalanced(raw, cost, lambda scaled: cut(scaled, raw.chunks), lambda p: measured(p, key, args, kwargs),
+                          rounds=options.rebalance_rounds, first=first)
+
     graph = None
     cached_from = None
     key = ""
@@ -179,9 +190,11 @@ def plan_model(
             check_micro_batchable(module, *_beside(module, args, kwargs), batch_dim)  # not on meta: no values
         if auto:
             optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, devices[0])
-            plan, cost, cached_from = _choose_chunks(
+            chosen, cost, cached_from, key = _choose_chunks(
                 module, args, kwargs, batch_dim, size, len(devices), name or type(module).__name__, optimizer_s,
                 profiled, lambda cost, count, key: measured(cut(cost, count), key, args, kwargs))
+            plan = best_measured(cut(cost, chosen.chunks), cost, key, args, kwargs, first=chosen)
+            plan.candidates, plan.batch_size = chosen.candidates, chosen.batch_size
             return Planned(plan, graph, cost, cached_from)
         cost, cached_from, key = profiled(args, kwargs, name)
     if optimizers:
@@ -189,7 +202,7 @@ def plan_model(
         cost.graph["optimizer_step_s"] = timed_optimizer_step_s(module, args, kwargs, optimizers, devices[0])
     plan = cut(cost, chunks)
     if key:  # profiled here, so there is a module to run
-        plan = measured(plan, key, *_repeated(module, args, kwargs, plan.chunks, batch_dim))
+        plan = best_measured(plan, cost, key, *_repeated(module, args, kwargs, plan.chunks, batch_dim))
     return Planned(plan, graph, cost, cached_from)
 
 
@@ -248,11 +261,12 @@ def _choose_chunks(
     name: str, optimizer_s: float,
     profiled: Callable[[tuple, dict, str], tuple[nx.DiGraph, Path | None, str]],
     cut: Callable[[nx.DiGraph, int, str], Plan],
-) -> tuple[Plan, nx.DiGraph, Path | None]:
-    """The plan of the candidate count with the shortest predicted step that fits, listing every candidate."""
+) -> tuple[Plan, nx.DiGraph, Path | None, str]:
+    """The plan of the candidate count with the shortest predicted step that fits, listing every
+    candidate, with its cost graph, the cache file that was read from, and its profile key."""
     costs: dict[int, tuple[nx.DiGraph, Path | None, str] | Exception] = {}
     rows: list[dict[str, Any]] = []
-    best: tuple[Plan, nx.DiGraph, Path | None] | None = None
+    best: tuple[Plan, nx.DiGraph, Path | None, str] | None = None
     refusal: InfeasiblePlanError | None = None
     for chunks in chunk_candidates(size, stages):
         micro = -(-size // chunks)
@@ -281,7 +295,7 @@ def _choose_chunks(
         row.update(predicted_step_s=plan.predicted_step_s, peak_memory_bytes=max(s.memory_bytes for s in plan.stages),
                    fits=True)
         if best is None or plan.predicted_step_s < best[0].predicted_step_s:
-            best = (plan, cost, cached_from)
+            best = (plan, cost, cached_from, key)
     if best is None:
         assert refusal is not None
         raise InfeasiblePlanError(f"no micro-batch count from 1 to {rows[-1]['chunks']} fits: {refusal}")

@@ -37,7 +37,9 @@ class PipelineOptions:
     or a baseline), ``bandwidth_gbps`` and ``memory_gb`` (``None``: from the devices),
     ``optimizer_multiplier`` (optimizer state per parameter byte; ``None``: from the optimizers,
     else 2), ``profile_cache`` and ``use_profile_cache``, ``calibrate`` (time a few steps of CPU
-    stages), ``fallback`` (``"children"`` plans a model no frontend captures, for a look only) and
+    stages), ``rebalance_rounds`` (after calibration, cut again on the measured stage times for at
+    most this many rounds, keeping the best split measured; 0: keep the profile's split),
+    ``fallback`` (``"children"`` plans a model no frontend captures, for a look only) and
     ``progress`` (progress on stderr).
     """
 
@@ -57,6 +59,7 @@ class PipelineOptions:
     profile_cache: Path | None = None
     use_profile_cache: bool = True
     calibrate: bool = True
+    rebalance_rounds: int = 3
     fallback: str | None = None
     progress: bool = True
 
@@ -67,6 +70,9 @@ class PipelineOptions:
         check_batch_dim(self.batch_dim)
         if self.method not in PLANNING_METHODS:
             raise ValueError(f"method must be one of {PLANNING_METHODS}, got {self.method!r}")
+        if isinstance(self.rebalance_rounds, bool) or not isinstance(self.rebalance_rounds, int) or (
+                self.rebalance_rounds < 0):
+            raise ValueError(f"rebalance_rounds must be a whole number of at least 0, got {self.rebalance_rounds!r}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be None or 'children', got {self.fallback!r}")
         balance = self.balance

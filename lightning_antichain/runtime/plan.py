@@ -132,6 +132,7 @@ class Plan:
     candidates: list[dict[str, Any]] = field(default_factory=list)
     batch_size: int | None = None
     calibration: dict[str, Any] | None = None
+    rounds: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -238,6 +239,19 @@ class Plan:
                 + ("" if was is None or self.parallel_capacity == was else f", parallel capacity was {was:.2f}")
                 + (f" (cached: {self.calibration['read_from']})" if self.calibration.get("read_from") else "")
             )
+        if self.calibration is not None and self.calibration.get("profiled_bound_ratio") is not None:
+            lines.append(f"measured balance: bottleneck x{self.bound_ratio:.3f} of the measured stages' bound; "
+                         f"the profile said x{self.calibration['profiled_bound_ratio']:.3f}")
+        if len(self.rounds) > 1:
+            lines.append(f"split measured in {len(self.rounds)} rounds (each cut again on the last one's measured "
+                         "stage times), the best kept:")
+            for i, row in enumerate(self.rounds):
+                lines.append(
+                    f"  round {i}: {row['balance']} ops, profiled x"
+                    f"{row['profiled_bottleneck_s'] / row['profiled_lower_bound_s']:.3f}, measured bottleneck "
+                    f"{1e3 * row['measured_bottleneck_s']:.2f} ms (x"
+                    f"{row['measured_bottleneck_s'] / row['measured_lower_bound_s']:.3f})"
+                    + ("  <- chosen" if row.get("chosen") else ""))
         if self.candidates:
             lines.append(f"chunks=auto for batches of {self.batch_size}: chose {self.chunks}")
             for row in self.candidates:

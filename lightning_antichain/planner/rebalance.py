@@ -1,0 +1,111 @@
+"""Closing the loop: a split balanced on what its stages take when they run, not only on the profile.
+
+The dynamic program balances the per-operation profile, and a stage in context does not take the
+sum of its operations timed one by one: large early activations miss the caches, intra-op threads
+and the other stage compete. Calibration (:mod:`.calibration`) measures the real stage times of a
+plan. Here they are folded back into the costs the dynamic program sees: every operation of a
+stage is scaled by that stage's measured / profiled ratio (forward and backward apart), so the costs of each stage add
+up to what it measured, and the program solves again. The new split is
+measured in turn, while the measured bottleneck improves, for a bounded number of rounds and
+seconds; the best plan measured is kept, not the last one, and it lists every round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import networkx as nx
+
+from ..runtime.plan import Plan
+
+MAX_ROUNDS = 3
+"""Rounds after the first measured plan, by default: each costs one calibration of a new split."""
+
+MAX_SECONDS = 120.0
+"""No new round starts once the loop has run this long."""
+
+
+def rebalanced(
+    raw: Plan,
+    cost: nx.DiGraph,
+    cut: Callable[[nx.DiGraph], Plan],
+    measure: Callable[[Plan], Plan],
+    *,
+    rounds: int = MAX_ROUNDS,
+    seconds: float = MAX_SECONDS,
+    first: Plan | None = None,
+) -> Plan:
+    """The best measured plan among ``raw`` and the splits cut from costs corrected by measurement.
+
+    ``raw`` was cut from ``cost`` by ``cut``; ``measure(plan)`` returns the plan with its stage times
+    measured (a calibrated plan, ``plan.calibration`` set). Each round scales ``cost`` by the last
+    plan's measured / profiled stage times and cuts again. It stops when a round's measured
+    bottleneck is no better than the best so far, when a split repeats, after ``rounds`` rounds, or
+    once ``seconds`` have passed. ``first``: ``raw`` measured already. The plan returned has
+    ``rounds``: per split measured, its operations per stage, its profiled and measured bottleneck
+    and lower bound, and which was chosen.
+    """
+    started = time.perf_counter()
+    best = measured = first if first is not None else measure(raw)
+    history = [_round(raw, measured)]
+    tried = {_split(raw)}
+    current, current_cost, chosen = raw, cost, 0
+    for _ in range(max(0, rounds)):
+        if measured.calibration is None or time.perf_counter() - started > seconds:
+            break
+        current_cost = folded(current_cost, current, measured)
+        current = cut(current_cost)
+        if _split(current) in tried:
+            break
+        tried.add(_split(current))
+        measured = measure(current)
+        history.append(_round(current, measured))
+        if measured.bottleneck_s >= best.bottleneck_s:
+            break
+        best, chosen = measured, len(history) - 1
+    for i, row in enumerate(history):
+        row["chosen"] = i == chosen
+    return replace(best, rounds=history)
+
+
+def stage_ratios(raw: Plan, measured: Plan) -> list[tuple[float, float]]:
+    """Per stage of ``raw``, its measured / profiled forward and backward time (``measured`` is
+    ``raw`` calibrated; 1.0 where the profile says zero)."""
+    def ratio(measured_s: float, profiled_s: float) -> float:
+        return measured_s / profiled_s if profiled_s > 0 else 1.0
+
+    return [(ratio(m.forward_s, p.forward_s), ratio(m.backward_s, p.backward_s))
+            for p, m in zip(raw.stages, measured.stages)]
+
+
+def folded(cost: nx.DiGraph, raw: Plan, measured: Plan) -> nx.DiGraph:
+    """``cost`` with each operation of a stage of ``raw`` scaled by that stage's measured / profiled
+    forward and backward time (``measured`` is ``raw`` calibrated, ``raw`` was cut from ``cost``),
+    so each stage adds up to what it measured. Round after round this is a fixed-point iteration:
+    an operation that moves takes its new stage's correction on top of its old one. Operations in
+    no stage keep their costs."""
+    scaled = cost.copy()
+    for stage, (forward, backward) in zip(raw.stages, stage_ratios(raw, measured)):
+        for node in stage.nodes:
+            if node in scaled:
+                attrs = scaled.nodes[node]
+                attrs["forward_s"] = attrs.get("forward_s", 0.0) * forward
+                attrs["backward_s"] = attrs.get("backward_s", 0.0) * backward
+    return scaled
+
+
+def _split(plan: Plan) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(s.nodes) for s in plan.stages)
+
+
+def _round(raw: Plan, measured: Plan) -> dict[str, Any]:
+    return {
+        "balance": raw.balance,
+        "profiled_bottleneck_s": raw.bottleneck_s,
+        "profiled_lower_bound_s": raw.lower_bound_s,
+        "measured_bottleneck_s": measured.bottleneck_s,
+        "measured_lower_bound_s": measured.lower_bound_s,
+    }
