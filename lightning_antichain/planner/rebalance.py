@@ -6,8 +6,8 @@ and the other stage compete. Calibration (:mod:`.calibration`) measures the real
 plan. Here they are folded back into the costs the dynamic program sees: every operation of a
 stage is scaled by that stage's measured / profiled ratio (forward and backward apart), so the costs of each stage add
 up to what it measured, and the program solves again. The new split is
-measured in turn, while the measured bottleneck improves, for a bounded number of rounds and
-seconds; the best plan measured is kept, not the last one, and it lists every round.
+measured in turn, for a bounded number of rounds and seconds, until a split repeats; the best
+plan measured is kept, not the last one, and it lists every round.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def rebalanced(
 
     ``raw`` was cut from ``cost`` by ``cut``; ``measure(plan)`` returns the plan with its stage times
     measured (a calibrated plan, ``plan.calibration`` set). Each round scales ``cost`` by the last
-    plan's measured / profiled stage times and cuts again. It stops when a round's measured
-    bottleneck is no better than the best so far, when a split repeats, after ``rounds`` rounds, or
-    once ``seconds`` have passed. ``first``: ``raw`` measured already. The plan returned has
-    ``rounds``: per split measured, its operations per stage, its profiled and measured bottleneck
-    and lower bound, and which was chosen.
+    plan's measured / profiled stage times and cuts again, also after a round that measured worse
+    (one noisy measurement should not end the search; the best is kept). It stops when a split
+    repeats, after ``rounds`` rounds, or once ``seconds`` have passed. ``first``: ``raw`` measured
+    already. The plan returned has ``rounds``: per split measured, its operations per stage, its
+    profiled and measured bottleneck and lower bound, and which was chosen.
     """
     started = time.perf_counter()
     best = measured = first if first is not None else measure(raw)
@@ -63,9 +63,8 @@ def rebalanced(
         tried.add(_split(current))
         measured = measure(current)
         history.append(_round(current, measured))
-        if measured.bottleneck_s >= best.bottleneck_s:
-            break
-        best, chosen = measured, len(history) - 1
+        if measured.bottleneck_s < best.bottleneck_s:
+            best, chosen = measured, len(history) - 1
     for i, row in enumerate(history):
         row["chosen"] = i == chosen
     return replace(best, rounds=history)
