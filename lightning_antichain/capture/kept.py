@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .specialization import constant_key
+from .specialization import constant_key, input_key
 
 MISSING = object()
 """An attribute the module did not have."""
@@ -109,7 +109,4 @@ def _describe(value: Any) -> Hashable:
     if value is MISSING:
         return "missing"
     leaves, spec = pytree.tree_flatten(value)
-    return str(spec), tuple(
-        ("tensor", tuple(v.shape), str(v.dtype), v.device.type) if isinstance(v, torch.Tensor) else constant_key(v)
-        for v in leaves
-    )
+    return str(spec), input_key(leaves, [None] * len(leaves))

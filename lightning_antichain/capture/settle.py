@@ -47,9 +47,10 @@ def settle(
         return first, None
     again = {a.path for a in second.assignments}
     cached = [a for a in first.assignments if a.path not in again]
-    batch_dependent = [a.path for a in cached if any(getattr(v, "per_sample", False) or getattr(
+    # a cache of the batch's values, or of parameters that training changes, is no cache of shapes
+    stale_later = [a.path for a in cached if any(getattr(v, "per_sample", False) or getattr(
         v, "requires_grad", False) for v in a.leaves)]
-    settles = bool(cached) and not batch_dependent and _only_first_does_is_pure(first, second)
+    settles = bool(cached) and not stale_later and _only_first_does_is_pure(first, second)
     if settles and second.assignments:
         third, _ = _after_one_call(module, call, second, capture_again)
         settles = _replays(second, third)
