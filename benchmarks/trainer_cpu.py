@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_antichain import AntichainPipelineStrategy
-from lightning_antichain.runtime.worker import WorkerPool, share_malloc_arena
+from lightning_antichain.runtime.worker import WorkerPool, keep_freed_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -126,7 +126,7 @@ def run_variant(name: str, batch: int, chunks: int | str | None, steps: int,
 
 def machine_capacity(repeats: int = 5) -> float:
     """Two threads each training their own ResNet-18 (batch 64) against one thread training both."""
-    share_malloc_arena()
+    keep_freed_memory()
     models = [torchvision.models.resnet18(num_classes=10) for _ in range(2)]
     xs = [torch.randn(64, 3, 32, 32) for _ in range(2)]
 

@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--rebalance-rounds", type=int, default=DEFAULTS.rebalance_rounds,
                       help="after timing CPU stages, cut again on their measured times for at most this many "
                            "rounds, keeping the best split measured (0: keep the profile's split; default %(default)s)")
+    plan.add_argument("--cpu-threads", type=int, default=DEFAULTS.cpu_threads,
+                      help="intra-op threads of each CPU stage, which profiling uses too (default: the cores shared "
+                           "evenly among the CPU stages)")
     plan.add_argument("--save-profile", help="save the cost graph as JSON for later --load-profile")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     plan.add_argument("--output", help="save the plan as JSON to this file")
@@ -243,6 +246,7 @@ def _plan(args: argparse.Namespace) -> int:
         use_profile_cache=not args.no_profile_cache,
         calibrate=not args.no_calibrate,
         rebalance_rounds=args.rebalance_rounds,
+        cpu_threads=args.cpu_threads,
         progress=not args.quiet,
     )
     planned = plan_model(model, (example,), {}, _stage_devices(args.device, args.stages), options, name=args.model,

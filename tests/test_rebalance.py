@@ -13,7 +13,7 @@ import networkx as nx
 import pytest
 
 import lightning_antichain as la
-from lightning_antichain.planner.rebalance import folded, rebalanced
+from lightning_antichain.planner.rebalance import folded, in_context, rebalanced
 
 
 def chain(n: int = 12) -> nx.DiGraph:
@@ -26,9 +26,10 @@ def chain(n: int = 12) -> nx.DiGraph:
     return graph
 
 
-def measuring(slowdown: dict[str, float]):
+def measuring(slowdown: dict[str, float], timed: bool = False):
     """A calibration where operation ``v`` takes ``slowdown[v]`` times its profiled time in context
-    (large early activations, say), and each stage what its operations take."""
+    (large early activations, say), and each stage what its operations take; ``timed``: it also
+    reports what each operation took in its stage, as calibration's op clock does."""
 
     calls: list[la.Plan] = []
 
@@ -41,9 +42,14 @@ def measuring(slowdown: dict[str, float]):
             backward = sum(profile.nodes[v]["backward_s"] * slowdown.get(v, 1.0) for v in stage.nodes)
             stages.append(dataclasses.replace(stage, forward_s=forward, backward_s=backward))
         total = sum(s.compute_s for s in stages)
-        return dataclasses.replace(plan, stages=stages, bottleneck_s=max(s.time_s for s in stages),
+        plan = dataclasses.replace(plan, stages=stages, bottleneck_s=max(s.time_s for s in stages),
                                    lower_bound_s=total / len(stages), total_compute_s=total,
                                    calibration={"profiled_bound_ratio": plan.bound_ratio})
+        if timed:
+            plan.calibration["operations"] = {
+                v: (profile.nodes[v]["forward_s"] * slowdown.get(v, 1.0),
+                    profile.nodes[v]["backward_s"] * slowdown.get(v, 1.0)) for v in profile}
+        return plan
 
     return measure, calls
 
@@ -132,3 +138,41 @@ def test_the_public_entry_point_plans_as_the_strategy_for_the_same_profile_and_c
 
     assert kept(from_function) == kept(from_strategy)
     assert from_function.calibration["read_from"] is not None  # read, not measured again
+
+
+def true_best(slowdown: dict[str, float]) -> la.Plan:
+    """The split the DP makes when it knows what every operation takes in context."""
+    cost = chain()
+    for v, factor in slowdown.items():
+        cost.nodes[v]["forward_s"] *= factor
+        cost.nodes[v]["backward_s"] *= factor
+    return cut(cost)
+
+
+@pytest.mark.parametrize("slowdown", SLOWDOWNS[1:])
+def test_operations_timed_in_context_lead_to_the_balanced_split_in_one_round(slowdown):
+    cost = chain()
+    measure, calls = measuring(slowdown, timed=True)
+    best = rebalanced(cut(cost), cost, cut, measure)
+    assert len(best.rounds) >= 2
+    assert best.rounds[1]["balance"] == true_best(slowdown).balance  # no fixed point to walk to
+    assert best.bottleneck_s == pytest.approx(measure(true_best(slowdown)).bottleneck_s)
+
+
+def test_in_context_times_share_each_stage_by_what_its_operations_took():
+    cost = chain()
+    raw = cut(cost)
+    measure, _ = measuring({"op0": 3.0, "op9": 0.5}, timed=True)
+    measured = measure(raw)
+    # the stage times also hold what the op clock cannot see (the runtime's own work): scale them
+    measured.stages[0].forward_s *= 1.2
+    shares = in_context(cost, measured)
+    for stage in measured.stages:
+        for i, key in enumerate(("forward_s", "backward_s")):
+            assert sum(shares[v][i] for v in stage.nodes) == pytest.approx(getattr(stage, key))
+    assert shares["op0"][0] == pytest.approx(3 * shares["op1"][0])  # in proportion to the clock
+    assert shares["op9"][1] == pytest.approx(0.5 * shares["op10"][1])
+    measured.calibration["operations"] = {v: (0.0, t[1]) for v, t in measured.calibration["operations"].items()}
+    shares = in_context(cost, measured)  # no forward times: shared as the profile does
+    assert shares["op0"][0] == pytest.approx(shares["op1"][0])
+    assert in_context(cost, raw) == {}  # not calibrated: nothing to share

@@ -41,6 +41,7 @@ from typing_extensions import override
 from ..capture.pytrees import map_tensors
 from ..capture.signature import split_inputs
 from ..planner.planning import default_memory_gb
+from ..runtime.cpu_threads import stage_threads
 from ..runtime.materialize import has_meta_state, load_state_dict, materialize, meta_attributes
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions, renamed_recompute
@@ -82,6 +83,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
         use_profile_cache: read and write that cache.
         calibrate: time a few steps of a plan whose stages share the CPU and predict from them
             (:mod:`lightning_antichain.planner.calibration`); seconds once, then cached with the profiles.
+        rebalance_rounds: after calibration, cut again on the stage times measured for at most
+            this many rounds, keeping the best split measured (0: keep the profile's split).
+        cpu_threads: intra-op threads of each CPU stage, which planning profiles with too. Default:
+            the cores shared evenly among the CPU stages of all replicas on the node.
         log_stage_times: log each stage's measured busy time of the previous step
             (``pipeline/stage{k}_busy_ms``) from ``training_step``.
         stages: devices per pipeline. Default: all of a node's devices, one pipeline per node. With
@@ -123,6 +128,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
         profile_cache: str | None = None,
         use_profile_cache: bool = True,
         calibrate: bool = True,
+        rebalance_rounds: int = 3,
+        cpu_threads: int | None = None,
         log_stage_times: bool = False,
         stages: int | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
@@ -143,7 +150,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
             leaf_modules=tuple(leaf_modules or ()), deferred_batch_norm=deferred_batch_norm,
             balance=None if balance is None else tuple(balance), bandwidth_gbps=bandwidth_gbps, memory_gb=memory_gb,
             optimizer_multiplier=optimizer_multiplier, profile_cache=Path(profile_cache) if profile_cache else None,
-            use_profile_cache=use_profile_cache, calibrate=calibrate,
+            use_profile_cache=use_profile_cache, calibrate=calibrate, rebalance_rounds=rebalance_rounds,
+            cpu_threads=cpu_threads,
         )
         self.module_path = module
         if placement is not None and (not placement or any(not isinstance(i, int) or i < 0 for i in placement)):
@@ -337,6 +345,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
                 f"{self.stages_per_replica} devices (0 to {self.stages_per_replica - 1}); give more devices or "
                 "name fewer"
             )
+        if self.options.cpu_threads is None and self.num_processes > 1:  # replicas share the node's cores too
+            threads = stage_threads(self.stage_devices)
+            if threads is not None:
+                self.options = self._planned.options = self.options.replace(
+                    cpu_threads=max(1, threads // self.num_processes))
         stages = self._requested_stages()
         if stages is not None and stages != len(self.stage_devices):
             what = "the plan" if self.plan_path else "the balance"

@@ -7,7 +7,9 @@ slowed each other far more than two stages of one pipeline do (docs/benchmarks.m
 stages slow each other"). So a plan whose stages share the CPU is run for a few steps before it is
 trusted: its micro-batches one at a time (what each stage's forward and backward take alone) and
 pipelined (how much the stages slow each other while they overlap). The plan's stage times and
-parallel capacity become the runtime's own. Results are cached next to the profiles, and the
+parallel capacity become the runtime's own. One micro-batch of each step also has its operations
+timed inside their stages (:mod:`~lightning_antichain.runtime.op_clock`), which the planner's
+loop (:mod:`.rebalance`) cuts again on. Results are cached next to the profiles, and the
 module is left as it was found: parameters, gradients, buffers, attributes and random state.
 """
 
@@ -18,7 +20,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from ..runtime import microbatch
 from ..runtime.batch_dims import call_dims
 from ..runtime.device import shares_host
 from ..runtime.materialize import has_meta_state
+from ..runtime.op_clock import OpClock
 from ..runtime.plan import Plan, recomputed_micro_batches
 from ..runtime.schedule import Task, Timed
 from .cache import DamagedEntry, entry_key, entry_path, read_entry, write_entry
@@ -54,6 +57,10 @@ class Calibration:
     pipelined_step_s: float
     pipelined_span_s: float
     steps: int
+    #: per operation, the seconds its forward and backward took inside its stage's passes (median
+    #: over the steps; :mod:`~lightning_antichain.runtime.op_clock`), which the planner folds into
+    #: its costs; empty where they were not timed
+    operations: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def applies_to(plan: Plan, graph: OpGraph | None) -> bool:
@@ -77,11 +84,13 @@ def calibrate(
     max_steps: int = 15,
     seconds: float = 6.0,
     progress: bool = True,
+    cpu_threads: int | None = None,
 ) -> Calibration:
     """Run ``plan`` on the batch ``args, kwargs`` (``plan.chunks`` micro-batches), pipelined and one
     micro-batch at a time in turn, and read its tasks' times: one round to warm up, then as many as
     fill ``seconds`` (at least ``steps``, at most ``max_steps``), so that a passing slowdown of a
-    shared machine is outvoted by the median."""
+    shared machine is outvoted by the median. ``cpu_threads``: the stages' intra-op threads, as
+    the Pipeline option."""
     from ..runtime.pipeline import Pipeline
 
     call_args, call_kwargs, dims = call_dims(module, args, kwargs, batch_dim)
@@ -89,8 +98,10 @@ def calibrate(
     count = len(micro_batches)
     recomputed = recomputed_micro_batches(recompute, count)
     shared = [shares_host(s.device) for s in plan.stages]
-    options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False}
+    options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False,
+                               "cpu_threads": cpu_threads}
     rounds: list[tuple[float, list[dict[Task, float]], list[list[Timed]]]] = []
+    operations: list[dict[str, tuple[float, float]]] = []
     with untouched(module), Pipeline(module, plan, chunks=plan.chunks, recompute=recompute, **options) as piped, \
             Pipeline(module, plan, chunks=1, **options) as single:
 
@@ -100,14 +111,18 @@ def calibrate(
             elapsed = time.perf_counter() - started
             timed = [list(stage) for stage in piped.last_step.timed]
             alone = []
-            for micro_args, micro_kwargs in micro_batches:
-                backward_from(single(*micro_args, **micro_kwargs))
+            for m, (micro_args, micro_kwargs) in enumerate(micro_batches):
+                if m == 0 and single.stages:
+                    operations.append(_clocked_pass(single, micro_args, micro_kwargs))
+                else:
+                    backward_from(single(*micro_args, **micro_kwargs))
                 alone.append({t.task: t.end - t.start for stage in single.last_step.timed for t in stage})
             return elapsed, alone, timed
 
         started = time.perf_counter()
         one_round()
         round_s = time.perf_counter() - started
+        operations.clear()
         wanted = max(steps, min(max_steps, math.ceil(seconds / max(round_s, 1e-9))))
         reporter = Progress(wanted, enabled=progress, unit="steps",
                             label=f"calibrating {plan.model or type(module).__name__} on {count} micro-batches")
@@ -117,10 +132,11 @@ def calibrate(
     reporter.close()
     forward, backward, capacities = [], [], []
     for _, alone, timed in rounds:
+        unclocked = alone[1:] or alone  # the clock adds a little to the first micro-batch's times
         # .get: a stage is not bound to run a backward when nothing in it needs a gradient
-        forward.append([statistics.fmean(a.get(Task("forward", k, 0), 0.0) for a in alone)
+        forward.append([statistics.fmean(a.get(Task("forward", k, 0), 0.0) for a in unclocked)
                         for k in range(plan.num_stages)])
-        backward.append([statistics.fmean(a.get(Task("backward", k, 0), 0.0) for a in alone)
+        backward.append([statistics.fmean(a.get(Task("backward", k, 0), 0.0) for a in unclocked)
                          for k in range(plan.num_stages)])
         work = {}
         for m, a in enumerate(alone):
@@ -138,7 +154,34 @@ def calibrate(
         pipelined_step_s=statistics.median(r[0] for r in rounds),
         pipelined_span_s=statistics.median(span_s(r[2]) for r in rounds),
         steps=len(rounds),
+        operations=_medians(operations),
     )
+
+
+def _clocked_pass(single: Any, args: tuple, kwargs: dict) -> dict[str, tuple[float, float]]:
+    """One forward and backward of the one-micro-batch pipeline ``single`` with its operations timed
+    in context: per operation, its forward and backward seconds."""
+    clocks = [OpClock() for _ in single.stages]
+    for stage, clock in zip(single.stages, clocks):
+        stage.clock = clock
+    try:
+        backward_from(single(*args, **kwargs))
+    finally:
+        for stage in single.stages:
+            stage.clock = None
+    record = single.last_step
+    for tasks in record.timed:
+        for timed in tasks:
+            if timed.task.phase == "backward":
+                clocks[timed.task.stage].backward_ended(record.started_at + timed.end)
+    return {name: (clock.forward_s.get(name, 0.0), clock.backward_s.get(name, 0.0))
+            for clock in clocks for name in {*clock.forward_s, *clock.backward_s}}
+
+
+def _medians(passes: list[dict[str, tuple[float, float]]]) -> dict[str, tuple[float, float]]:
+    names = {name for times in passes for name in times}
+    return {name: (statistics.median(p.get(name, (0.0, 0.0))[0] for p in passes),
+                   statistics.median(p.get(name, (0.0, 0.0))[1] for p in passes)) for name in sorted(names)}
 
 
 def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) -> Plan:
@@ -184,7 +227,8 @@ def load(directory: Path, key: str, stages: int) -> Calibration | None:
 def _parsed(data: Any, stages: int) -> Calibration:
     found = Calibration(tuple(map(float, data["forward_s"])), tuple(map(float, data["backward_s"])),
                         None if data["parallel_capacity"] is None else float(data["parallel_capacity"]),
-                        float(data["pipelined_step_s"]), float(data["pipelined_span_s"]), int(data["steps"]))
+                        float(data["pipelined_step_s"]), float(data["pipelined_span_s"]), int(data["steps"]),
+                        {str(k): (float(v[0]), float(v[1])) for k, v in data.get("operations", {}).items()})
     if not len(found.forward_s) == len(found.backward_s) == stages:
         raise DamagedEntry(f"it has times for {len(found.forward_s)} stages, not {stages}")
     if any(t < 0 for t in found.forward_s + found.backward_s):

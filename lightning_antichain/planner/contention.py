@@ -10,7 +10,6 @@ planner's prediction of a step uses it.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,15 +19,17 @@ from torch import nn
 
 from ..capture.pytrees import iter_tensors
 from ..runtime.schedule import Task, Timed
-from ..runtime.worker import WorkerPool, share_malloc_arena
+from ..runtime.worker import WorkerPool, keep_freed_memory
 
 
 def parallel_capacity(steps: list[Callable[[], None]], repeats: int) -> tuple[float | None, float]:
     """Work done by two threads running ``steps`` (one each, on their own copies of the inputs) at
     once, in units of one thread alone (2.0: no contention), and the seconds one step takes alone.
     ``None`` where the model cannot train on two threads at once (the calibration measures it then)."""
-    share_malloc_arena()  # as CPU pipelines do, so the threads contend as theirs will
-    alone_pool, pair_pool = WorkerPool(1, name="antichain-alone"), WorkerPool(2, name="antichain-pair")
+    keep_freed_memory()  # as CPU pipelines do, so the threads contend as theirs will
+    threads = torch.get_num_threads()  # the stages' count, which planning profiles with
+    alone_pool = WorkerPool(1, name="antichain-alone", threads=threads)
+    pair_pool = WorkerPool(2, name="antichain-pair", threads=threads)
     alone, together = [], []
     paired = True
     try:
@@ -65,13 +66,6 @@ def training_step(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], 
                 torch.autograd.grad(outs, params, [torch.ones_like(t) for t in outs], allow_unused=True)
 
     return step
-
-
-def cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def runtime_capacity(timed: Sequence[Sequence[Timed]], work: Mapping[Task, float], shared: Sequence[bool],

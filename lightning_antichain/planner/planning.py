@@ -25,11 +25,13 @@ from ..capture.isolation import keeps_random_state, planned_in_training
 from ..capture.signature import original_forward
 from ..runtime import microbatch
 from ..runtime.batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
+from ..runtime.cpu_threads import intra_op_threads, stage_threads
 from ..runtime.device import is_accelerator, same_device
 from ..runtime.device import memory_gb as device_memory_gb
 from ..runtime.materialize import has_meta_state
 from ..runtime.options import PipelineOptions
 from ..runtime.plan import Plan
+from ..runtime.worker import keep_freed_memory
 from . import calibration
 from .cache import default_cache_dir, usable_cache_dir
 from .optimizer_memory import UNKNOWN_OPTIMIZER_MULTIPLIER
@@ -88,8 +90,28 @@ def _in_training(fn: Callable[..., Planned]) -> Callable[..., Planned]:
     return planned
 
 
+def _as_cpu_stages_run(fn: Callable[..., Planned]) -> Callable[..., Planned]:
+    """``fn`` profiling and calibrating as the CPU stages among its devices will run: with their
+    intra-op thread count (:mod:`~lightning_antichain.runtime.cpu_threads`) and malloc keeping
+    freed memory (:func:`~lightning_antichain.runtime.worker.keep_freed_memory`)."""
+
+    @functools.wraps(fn)
+    def planned(module: nn.Module | None, args: tuple, kwargs: dict, devices: Sequence[str | torch.device],
+                options: PipelineOptions | None = None, **rest: Any) -> Planned:
+        settings = {k: v for k, v in rest.items() if k not in ("optimizers", "name", "cost")}
+        chosen = (options or PipelineOptions()).replace(**settings)
+        threads = stage_threads(devices, chosen.cpu_threads)
+        if threads is not None and chosen.share_cpu_allocator:
+            keep_freed_memory()
+        with intra_op_threads(threads):
+            return fn(module, args, kwargs, devices, options, **rest)
+
+    return planned
+
+
 @keeps_random_state
 @_in_training
+@_as_cpu_stages_run
 def plan_model(
     module: nn.Module | None,
     args: tuple,
@@ -160,7 +182,7 @@ def plan_model(
         read_from = calibration.calibration_file(directory, calibration_key) if found is not None else None
         if found is None:
             found = calibration.calibrate(module, graph, plan, args, kwargs, batch_dim=batch_dim, recompute=recompute,
-                                          progress=progress)
+                                          progress=progress, cpu_threads=options.cpu_threads)
             if use_profile_cache:
                 calibration.store(directory, calibration_key, found)
         return calibration.calibrated(plan, found, read_from)

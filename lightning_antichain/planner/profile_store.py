@@ -33,7 +33,8 @@ def profile_key(graph: OpGraph, module: nn.Module, example: Any, device: torch.d
     state = [(name, tuple(t.shape), str(t.dtype)) for name, t in [*module.named_parameters(), *module.named_buffers()]]
     inputs = [(tuple(t.shape), str(t.dtype)) for t in iter_tensors(example)]
     autocast = [str(dtype) for _, dtype in autocast_settings()]
-    return entry_key("profile", code, state, inputs, device_name(device), autocast, torch.__version__)
+    return entry_key("profile", code, state, inputs, device_name(device), autocast, torch.__version__,
+                     torch.get_num_threads())
 
 
 def profile_file(directory: Path, key: str) -> Path:

@@ -28,13 +28,14 @@ from ..capture.isolation import keeps_random_state
 from ..capture.pytrees import iter_tensors, map_tensors
 from ..capture.signature import split_inputs
 from ..runtime.batch_dims import batch_size_of
+from ..runtime.cpu_threads import cpu_cores
 from ..runtime.device import device_name, shares_host, timed
 from ..runtime.device import memory_gb as device_memory_gb
 from ..runtime.materialize import has_meta_state
 from ..runtime.microbatch import MicroBatchError
 from ..runtime.saved_tensors import saved_per_call, state_storages
 from . import overhead
-from .contention import cpu_cores, parallel_capacity, training_step
+from .contention import parallel_capacity, training_step
 from .cost_graph import GRAPH_FORMAT
 from .just_in_time import profile_just_in_time
 from .progress import Progress

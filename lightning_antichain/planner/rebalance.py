@@ -3,11 +3,12 @@
 The dynamic program balances the per-operation profile, and a stage in context does not take the
 sum of its operations timed one by one: large early activations miss the caches, intra-op threads
 and the other stage compete. Calibration (:mod:`.calibration`) measures the real stage times of a
-plan. Here they are folded back into the costs the dynamic program sees: every operation of a
-stage is scaled by that stage's measured / profiled ratio (forward and backward apart), so the costs of each stage add
-up to what it measured, and the program solves again. The new split is
-measured in turn, for a bounded number of rounds and seconds, until a split repeats; the best
-plan measured is kept, not the last one, and it lists every round.
+plan and what each operation took inside its stage. Here they are folded back into the costs the
+dynamic program sees: each stage's measured time is shared among its operations in proportion to
+their in-context times (:func:`in_context`), so the costs of each stage add up to what it
+measured, and the program solves again. The new split is measured in turn, for a bounded number
+of rounds and seconds, until a split repeats; the best plan measured is kept, not the last one,
+and it lists every round.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def rebalanced(
     """The best measured plan among ``raw`` and the splits cut from costs corrected by measurement.
 
     ``raw`` was cut from ``cost`` by ``cut``; ``measure(plan)`` returns the plan with its stage times
-    measured (a calibrated plan, ``plan.calibration`` set). Each round scales ``cost`` by the last
-    plan's measured / profiled stage times and cuts again, also after a round that measured worse
+    measured (a calibrated plan, ``plan.calibration`` set). Each round gives every operation the
+    mean of its in-context shares measured so far (:func:`in_context`; without operation times,
+    the last plan's stage ratios scale ``cost``: :func:`folded`) and cuts again, also after a round that measured worse
     (one noisy measurement should not end the search; the best is kept). It stops when a split
     repeats, after ``rounds`` rounds, or once ``seconds`` have passed. ``first``: ``raw`` measured
     already. The plan returned has ``rounds``: per split measured, its operations per stage, its
@@ -53,10 +55,17 @@ def rebalanced(
     history = [_round(raw, measured)]
     tried = {_split(raw)}
     current, current_cost, chosen = raw, cost, 0
+    seen: dict[str, list[tuple[float, float]]] = {}
     for _ in range(max(0, rounds)):
         if measured.calibration is None or time.perf_counter() - started > seconds:
             break
-        current_cost = folded(current_cost, current, measured)
+        shares = in_context(cost, measured)
+        if shares:
+            for name, times in shares.items():
+                seen.setdefault(name, []).append(times)
+            current_cost = with_costs(cost, {name: _mean(times) for name, times in seen.items()})
+        else:  # a calibration that did not time its operations (read from an older cache)
+            current_cost = folded(current_cost, current, measured)
         current = cut(current_cost)
         if _split(current) in tried:
             break
@@ -94,6 +103,50 @@ def folded(cost: nx.DiGraph, raw: Plan, measured: Plan) -> nx.DiGraph:
                 attrs["forward_s"] = attrs.get("forward_s", 0.0) * forward
                 attrs["backward_s"] = attrs.get("backward_s", 0.0) * backward
     return scaled
+
+
+def in_context(cost: nx.DiGraph, measured: Plan) -> dict[str, tuple[float, float]]:
+    """Per operation of the calibrated plan ``measured``, its share of its stage's measured forward
+    and backward time, in proportion to what it took inside the stage's passes. Empty where the
+    calibration did not time them; a stage whose operations' times add up to zero shares its time
+    as the profile ``cost`` does instead."""
+    timed = (measured.calibration or {}).get("operations") or {}
+    if not timed:
+        return {}
+
+    def profiled(name: str, key: str) -> float:
+        return cost.nodes[name].get(key, 0.0) if name in cost else 0.0
+
+    shares: dict[str, tuple[float, float]] = {}
+    for stage in measured.stages:
+        forward = _shared(stage.forward_s, {n: timed.get(n, (0.0, 0.0))[0] for n in stage.nodes},
+                          {n: profiled(n, "forward_s") for n in stage.nodes})
+        backward = _shared(stage.backward_s, {n: timed.get(n, (0.0, 0.0))[1] for n in stage.nodes},
+                           {n: profiled(n, "backward_s") for n in stage.nodes})
+        shares.update((n, (forward[n], backward[n])) for n in stage.nodes)
+    return shares
+
+
+def with_costs(cost: nx.DiGraph, times: dict[str, tuple[float, float]]) -> nx.DiGraph:
+    """``cost`` with the forward and backward seconds of the operations in ``times`` replaced."""
+    changed = cost.copy()
+    for name, (forward, backward) in times.items():
+        if name in changed:
+            changed.nodes[name]["forward_s"] = forward
+            changed.nodes[name]["backward_s"] = backward
+    return changed
+
+
+def _shared(total: float, weights: dict[str, float], fallback: dict[str, float]) -> dict[str, float]:
+    for candidate in (weights, fallback):
+        whole = sum(candidate.values())
+        if whole > 0:
+            return {n: total * w / whole for n, w in candidate.items()}
+    return {n: total / len(weights) for n in weights} if weights else {}
+
+
+def _mean(times: list[tuple[float, float]]) -> tuple[float, float]:
+    return sum(t[0] for t in times) / len(times), sum(t[1] for t in times) / len(times)
 
 
 def _split(plan: Plan) -> tuple[tuple[str, ...], ...]:

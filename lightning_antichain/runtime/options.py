@@ -30,7 +30,9 @@ class PipelineOptions:
     ``"always"``), ``batch_dim`` (the inputs' dim that holds the samples, or a dict of them by
     argument name), ``check_batch`` (refuse a forward whose samples depend on each other),
     ``leaf_modules`` (kept whole by capture), ``deferred_batch_norm`` (update running statistics
-    once per batch), ``share_cpu_allocator`` (one malloc arena for CPU stages) and
+    once per batch), ``share_cpu_allocator`` (malloc keeps freed memory for CPU stages), ``cpu_threads`` (intra-op
+    threads of each CPU stage, which planning also profiles with; ``None``: the cores shared evenly
+    among the CPU stages) and
     ``measure_activations`` (count what each stage keeps for backward).
 
     Planning: ``balance`` (operations per stage instead of planning), ``method`` (the antichain DP
@@ -50,6 +52,7 @@ class PipelineOptions:
     leaf_modules: tuple[type | str, ...] = ()
     deferred_batch_norm: bool = False
     share_cpu_allocator: bool = True
+    cpu_threads: int | None = None
     measure_activations: bool = False
     balance: tuple[int, ...] | None = None
     method: str = "antichain"
@@ -73,6 +76,10 @@ class PipelineOptions:
         if isinstance(self.rebalance_rounds, bool) or not isinstance(self.rebalance_rounds, int) or (
                 self.rebalance_rounds < 0):
             raise ValueError(f"rebalance_rounds must be a whole number of at least 0, got {self.rebalance_rounds!r}")
+        if self.cpu_threads is not None and (
+                isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads is the intra-op threads of each CPU stage: a whole number of at least 1, "
+                             f"or None to share the cores among the CPU stages; got {self.cpu_threads!r}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be None or 'children', got {self.fallback!r}")
         balance = self.balance

@@ -35,6 +35,7 @@ from .batch_dims import (
 )
 from .batchnorm import deferred_batch_norm
 from .captures import Captures, Runnable
+from .cpu_threads import stage_threads
 from .device import shares_host
 from .engine import PassState, StepRecord, run_forward
 from .options import PipelineOptions
@@ -44,7 +45,7 @@ from .randomness import step_seed
 from .saved_tensors import HeldMemory, state_storages
 from .schedule import make_schedule
 from .split import PlanMismatchError
-from .worker import WorkerPool, share_malloc_arena
+from .worker import WorkerPool, keep_freed_memory
 
 
 class Pipeline(nn.Module):
@@ -68,11 +69,12 @@ class Pipeline(nn.Module):
     placing it instead. ``deferred_batch_norm`` updates BatchNorm running statistics once per step
     from the whole batch instead of once per micro-batch (normalisation itself always uses
     micro-batch statistics).
-    ``share_cpu_allocator`` lets worker threads share glibc's main malloc arena when a stage runs
-    on CPU (see :func:`lightning_antichain.runtime.worker.share_malloc_arena` for why). ``batch_dim`` is
-    the dim of the inputs that holds the samples, as DataParallel's ``dim`` (1 for a sequence-first
-    ``nn.GRU``), or a dict by ``forward``'s argument names for inputs that differ (others: 0). Each
-    output is joined on the dim that follows the micro-batch sizes (``batch_dim`` where several do).
+    ``share_cpu_allocator`` makes glibc's malloc keep freed memory for reuse, in one arena for
+    all threads, when a stage runs on CPU (see :func:`lightning_antichain.runtime.worker.keep_freed_memory`
+    for why). ``batch_dim`` is the dim of the inputs that holds the samples, as DataParallel's
+    ``dim`` (1 for a sequence-first ``nn.GRU``), or a dict by ``forward``'s argument names for inputs
+    that differ (others: 0). Each output is joined on the dim that follows the micro-batch sizes
+    (``batch_dim`` where several do).
     ``measure_activations`` counts what each stage keeps for backward (saved tensors, and the inputs
     and outputs of its micro-batches, each storage once, parameters left out) into
     :attr:`last_activation_bytes`: an exact count, at the price of a Python call per saved tensor.
@@ -116,8 +118,8 @@ class Pipeline(nn.Module):
         self._captures = Captures(module, plan, self._devices, chunks, batch_dim, self.leaf_modules)
         self._run: Runnable | None = None  # the one the last call ran
         if share_cpu_allocator and any(shares_host(d) for d in self._devices):
-            share_malloc_arena()
-        self._pool = WorkerPool(plan.num_stages)
+            keep_freed_memory()
+        self._pool = WorkerPool(plan.num_stages, threads=stage_threads(self._devices, options.cpu_threads))
         #: what the stages did in the last training step, forward and backward: each task with when
         #: it ran, to set beside the plan's predicted :meth:`~lightning_antichain.runtime.plan.Plan.timeline`
         self.last_step: StepRecord | None = None

@@ -29,6 +29,7 @@ from ..capture.mutations import is_in_place, may_alias
 from ..capture.pytrees import flatten, unflatten
 from .device import StageStreams, stage_streams
 from .materialize import materialize
+from .op_clock import OpClock, clocked_module, watching
 from .plan import Plan
 from .randomness import seed_random_nodes
 
@@ -52,6 +53,8 @@ class StageModule:
     #: the operations that may draw random numbers, each drawing from its own generators
     #: (:mod:`lightning_antichain.runtime.randomness`)
     random_nodes: tuple[str, ...] = ()
+    #: set while the stage's operations are timed in context (:mod:`~lightning_antichain.runtime.op_clock`)
+    clock: OpClock | None = None
 
     def __post_init__(self) -> None:
         if self.streams is None:
@@ -59,7 +62,15 @@ class StageModule:
 
     def __call__(self, leaves: list[Any], spec: Any) -> tuple[list[Any], Any]:
         """Run the stage on the flattened input values; returns its flattened output values."""
+        if self.clock is not None:
+            with watching(self.clock):
+                return flatten(self.clocked_module(*self.arguments(tuple(unflatten(leaves, spec)))))
         return flatten(self.module(*self.arguments(tuple(unflatten(leaves, spec)))))
+
+    @cached_property
+    def clocked_module(self) -> fx.GraphModule:
+        """The stage's graph reporting each operation to the clock watching it."""
+        return clocked_module(self.module)
 
     def arguments(self, values: tuple) -> tuple:
         """The values to call the stage with: inputs that the stage changes in place are copied.

@@ -5,11 +5,12 @@ fresh threads start on cold allocator memory), so a pipeline keeps its workers b
 They are started on first use and stopped by :meth:`WorkerPool.shutdown`, which the pipeline calls
 when it is closed or collected and after any failed pass, so an error never leaves a thread behind.
 
-On Linux with glibc, each thread that allocates gets its own malloc arena, and those arenas hand
-large freed blocks back to the system: every training step then faults its activation memory in
-again (here: 12k-25k page faults and 30-50 ms of system time per CNN step, none on the main
-thread). :func:`share_malloc_arena` makes new threads use the main arena instead, which removes
-that cost; pipelines on CPU call it unless told not to.
+On Linux with glibc, freed memory goes back to the system: each thread that allocates gets its own
+malloc arena, blocks over a threshold are mapped and unmapped one by one, and the top of the heap
+is trimmed. Every training step then faults its activation memory in again: 12k-25k page faults
+and 30-50 ms of system time per CNN step here, and stage times that change by 2x between runs of
+one split as the thresholds move. :func:`keep_freed_memory` makes the process keep what it freed
+for reuse, as PyTorch's own caching allocators do on GPUs; pipelines on CPU call it unless told not to.
 """
 
 from __future__ import annotations
@@ -24,34 +25,48 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 _STOP = object()
-_M_ARENA_MAX = -8  # from glibc's malloc.h
-_arena_shared = False
+# from glibc's malloc.h: the setting, the environment variable that wins over it, and our value
+_MALLOC_SETTINGS = (
+    (-8, "MALLOC_ARENA_MAX", 1),  # M_ARENA_MAX: worker threads allocate from the main arena
+    (-3, "MALLOC_MMAP_THRESHOLD_", 32 << 20),  # M_MMAP_THRESHOLD: blocks up to 32 MiB (glibc's most) reused
+    (-1, "MALLOC_TRIM_THRESHOLD_", (1 << 31) - 1),  # M_TRIM_THRESHOLD: the heap is never trimmed
+)
+_kept: bool | None = None
 
 
-def share_malloc_arena() -> bool:
-    """Limit glibc to one malloc arena (as ``MALLOC_ARENA_MAX=1`` would); ``True`` if it took effect.
-
-    A no-op off Linux, with another C library, or when ``MALLOC_ARENA_MAX`` is already set, which
-    then wins.
-    """
-    global _arena_shared
-    if _arena_shared or not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ:
-        return _arena_shared
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse (one arena, no mapping per block of up to
+    32 MiB, no trimming), as ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=33554432
+    MALLOC_TRIM_THRESHOLD_=2147483647`` would; ``True`` if it took effect. The process then holds on
+    to its peak heap. A no-op off Linux or with another C library; a setting already made in the
+    environment wins."""
+    global _kept
+    if _kept is not None:
+        return _kept
+    _kept = False
+    if not sys.platform.startswith("linux"):
+        return _kept
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        _arena_shared = bool(libc.mallopt(_M_ARENA_MAX, 1))
+        _kept = all(bool(libc.mallopt(option, value)) for option, variable, value in _MALLOC_SETTINGS
+                    if variable not in os.environ)
     except (OSError, AttributeError):
-        _arena_shared = False
-    return _arena_shared
+        _kept = False
+    return _kept
 
 
 class WorkerPool:
-    """``size`` daemon threads; :meth:`run` gives thread i the i-th task and waits for all of them."""
+    """``size`` daemon threads; :meth:`run` gives thread i the i-th task and waits for all of them.
+    With ``threads`` given, each computes with that many intra-op threads (``torch.set_num_threads``
+    is per thread); else with the count new threads get."""
 
-    def __init__(self, size: int, name: str = "antichain-stage") -> None:
+    def __init__(self, size: int, name: str = "antichain-stage", threads: int | None = None) -> None:
         self.size = size
         self.name = name
+        self.threads = threads
         self._inboxes: list[queue.Queue] = []
         self._threads: list[threading.Thread] = []
         # reentrant: an interrupt that lands as ``with`` leaves ``run`` can leave the lock taken
@@ -71,7 +86,7 @@ class WorkerPool:
     def _start(self) -> None:
         self._inboxes = [queue.Queue() for _ in range(self.size)]
         self._threads = [
-            threading.Thread(target=_serve, args=(inbox,), name=f"{self.name}-{i}", daemon=True)
+            threading.Thread(target=_serve, args=(inbox, self.threads), name=f"{self.name}-{i}", daemon=True)
             for i, inbox in enumerate(self._inboxes)
         ]
         for thread in self._threads:
@@ -194,7 +209,9 @@ def _uninterrupted(call: Callable[[], object]) -> None:
             continue
 
 
-def _serve(inbox: queue.Queue) -> None:
+def _serve(inbox: queue.Queue, threads: int | None) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
     while True:
         item = inbox.get()
         if item is _STOP:
