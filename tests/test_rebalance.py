@@ -176,3 +176,18 @@ def test_in_context_times_share_each_stage_by_what_its_operations_took():
     shares = in_context(cost, measured)  # no forward times: shared as the profile does
     assert shares["op0"][0] == pytest.approx(shares["op1"][0])
     assert in_context(cost, raw) == {}  # not calibrated: nothing to share
+
+
+def test_a_plans_balance_given_back_as_balance_makes_the_same_split():
+    """The loop's rounds list each split by ``plan.balance``, which counts the model's inputs in
+    the first stage; a user copying one into ``balance=`` gets that split."""
+    import torch
+    from models import SequentialCNN
+
+    cost = la.profile(SequentialCNN(), torch.randn(2, 3, 16, 16), repeats=1, warmup=0, progress=False)
+    planned = la.partition(cost, 3, chunks=4)
+    again = la.plan_from_balance(cost, planned.balance, chunks=4)
+    assert [s.nodes for s in again.stages] == [s.nodes for s in planned.stages]
+    operations = [planned.balance[0] - 1, *planned.balance[1:]]  # the input left out, as before
+    assert [s.nodes for s in la.plan_from_balance(cost, operations, chunks=4).stages] == [
+        s.nodes for s in planned.stages]

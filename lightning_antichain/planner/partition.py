@@ -123,13 +123,17 @@ def plan_from_balance(
     """A plan that puts ``balance[k]`` consecutive operations (in execution order) on stage k.
 
     For users who know the split they want (torchgpipe's ``balance``); the plan still reports the
-    predicted costs. The counts must be positive and add up to the number of operations.
+    predicted costs. The counts must be positive and add up to the number of operations, or to
+    that and the model's inputs, which the first stage holds (as a plan's ``balance`` lists them).
     ``memory_gb`` is recorded as each stage's budget, for the run-time check, not enforced here:
     the split is the user's.
     """
     started = time.perf_counter()
     graph = normalize_cost_graph(cost_graph)
     free = [v for v in ordered_nodes(graph) if not graph.nodes[v]["pinned"]]
+    inputs = len(graph) - len(free)
+    if inputs and balance and sum(balance) == len(free) + inputs and balance[0] > inputs:  # a plan's balance
+        balance = [balance[0] - inputs, *balance[1:]]
     if any(b < 1 for b in balance) or sum(balance) != len(free):
         raise InfeasiblePlanError(
             f"balance {list(balance)} must be positive counts adding up to the model's {len(free)} operations"
