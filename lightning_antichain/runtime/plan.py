@@ -241,13 +241,13 @@ class Plan:
             )
         if self.calibration is not None and self.calibration.get("profiled_bound_ratio") is not None:
             lines.append(f"measured balance: bottleneck x{self.bound_ratio:.3f} of the measured stages' bound; "
-                         f"the profile said x{self.calibration['profiled_bound_ratio']:.3f}")
+                         f"x{self.calibration['profiled_bound_ratio']:.3f} predicted when it was cut")
         if len(self.rounds) > 1:
-            lines.append(f"split measured in {len(self.rounds)} rounds (each cut again on the last one's measured "
-                         "stage times), the best kept:")
+            lines.append(f"split measured in {len(self.rounds)} rounds (each cut again on the operation times "
+                         "measured so far), the best kept:")
             for i, row in enumerate(self.rounds):
                 lines.append(
-                    f"  round {i}: {row['balance']} ops, profiled x"
+                    f"  round {i}: {row['balance']} ops, predicted x"
                     f"{row['profiled_bottleneck_s'] / row['profiled_lower_bound_s']:.3f}, measured bottleneck "
                     f"{1e3 * row['measured_bottleneck_s']:.2f} ms (x"
                     f"{row['measured_bottleneck_s'] / row['measured_lower_bound_s']:.3f})"
