@@ -78,7 +78,7 @@ def test_a_calibrated_plan_predicts_from_the_measured_stage_times_and_is_read_ba
     model = LongSkip()
     micro = torch.randn(4, 12)
     planned = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4, profile_cache=tmp_path,
-                                  progress=False)
+                                  progress=False, rebalance_rounds=0)
     plan = planned.plan
     found = plan.calibration
     assert found is not None and len(list(tmp_path.glob("calibration-*.json"))) == 1
@@ -88,14 +88,14 @@ def test_a_calibrated_plan_predicts_from_the_measured_stage_times_and_is_read_ba
     assert found["profiled_compute_s"] == [s.compute_s for s in
                                            planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4,
                                                                profile_cache=tmp_path, progress=False,
-                                                               calibrate=False).plan.stages]
+                                                               calibrate=False, rebalance_rounds=0).plan.stages]
     if found["parallel_capacity"] is not None:
         assert plan.parallel_capacity == found["parallel_capacity"]
     assert plan.predicted_step_s == pytest.approx(plan.predict_step())
     assert 3 <= found["steps"] <= 15 and f"calibrated on {found['steps']} steps of this plan" in plan.table()
     assert la.Plan.from_dict(json.loads(plan.to_json())).calibration == json.loads(json.dumps(found))
     again = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4, profile_cache=tmp_path,
-                                progress=False).plan
+                                progress=False, rebalance_rounds=0).plan
     assert again.predicted_step_s == plan.predicted_step_s  # read back, not measured again
     (cached,) = tmp_path.glob("calibration-*.json")
     assert found["read_from"] is None and again.calibration == {**found, "read_from": str(cached)}
@@ -130,13 +130,14 @@ def test_a_recomputed_micro_batch_is_charged_its_forward_again_in_backward(recom
 def test_a_damaged_cached_calibration_is_measured_again(tmp_path):
     model = LongSkip()
     micro = torch.randn(4, 12)
-    planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=2, profile_cache=tmp_path, progress=False)
+    planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=2, profile_cache=tmp_path, progress=False,
+                        rebalance_rounds=0)
     (cached,) = tmp_path.glob("calibration-*.json")
     key = cached.stem.removeprefix("calibration-")
     for damage in ('{"forward_s": [1.0], "backward_s": [1.0]}', "not json", '{"forward_s": [-1, 1]}'):
         cached.write_text(damage)
         with pytest.warns(UserWarning, match=f"ignoring the cached calibration {re.escape(str(cached))}"):
             plan = planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=2, profile_cache=tmp_path,
-                                       progress=False).plan
+                                       progress=False, rebalance_rounds=0).plan
         assert plan.calibration is not None and len(plan.calibration["forward_s"]) == 2
         assert calibration.load(tmp_path, key, 2) is not None  # rewritten whole

@@ -317,3 +317,40 @@ def test_a_model_too_big_for_a_quarter_of_the_gpu_is_profiled_one_operation_at_a
     if gpu_device.type == "cuda":
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         assert streamed.graph["profile_peak_bytes"] < model_bytes / 2
+
+
+def test_operations_are_timed_in_context_on_each_stage_stream(gpu_device, convnet_cost):
+    """The op clock (runtime/op_clock.py) on a GPU stage marks its compute stream with events: each
+    operation is timed, outputs and gradients are those of the plain module, and a pass's times
+    fit in its task's time on the device."""
+    from lightning_antichain.runtime.device import seconds_between
+    from lightning_antichain.runtime.op_clock import OpClock
+
+    batch = torch.randn(10, 3, 8, 8, dtype=torch.float64)
+    model = convnet()
+    expected = plain_grads(copy.deepcopy(model), gpu_device, [batch])
+    plan = la.partition(convnet_cost, stages=2, chunks=1, devices=[str(gpu_device)] * 2)
+    with la.Pipeline(model, plan, chunks=1, output_device=gpu_device) as pipe:
+        pipe(batch.to(gpu_device))  # the stages exist after a first call
+        model.zero_grad()
+        clocks = [OpClock(gpu_device) for _ in pipe.stages]
+        for stage, clock in zip(pipe.stages, clocks):
+            stage.clock = clock
+        out = pipe(batch.to(gpu_device))
+        out.square().mean().backward()
+        record = pipe.last_step
+        for stage in pipe.stages:
+            stage.clock = None
+    got = [p.grad.cpu() for p in model.parameters()], [out.detach().cpu()]
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+    for k, clock in enumerate(clocks):
+        tasks, marks = record.timed[k], record.marks[k]
+        spans = {t.task.phase: (marks[i] if marks else (record.started_at + t.start, record.started_at + t.end))
+                 for i, t in enumerate(tasks)}
+        clock.backward_ended(spans["backward"][1])
+        computed = {n.name for n in pipe.stages[k].module.graph.nodes
+                    if n.op in ("call_function", "call_method", "call_module")}
+        assert set(clock.forward_s) == computed and set(clock.backward_s) <= computed and clock.backward_s
+        for phase, times in (("forward", clock.forward_s), ("backward", clock.backward_s)):
+            assert all(v >= 0 for v in times.values())
+            assert sum(times.values()) <= seconds_between(*spans[phase]) * 1.01 + 1e-4

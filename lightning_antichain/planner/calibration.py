@@ -161,7 +161,7 @@ def calibrate(
 def _clocked_pass(single: Any, args: tuple, kwargs: dict) -> dict[str, tuple[float, float]]:
     """One forward and backward of the one-micro-batch pipeline ``single`` with its operations timed
     in context: per operation, its forward and backward seconds."""
-    clocks = [OpClock() for _ in single.stages]
+    clocks = [OpClock(stage.device) for stage in single.stages]
     for stage, clock in zip(single.stages, clocks):
         stage.clock = clock
     try:

@@ -144,6 +144,24 @@ def clock_seconds(begin: Any, end: Any) -> float:
     return begin.elapsed_time(end) / 1e3
 
 
+def mark(device: Device) -> Any:
+    """Now, on ``device``'s clock: the host's ``time.perf_counter()`` on the CPU, an event on the
+    current stream on an accelerator (the stage's compute stream inside its tasks), so that
+    :func:`seconds_between` two marks is the device's time, not the time to launch its work."""
+    if not is_accelerator(device):
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(begin: Any, end: Any) -> float:
+    """Seconds from mark ``begin`` to mark ``end`` (:func:`mark`), waiting for the device's."""
+    if isinstance(begin, float):
+        return end - begin
+    return clock_seconds(begin, end)
+
+
 def use_device(device: Device) -> contextlib.AbstractContextManager:
     """Make ``device`` current for this thread (CUDA keeps a current device per thread)."""
     device = as_device(device)
