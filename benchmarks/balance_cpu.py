@@ -29,7 +29,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from trainer_cpu import StepTimer  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 import lightning_antichain as la  # noqa: E402
@@ -74,18 +76,6 @@ class Trained(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-4)
-
-
-class StepTimer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, *args: object) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, *args: object) -> None:
-        self.times.append(time.perf_counter() - self._start)
 
 
 def trainer_step_s(name: str, micro: int, balance: list[int], steps: int, cache: str,

@@ -346,10 +346,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
                 "name fewer"
             )
         if self.options.cpu_threads is None and self.num_processes > 1:  # replicas share the node's cores too
-            threads = stage_threads(self.stage_devices)
-            if threads is not None:
-                self.options = self._planned.options = self.options.replace(
-                    cpu_threads=max(1, threads // self.num_processes))
+            self.options = self._planned.options = self.options.replace(
+                cpu_threads=stage_threads(self.parallel_devices))
         stages = self._requested_stages()
         if stages is not None and stages != len(self.stage_devices):
             what = "the plan" if self.plan_path else "the balance"

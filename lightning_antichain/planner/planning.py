@@ -97,14 +97,14 @@ def _as_cpu_stages_run(fn: Callable[..., Planned]) -> Callable[..., Planned]:
 
     @functools.wraps(fn)
     def planned(module: nn.Module | None, args: tuple, kwargs: dict, devices: Sequence[str | torch.device],
-                options: PipelineOptions | None = None, **rest: Any) -> Planned:
-        settings = {k: v for k, v in rest.items() if k not in ("optimizers", "name", "cost")}
-        chosen = (options or PipelineOptions()).replace(**settings)
-        threads = stage_threads(devices, chosen.cpu_threads)
-        if threads is not None and chosen.share_cpu_allocator:
+                options: PipelineOptions | None = None, *, optimizers: Sequence[torch.optim.Optimizer] = (),
+                name: str | None = None, cost: nx.DiGraph | None = None, **settings: Any) -> Planned:
+        options = (options or PipelineOptions()).replace(**settings)
+        threads = stage_threads(devices, options.cpu_threads)
+        if threads is not None and options.share_cpu_allocator:
             keep_freed_memory()
         with intra_op_threads(threads):
-            return fn(module, args, kwargs, devices, options, **rest)
+            return fn(module, args, kwargs, devices, options, optimizers=optimizers, name=name, cost=cost)
 
     return planned
 
