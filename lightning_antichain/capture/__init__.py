@@ -26,6 +26,7 @@ from torch import nn
 from .assignments import AssignmentError, assigned_paths, snapshot
 from .children import children_instead, trace_children
 from .concrete import SpecializationError, capture_concrete
+from .devices import state_on_meta
 from .errors import FrontendRefused, UntraceableModelError, logging_call
 from .exported import capture_exported
 from .isolation import attributes_restored, own_forward, training_flags
@@ -205,11 +206,11 @@ def _capture_with(
         graph.note = f"kept whole: {', '.join(made)}" if made else None
         return graph
     assert call is not None
-    args, kwargs = call
-    if frontend == "export":
-        graph_module, signature, specialization, assignments = capture_exported(module, args, kwargs, batch_dim)
-    else:
-        graph_module, signature, specialization, assignments = capture_concrete(module, args, kwargs)
+    with state_on_meta(module, call, inputs_too=frontend == "export") as (args, kwargs):
+        if frontend == "export":
+            graph_module, signature, specialization, assignments = capture_exported(module, args, kwargs, batch_dim)
+        else:
+            graph_module, signature, specialization, assignments = capture_concrete(module, args, kwargs)
     specialization.recapture = functools.partial(_capture_again, module, leaf_modules, frontend, batch_dim)
     graph = op_graph(module, graph_module, frontend, signature, specialization)
     graph.assignments = assignments

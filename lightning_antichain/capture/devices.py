@@ -8,10 +8,13 @@ from their inputs at run time and need nothing.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch import nn
 
 from ..runtime.device import is_meta, same_device
 
@@ -58,3 +61,32 @@ def on_module_device(module: torch.nn.Module, values: Any) -> Any:
     (device,) = devices
     return torch.utils._pytree.tree_map(
         lambda v: v.to(device) if isinstance(v, torch.Tensor) and not same_device(v.device, device) else v, values)
+
+
+@contextlib.contextmanager
+def state_on_meta(module: nn.Module, call: tuple[tuple, dict], inputs_too: bool) -> Iterator[tuple[tuple, dict]]:
+    """While the block runs, every real parameter and buffer of ``module`` behind a meta stand-in,
+    where ``module`` has any state on meta (else all as is); yields ``call``, on meta if
+    ``inputs_too``.
+
+    A model built on meta usually has real buffers (made in ``__init__``) and takes real inputs.
+    torch.export traces on one device or refuses ("weight is on meta, different from other tensors
+    on cpu"), so it gets meta inputs too; concrete capture reads the inputs' values (a mask
+    checked for causality) and keeps them real. Either graph reads every tensor of the module by
+    name, so the stand-ins are never kept, and its device constants are retargeted per stage."""
+    state = [(table, name, t) for m in module.modules() for table in (m._parameters, m._buffers)
+             for name, t in table.items() if t is not None]
+    if not any(t.is_meta for _, _, t in state):
+        yield call
+        return
+    hidden = [(table, name, t) for table, name, t in state if not t.is_meta]
+    for table, name, tensor in hidden:
+        stand_in = torch.empty_like(tensor, device="meta")
+        table[name] = nn.Parameter(stand_in, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else stand_in
+    try:
+        yield call if not inputs_too else torch.utils._pytree.tree_map(
+            lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, call)
+    finally:
+        for table, name, tensor in hidden:
+            table[name] = tensor
+

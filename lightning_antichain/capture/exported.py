@@ -25,6 +25,7 @@ import torch.fx as fx
 import torch.fx.experimental._config as fx_config
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -64,6 +65,7 @@ def capture_exported(
     if symbolic:
         raise FrontendRefused(f"forward assigns {', '.join(symbolic)} a size of its input, which torch.export keeps "
                               "symbolic and cannot store")
+    _forget_real_tensors(exported.graph_module.graph)
     signature = exported.graph_signature
     state: dict[str, str] = {}
     constants: dict[str, Any] = {}
@@ -93,6 +95,21 @@ def capture_exported(
                                     lambda a, k: capture_exported(module, a, k, batch_dim)[:3])
     assignments = assignments_of(recording, extra, {p.name for p in placeholders})
     return graph_module, flat, specialization, assignments
+
+
+def _forget_real_tensors(graph: fx.Graph) -> None:
+    """Drop what export's fake mode remembers of the real tensors it was called with.
+
+    The fake values the graph keeps (``node.meta["val"]``) hold their fake mode, and its converter
+    holds a weak reference to every parameter, buffer and input it saw. A tensor with a weak
+    reference cannot be swapped (``torch.utils.swap_tensors``), which is how a model built on meta
+    is made real stage by stage; nothing needs the memo once the graph is captured.
+    """
+    modes = {id(v.fake_mode): v.fake_mode for node in graph.nodes
+             for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, FakeTensor)}
+    for mode in modes.values():
+        old = mode.fake_tensor_converter
+        mode.fake_tensor_converter = FakeTensorConverter(copy_data=old.meta_converter.copy_data, export=old.export)
 
 
 def _two_samples(module: nn.Module, args: tuple, kwargs: dict, batch_dim: int | Mapping[str, int]

@@ -63,6 +63,7 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
     result = StreamedProfile()
     ledger = SavedLedger()
     start = start_peak_memory(device)
+    completed = False
     try:
         for call in run.calls(args, kwargs):
             measured = []
@@ -77,8 +78,13 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
             del call
             run.forget()
             ledger.forget(run.alive_storages())
+        completed = True
     finally:
-        release(work.modules())
+        if completed:
+            release(work.modules())
+        # else the copy goes with this frame: releasing it now would fail on the references the
+        # error's traceback holds, and hide the error
+
     result.kept = ledger.memories()
     result.peak_bytes = peak_memory_since(device, start)
     return result
@@ -101,7 +107,6 @@ class _JustInTime:
     def __init__(self, graph: OpGraph, work: fx.GraphModule, device: torch.device) -> None:
         self.graph, self.work, self.device = graph, work, device
         self.env: dict[str, Any] = {}
-        self._names = {id(m): name for name, m in work.named_modules()}
         self._nodes = [n for n in work.graph.nodes if n.op != "output"]
         self._needs: dict[str, list[nn.Module]] = {n.name: self._modules_of(n) for n in self._nodes}
         last_module_use: dict[int, int] = {}
@@ -142,7 +147,7 @@ class _JustInTime:
             if node.op == "get_attr":
                 self.env[node.name] = AttrFetch(gm, str(node.target))()
                 continue
-            materialize(self._needs[node.name], self.device, "random", self._names)
+            materialize(self._needs[node.name], self.device, "random")
             op = self.graph[node.name]
             module = None
             if node.op == "placeholder":
