@@ -15,7 +15,8 @@ from .planner.profiler import profile
 from .planner.public import plan
 from .runtime.batch_dims import BatchDependenceError, check_micro_batchable
 from .runtime.budget import StageOverBudgetError
-from .runtime.materialize import load_state_dict
+from .runtime.empty_init import init_empty_weights
+from .runtime.materialize import UninitializedTensorError, load_state_dict
 from .runtime.microbatch import MicroBatchError
 from .runtime.pipeline import Pipeline
 from .runtime.plan import Plan, Stage
@@ -41,10 +42,12 @@ __all__ = [
     "Stage",
     "StageOverBudgetError",
     "StateSpace",
+    "UninitializedTensorError",
     "UntraceableModelError",
     "build_state_space",
     "check_micro_batchable",
     "enumerate_down_sets",
+    "init_empty_weights",
     "load_cost_graph",
     "load_state_dict",
     "partition",

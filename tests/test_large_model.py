@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_antichain as la
 from lightning_antichain.runtime import captures
 from lightning_antichain.runtime.budget import StageOverBudgetError, state_bytes
+from lightning_antichain.runtime.materialize import meta_attributes
 
 WIDTH, LAYERS = 256, 8
 
@@ -74,9 +75,9 @@ def test_a_model_built_in_configure_model_is_never_whole_before_its_stages_and_t
     peaks: list[int] = []
     place = captures.place_stages
 
-    def placing(stages):  # the counter's peak up to the moment the stages are placed
+    def placing(stages, initializer):  # the counter's peak up to the moment the stages are placed
         peaks.append(live.peak["cpu"])
-        place(stages)
+        place(stages, initializer)
 
     monkeypatch.setattr(captures, "place_stages", placing)
     model = Deep()
@@ -233,11 +234,20 @@ def test_a_placement_naming_a_device_the_pipeline_lacks_is_refused():
         trainer(strategy=strategy, devices=2, max_steps=1).fit(Deep(), loader())
 
 
-def test_metrics_built_on_meta_are_refused_with_where_to_build_them():
+def test_metrics_built_under_empty_init_keep_their_states_and_metrics_built_on_meta_are_refused():
     from lit_models import TinyClassifier
 
+    fit = trainer(strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False), devices=2, max_steps=2,
+                  limit_val_batches=2, val_check_interval=2)
+    with fit.init_module(empty_init=True):  # parameters on meta, everything else as usual
+        model = TinyClassifier()
+    assert all(p.is_meta for p in model.parameters())
+    assert not meta_attributes(model)
+    fit.fit(model, loader(), loader())
+    assert 0.0 <= float(fit.callback_metrics["val_acc"]) <= 1.0
+
     fit = trainer(strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False), devices=2, max_steps=1)
-    with fit.init_module(empty_init=True):
+    with torch.device("meta"):
         model = TinyClassifier()
     with pytest.raises(ValueError, match=r"not parameters or buffers \(val_acc\..*create metrics in __init__"):
         fit.fit(model, loader())

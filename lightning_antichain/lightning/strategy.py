@@ -42,6 +42,8 @@ from ..capture.pytrees import map_tensors
 from ..capture.signature import split_inputs
 from ..planner.planning import default_memory_gb
 from ..runtime.cpu_threads import stage_threads
+from ..runtime.empty_init import init_empty_weights
+from ..runtime.initialization import Initializer, ParamInitFn
 from ..runtime.materialize import has_meta_state, load_state_dict, materialize, meta_attributes
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions, renamed_recompute
@@ -107,8 +109,14 @@ class AntichainPipelineStrategy(ParallelStrategy):
         empty_init: build the model in ``LightningModule.configure_model()`` on the meta device,
             without memory, as ``Trainer.init_module(empty_init=True)`` does. The pipelined module
             is then profiled a few operations at a time and made real stage by stage on each
-            stage's device, each submodule initialised by its ``reset_parameters()``, so no device
-            ever holds all of it: the way to train a model bigger than one device.
+            stage's device, so no device ever holds all of it: the way to train a model bigger
+            than one device. Parameters go on meta; buffers keep the values ``__init__`` gives
+            them. A checkpoint loaded in ``configure_model()`` (:func:`~lightning_antichain.load_checkpoint`)
+            goes straight into the stages; what it does not hold is initialised as
+            ``param_init_fn`` says.
+        param_init_fn: fills the parameters and buffers a module holds itself, in place, when a
+            model built on meta is made real; called once per module, as FSDP1's was. Default: a
+            Hugging Face model's own ``_init_weights``, else each module's ``reset_parameters()``.
     """
 
     strategy_name = "antichain_pipeline"
@@ -138,6 +146,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         check_batch: bool = True,
         placement: list[int] | None = None,
         empty_init: bool = False,
+        param_init_fn: ParamInitFn | None = None,
         checkpoint: Literal["never", "except_last", "always"] | None = None,
     ) -> None:
         super().__init__()
@@ -151,7 +160,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             balance=None if balance is None else tuple(balance), bandwidth_gbps=bandwidth_gbps, memory_gb=memory_gb,
             optimizer_multiplier=optimizer_multiplier, profile_cache=Path(profile_cache) if profile_cache else None,
             use_profile_cache=use_profile_cache, calibrate=calibrate, rebalance_rounds=rebalance_rounds,
-            cpu_threads=cpu_threads,
+            cpu_threads=cpu_threads, param_init_fn=param_init_fn,
         )
         self.module_path = module
         if placement is not None and (not placement or any(not isinstance(i, int) or i < 0 for i in placement)):
@@ -391,13 +400,14 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Tensors made inside go to the root device, or to the meta device with ``empty_init``
-        (the strategy's own, where Lightning passes none, as for ``configure_model()``)."""
+        """Tensors made inside go to the root device; with ``empty_init`` (the strategy's own,
+        where Lightning passes none, as for ``configure_model()``) parameters go to the meta device
+        and buffers keep the values ``__init__`` computes (:func:`~lightning_antichain.init_empty_weights`)."""
         if not (self.empty_init if empty_init is None else empty_init):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        with init_empty_weights(), self.precision_plugin.tensor_init_context():
             yield
 
     @override
@@ -425,8 +435,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         _update_properties(module, device=self.root_device)  # what Module.to(root) would have recorded
         inside = {id(m) for m in target.modules()}
         outside = [m for m in module.modules() if id(m) not in inside]
-        names = {id(m): name or type(module).__name__ for name, m in module.named_modules()}
-        materialize(outside, self.root_device, "reset", names)
+        materialize(outside, self.root_device, "reset", Initializer(module, self.options.param_init_fn))
         self._leftovers_placed = False
 
     def _place_leftovers(self) -> None:

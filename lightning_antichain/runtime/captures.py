@@ -25,6 +25,7 @@ from ..capture.devices import on_module_device
 from ..capture.isolation import training_flags, training_flags_set
 from . import microbatch
 from .batch_dims import first_micro_batch, placeholder_batch_dims
+from .initialization import Initializer, ParamInitFn
 from .materialize import has_meta_state, materialize
 from .plan import Plan
 from .projection import project_plan
@@ -36,8 +37,9 @@ class Captures:
     (and, where the graph captured first does not hold for a call, by what that call specialised)."""
 
     def __init__(self, module: nn.Module, plan: Plan, devices: Sequence[torch.device], chunks: int,
-                 batch_dim: Any, leaf_modules: tuple) -> None:
+                 batch_dim: Any, leaf_modules: tuple, param_init_fn: ParamInitFn | None = None) -> None:
         self.module = module
+        self.initializer = Initializer(module, param_init_fn)
         self.plan = plan
         self._devices = list(devices)
         self.chunks = chunks
@@ -86,10 +88,9 @@ class Captures:
         """Cut the stages out of ``graph`` (by the plan, or by the plan carried over to this graph
         where its operations differ) and place them on their devices."""
         plan, stages = self._split(graph, call)
-        place_stages(stages)
+        place_stages(stages, self.initializer)
         if has_meta_state(self.module):  # what no stage uses is made real on the first stage's device
-            names = {id(m): name or type(self.module).__name__ for name, m in self.module.named_modules()}
-            materialize(self.module.modules(), self._devices[0], "reset", names)
+            materialize(self.module.modules(), self._devices[0], "reset", self.initializer)
         placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
         names = stages[-1].outputs
         assigned = {leaf.node for a in graph.assignments for leaf in a.leaves if isinstance(leaf, Output)}

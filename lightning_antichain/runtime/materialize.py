@@ -1,10 +1,22 @@
 """Give a model built on the meta device real storage, one module at a time, where it is needed.
 
-A model built under ``torch.device("meta")`` (or Lightning's ``empty_init=True``) has the shapes of
-its parameters but no memory. The pipeline makes each stage real on the stage's own device, and the
-profiler makes each operation's modules real just long enough to time it, so that no device ever
-holds the whole model. Both follow Lightning's contract (``fabric/utilities/init.py``): a module
-with meta tensors of its own initialises them with its ``reset_parameters()``.
+A model built under :func:`~lightning_antichain.runtime.empty_init.init_empty_weights` (or
+``torch.device("meta")``, or Lightning's ``empty_init=True``) has the shapes of its parameters but
+no memory. The pipeline makes each stage real on the stage's own device, and the profiler makes
+each operation's modules real just long enough to time it, so that no device ever holds the whole
+model.
+
+Three rules hold for every tensor made real here:
+
+- **Loaded values win.** A value loaded for a meta tensor (:func:`load_state_dict`,
+  :func:`~lightning_antichain.runtime.checkpoint_files.load_checkpoint`) waits on the tensor and is
+  written last, after every initialisation, whatever the module order.
+- **An initialisation fills only what is new.** While a module's ``reset_parameters()`` (or
+  ``param_init_fn``, or Hugging Face's ``_init_weights``) runs, the tensors below it that were
+  already real (loaded, made real by another stage, buffers made in ``__init__``) are hidden
+  behind meta stand-ins, so a parent's reset cannot overwrite them.
+- **Nothing is used unfilled.** New floating-point tensors start as NaN, and every new tensor must
+  have been written (or replaced) by the end; one that was not is an error naming it.
 
 Tensors are swapped in place (``torch.utils.swap_tensors``) instead of replaced as
 ``Module.to_empty`` does: an optimizer made on the meta model, and every stage that fetches a
@@ -13,58 +25,93 @@ parameter, keep the same objects.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterable, Mapping
-from typing import Literal
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
 
+from .initialization import Initializer
+
 Init = Literal["reset", "random"]
 
-_WAITING: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
-"""Values that meta tensors take when they are made real (:func:`load_state_dict`), by ``id``
-(tensors compare by value, so they cannot be dictionary keys)."""
+Read = Callable[[], torch.Tensor]
+"""Gives a loaded value when it is needed (a tensor in memory, a slice of a memory-mapped file)."""
+
+_LOADED = "_antichain_loaded"
+"""The attribute of a meta tensor that holds how to read the value loaded for it. Kept on the
+tensor rather than in a table: no weak reference (which would stop the swap), and it goes when the
+tensor does."""
 
 
-def _wait(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    key = id(tensor)
-    _WAITING[key] = (weakref.ref(tensor, lambda _: _WAITING.pop(key, None)), value)
+class IncompatibleKeys(NamedTuple):
+    """What ``Module.load_state_dict`` reports: keys the model has that were not given, and keys
+    given that the model does not have."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
-def _is_waiting(tensor: torch.Tensor) -> bool:
-    entry = _WAITING.get(id(tensor))
-    return entry is not None and entry[0]() is tensor
+def wait_for_value(tensor: torch.Tensor, read: Read) -> None:
+    """Make ``read()`` the value ``tensor`` (on meta) takes when its stage makes it real."""
+    tensor.__dict__[_LOADED] = read
 
 
-def _take(tensor: torch.Tensor) -> torch.Tensor:
-    return _WAITING.pop(id(tensor))[1]
+def _loaded(tensor: torch.Tensor) -> Read | None:
+    return tensor.__dict__.get(_LOADED)
 
 
-def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+def load_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True
+                    ) -> IncompatibleKeys:
     """``module.load_state_dict(state_dict)`` for a module that may be on the meta device.
 
     Real tensors are loaded now. Each meta tensor keeps its value waiting, and takes it when it is
-    made real on its stage's device (:func:`materialize`) instead of its module's
-    ``reset_parameters()``: so a checkpoint goes straight into the stages, one tensor at a time,
-    never into a whole model first. Load the file with ``torch.load(path, mmap=True)`` and its
-    values stay on disk until then. ``strict`` refuses missing and unexpected keys, as torch does.
+    made real on its stage's device (:func:`materialize`), after and instead of any initialisation:
+    so a checkpoint goes straight into the stages, one tensor at a time, never into a whole model
+    first. Load the file with ``torch.load(path, mmap=True)`` and its values stay on disk until then
+    (:func:`~lightning_antichain.runtime.checkpoint_files.load_checkpoint` does this for you, and
+    reads safetensors too). ``strict`` refuses missing and unexpected keys, as torch does; a tied
+    weight counts as given when any of its names is.
     """
+    return load_lazily(module, {k: (tuple(v.shape), _in_memory(v)) for k, v in state_dict.items()}, strict)
+
+
+def load_lazily(module: nn.Module, entries: Mapping[str, tuple[tuple[int, ...], Read]], strict: bool = True
+                ) -> IncompatibleKeys:
+    """:func:`load_state_dict` from ``entries``: each key's shape and how to read its value."""
     own = module.state_dict(keep_vars=True)
-    if strict:
-        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-        if missing or unexpected:
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
-                               f"{missing[:5]}, unexpected keys {unexpected[:5]}")
-    real = {k: v for k, v in state_dict.items() if k in own and not own[k].is_meta}
-    for key, value in state_dict.items():
+    keys = incompatible_keys(module, entries)
+    if strict and (keys.missing_keys or keys.unexpected_keys):
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
+                           f"{keys.missing_keys[:5]}, unexpected keys {keys.unexpected_keys[:5]}")
+    for key, (shape, read) in entries.items():
         tensor = own.get(key)
-        if tensor is not None and tensor.is_meta:
-            if tuple(value.shape) != tuple(tensor.shape):
-                raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
-                                   f"the shape in the current model is {tuple(tensor.shape)}")
-            _wait(tensor, value)
-    module.load_state_dict(real, strict=False)
+        if tensor is None:
+            continue
+        if tuple(shape) != tuple(tensor.shape):
+            raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(shape)}, "
+                               f"the shape in the current model is {tuple(tensor.shape)}")
+        if tensor.is_meta:
+            wait_for_value(tensor, read)
+        else:
+            with torch.no_grad():
+                tensor.copy_(read())
+    return keys
+
+
+def incompatible_keys(module: nn.Module, given: Iterable[str]) -> IncompatibleKeys:
+    """The model's keys that ``given`` lacks (a tied tensor is given by any of its names) and the
+    keys of ``given`` the model does not have."""
+    own = module.state_dict(keep_vars=True)
+    given = set(given)
+    present = {id(own[k]) for k in given if k in own}
+    missing = sorted(k for k, t in own.items() if k not in given and id(t) not in present)
+    return IncompatibleKeys(missing, sorted(given - set(own)))
+
+
+def _in_memory(value: torch.Tensor) -> Read:
+    return lambda: value
 
 
 def has_meta_state(module: nn.Module) -> bool:
@@ -96,51 +143,146 @@ def own_state(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
+def _own_named_state(module: nn.Module) -> Iterator[tuple[str, dict[str, torch.Tensor | None], torch.Tensor]]:
+    for table in (module._parameters, module._buffers):
+        for name, tensor in table.items():
+            if tensor is not None:
+                yield name, table, tensor
+
+
+class UninitializedTensorError(RuntimeError):
+    """A tensor made real from meta that nothing filled: training on it would read garbage."""
+
+
 def materialize(modules: Iterable[nn.Module], device: torch.device, init: Init = "reset",
-                names: dict[int, str] | None = None) -> list[nn.Module]:
+                initializer: Initializer | None = None) -> list[nn.Module]:
     """Give the meta tensors each of ``modules`` holds itself storage on ``device``; returns the
     modules that had any.
 
-    ``init="reset"`` initialises each such module with its ``reset_parameters()`` and refuses, by
-    name (from ``names``, by ``id``), a module that has none. ``init="random"`` fills the new tensors
+    ``init="reset"`` fills them with their loaded values where given, and otherwise by the ways
+    ``initializer`` knows (``param_init_fn``, Hugging Face's ``_init_weights``,
+    ``reset_parameters()``), then checks that every one was filled. ``init="random"`` fills them
     with values of the right kind for timing (small normal floats, zero integers) and calls
-    ``reset_parameters()`` only where a module has one, for the values that shape a computation
-    (a mask, a table of positions) where it rebuilds them.
+    ``reset_parameters()`` where a module has one, for the values that shape a computation (a
+    mask, a table of positions) where it rebuilds them.
     """
+    modules = list({id(m): m for m in modules}.values())
+    fresh: dict[int, tuple[nn.Module, str, torch.Tensor]] = {}  # id -> (owner, name, tensor)
+    loaded: dict[int, Read] = {}
     made = []
     for module in modules:
-        meta = [t for t in own_state(module) if t.is_meta]
+        meta = [(name, t) for name, _, t in _own_named_state(module) if t.is_meta]
         if not meta:
             continue
-        if init == "reset" and all(_is_waiting(t) for t in meta):  # loaded: no initialisation needed
-            for tensor in meta:
-                value = _take(tensor)
-                _swap(tensor, value.detach().to(device=device, dtype=tensor.dtype, copy=True))
-            made.append(module)
-            continue
-        reset = getattr(module, "reset_parameters", None)
-        if not callable(reset) and init == "reset":
-            name = (names or {}).get(id(module), type(module).__name__)
-            raise TypeError(
-                f"{name} ({type(module).__name__}) has parameters or buffers on the meta device but no "
-                f"reset_parameters() to initialise them on {device}: give {type(module).__name__} a "
-                "reset_parameters() method, load a checkpoint into the model, or build it with real tensors"
-            )
-        for tensor in meta:
+        made.append(module)
+        for name, tensor in meta:
+            if id(tensor) in fresh:  # one tensor under two names of one module
+                continue
+            read = tensor.__dict__.pop(_LOADED, None)
             real = torch.empty_like(tensor, device=device)
             if init == "random":
                 _fill_for_timing(real)
+            elif read is None and (real.is_floating_point() or real.is_complex()):
+                real.fill_(float("nan"))  # what the fill check looks for
             _swap(tensor, real)
-        if callable(reset):
-            with torch.no_grad():
-                reset()
-        if init == "reset":  # values loaded for some of its tensors win over the reset
-            with torch.no_grad():
-                for tensor in meta:
-                    if _is_waiting(tensor):
-                        tensor.copy_(_take(tensor))
-        made.append(module)
+            fresh[id(tensor)] = (module, name, tensor)
+            if read is not None:
+                loaded[id(tensor)] = read
+    if init == "random":
+        for module in made:
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                with torch.no_grad():
+                    reset()
+        return made
+    initializer = initializer or Initializer(None)
+    written = {key: (t._version, t.data_ptr()) for key, (_, _, t) in fresh.items()}
+    _initialize(made, fresh, set(fresh) - set(loaded), written, initializer, device)
+    with torch.no_grad():
+        for key, read in loaded.items():
+            tensor = fresh[key][2]
+            tensor.copy_(read().to(device=tensor.device, dtype=tensor.dtype))
+    unfilled = [(module, name) for key, (module, name, tensor) in fresh.items()
+                if key not in loaded and _unfilled(module, name, tensor, written[key])]
+    if unfilled:
+        raise UninitializedTensorError(_unfilled_message(unfilled, initializer, device))
     return made
+
+
+def _initialize(made: list[nn.Module], fresh: Mapping[int, tuple[nn.Module, str, torch.Tensor]], empty: set[int],
+                written: Mapping[int, tuple[int, int]], initializer: Initializer, device: torch.device) -> None:
+    """Run each module's initialisation, children before parents, each seeing only new tensors,
+    until the new tensors a module holds itself are filled."""
+    if not empty:
+        return
+    own = {id(m): m for m in made if any(id(t) in empty for t in own_state(m))}
+    above: dict[int, nn.Module] = {}
+    for module in own.values():
+        for ancestor in initializer.ancestors(module):
+            if id(ancestor) not in own:
+                above[id(ancestor)] = ancestor
+    for module in sorted([*own.values(), *above.values()], key=lambda m: -initializer.depth(m)):
+        mine = [(name, t) for key, (m, name, t) in fresh.items() if m is module and key in empty]
+        ways = initializer.own_ways(module) if id(module) in own else initializer.ancestor_ways(module)
+        if id(module) in own and not ways:
+            raise UninitializedTensorError(_unfilled_message([(module, n) for n, _ in mine], initializer, device,
+                                                             no_way=True))
+        for way in ways:
+            if mine and not any(_unfilled(module, n, t, written[id(t)]) for n, t in mine):
+                break
+            with torch.no_grad(), _only_new_visible(module, fresh):
+                way.run()
+
+
+def _unfilled(module: nn.Module, name: str, tensor: torch.Tensor, written: tuple[int, int]) -> bool:
+    """Whether nothing wrote ``tensor``, ``module``'s ``name``: still NaN anywhere (floating point,
+    so a partial fill counts as unfilled) or never written (other dtypes); a tensor the module
+    replaced is filled unless its replacement is on meta."""
+    current = module._parameters[name] if name in module._parameters else module._buffers.get(name)
+    if current is not tensor:
+        return current is not None and current.is_meta
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).any())
+    return (tensor._version, tensor.data_ptr()) == written
+
+
+@contextlib.contextmanager
+def _only_new_visible(module: nn.Module, fresh: Mapping[int, tuple[nn.Module, str, torch.Tensor]]
+                      ) -> Iterator[None]:
+    """Behind meta stand-ins while the block runs: every tensor below ``module`` that was real
+    before this materialisation, so an initialisation cannot overwrite it."""
+    hidden: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = []
+    for sub in module.modules():
+        for name, table, tensor in _own_named_state(sub):
+            if not tensor.is_meta and id(tensor) not in fresh:
+                hidden.append((table, name, tensor))
+    for table, name, tensor in hidden:
+        stand_in = torch.empty_like(tensor, device="meta")
+        table[name] = nn.Parameter(stand_in, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else stand_in
+    try:
+        yield
+    finally:
+        for table, name, tensor in hidden:
+            table[name] = tensor
+
+
+def _unfilled_message(unfilled: list[tuple[nn.Module, str]], initializer: Initializer, device: torch.device,
+                      no_way: bool = False) -> str:
+    module = unfilled[0][0]
+    kind = type(module).__name__
+    names = ", ".join(f"{initializer.name(m)}.{n}".lstrip(".") for m, n in unfilled[:6])
+    more = f" and {len(unfilled) - 6} more" if len(unfilled) > 6 else ""
+    if no_way:
+        what = (f"{initializer.name(module)} ({kind}) has parameters or buffers on the meta device ({names}{more}) "
+                f"but no reset_parameters() to initialise them on {device}")
+    else:
+        ways = ", ".join(w.name for w in initializer.own_ways(module)) or "nothing"
+        what = (f"{names}{more} ({kind}) on {device} were not filled by {ways}: training would read uninitialised "
+                "memory")
+    return (f"{what}. Ways out: give {kind} a reset_parameters() that fills all of its own parameters and buffers; "
+            "pass param_init_fn= (called once per module, as FSDP's) to AntichainPipelineStrategy or Pipeline; or "
+            "load a checkpoint that holds them (la.load_checkpoint). Buffers made in __init__ keep their values "
+            "when the model is built under la.init_empty_weights(), which the strategy's empty_init uses.")
 
 
 def release(modules: Iterable[nn.Module]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,10 @@ class PipelineOptions:
     once per batch), ``share_cpu_allocator`` (malloc keeps freed memory for CPU stages), ``cpu_threads`` (intra-op
     threads of each CPU stage, which planning also profiles with; ``None``: the cores shared evenly
     among the CPU stages) and
-    ``measure_activations`` (count what each stage keeps for backward).
+    ``measure_activations`` (count what each stage keeps for backward), and ``param_init_fn``
+    (fills a module's new tensors when a model built on meta is made real, instead of Hugging
+    Face's ``_init_weights`` or the module's ``reset_parameters()``; see
+    :mod:`~lightning_antichain.runtime.initialization`).
 
     Planning: ``balance`` (operations per stage instead of planning), ``method`` (the antichain DP
     or a baseline), ``bandwidth_gbps`` and ``memory_gb`` (``None``: from the devices),
@@ -54,6 +57,7 @@ class PipelineOptions:
     share_cpu_allocator: bool = True
     cpu_threads: int | None = None
     measure_activations: bool = False
+    param_init_fn: Callable[[Any], None] | None = None
     balance: tuple[int, ...] | None = None
     method: str = "antichain"
     bandwidth_gbps: float | None = None
@@ -80,6 +84,9 @@ class PipelineOptions:
                 isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads is the intra-op threads of each CPU stage: a whole number of at least 1, "
                              f"or None to share the cores among the CPU stages; got {self.cpu_threads!r}")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ValueError(f"param_init_fn must be a function of one module that fills its parameters and buffers in "
+                             f"place, got {self.param_init_fn!r}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be None or 'children', got {self.fallback!r}")
         balance = self.balance

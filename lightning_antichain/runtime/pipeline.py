@@ -115,7 +115,8 @@ class Pipeline(nn.Module):
         if len(self._devices) != plan.num_stages:
             raise ValueError(f"got {len(self._devices)} devices for a plan of {plan.num_stages} stages")
         #: every capture of the module made ready to run
-        self._captures = Captures(module, plan, self._devices, chunks, batch_dim, self.leaf_modules)
+        self._captures = Captures(module, plan, self._devices, chunks, batch_dim, self.leaf_modules,
+                                  options.param_init_fn)
         self._run: Runnable | None = None  # the one the last call ran
         if share_cpu_allocator and any(shares_host(d) for d in self._devices):
             keep_freed_memory()

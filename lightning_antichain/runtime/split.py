@@ -28,6 +28,7 @@ from ..capture.lifted import share_original_modules
 from ..capture.mutations import is_in_place, may_alias
 from ..capture.pytrees import flatten, unflatten
 from .device import StageStreams, stage_streams
+from .initialization import Initializer
 from .materialize import materialize
 from .op_clock import OpClock, clocked_module, watching
 from .plan import Plan
@@ -217,11 +218,12 @@ def _value(env: dict[str, fx.Node], name: str) -> fx.Node:
     return env[name]
 
 
-def place_stages(stages: list[StageModule]) -> None:
+def place_stages(stages: list[StageModule], initializer: Initializer | None = None) -> None:
     """Move each stage's submodules and the tensors it fetches to its device.
 
     A parameter used by stages on two different devices (tied weights, such as a shared embedding
-    and output layer) is refused before anything moves; on one device, stages may share it.
+    and output layer) is refused before anything moves; on one device, stages may share it. Meta
+    tensors are made real on their stage's device, initialised as ``initializer`` says.
     """
     owner: dict[int, StageModule] = {}
     for stage in stages:
@@ -234,17 +236,17 @@ def place_stages(stages: list[StageModule]) -> None:
                     "Put both uses on one device (a fixed balance, or fewer stages)."
                 )
     for stage in stages:
-        _materialize(stage)
+        _materialize(stage, initializer)
         for module in stage.submodules():
             module.to(stage.device)
         for tensor in [*stage.parameters(), *stage.buffers()]:
             _move_in_place(tensor, stage.device)
 
 
-def _materialize(stage: StageModule) -> None:
+def _materialize(stage: StageModule, initializer: Initializer | None) -> None:
     """Make the parameters and buffers a stage uses that are on the meta device (a model built
-    without memory) real on the stage's own device, each owning module initialised by its
-    ``reset_parameters()`` (:mod:`.materialize`). So a model built on meta is only ever real stage
+    without memory) real on the stage's own device, each owning module initialised or loaded
+    (:mod:`.materialize`). So a model built on meta is only ever real stage
     by stage, each stage on its device."""
     owners: dict[int, nn.Module] = {}
     for module in stage.submodules():
@@ -253,8 +255,7 @@ def _materialize(stage: StageModule) -> None:
         if node.op == "get_attr" and isinstance(_attr(stage.module, node.target), torch.Tensor):
             owner = stage.module.get_submodule(node.target.rpartition(".")[0])
             owners.setdefault(id(owner), owner)
-    names = {id(m): n for n, m in stage.module.named_modules()}
-    materialize(owners.values(), stage.device, "reset", names)
+    materialize(owners.values(), stage.device, "reset", initializer or Initializer(stage.module))
 
 
 def _move_in_place(tensor: torch.Tensor, device: torch.device) -> None:
