@@ -15,6 +15,7 @@ from .planner.profiler import profile
 from .planner.public import plan
 from .runtime.batch_dims import BatchDependenceError, check_micro_batchable
 from .runtime.budget import StageOverBudgetError
+from .runtime.checkpoint_files import load_checkpoint
 from .runtime.empty_init import init_empty_weights
 from .runtime.materialize import UninitializedTensorError, load_state_dict
 from .runtime.microbatch import MicroBatchError
@@ -48,6 +49,7 @@ __all__ = [
     "check_micro_batchable",
     "enumerate_down_sets",
     "init_empty_weights",
+    "load_checkpoint",
     "load_cost_graph",
     "load_state_dict",
     "partition",
