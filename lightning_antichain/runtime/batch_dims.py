@@ -20,6 +20,7 @@ from ..capture import OpGraph
 from ..capture.isolation import attributes_restored, own_forward, side_effects_undone
 from ..capture.signature import FlatSignature, FxSignature, original_forward
 from . import microbatch
+from .output_join import interleaved_rows_message
 
 BatchDim = int | Mapping[str, int]
 
@@ -85,6 +86,13 @@ def grown_by_one(values: list[Any], dims: list[int]) -> list[Any]:
     return microbatch.map_batched(values, dims, lambda t, d: torch.cat([t, t.narrow(d, 0, 1)], d))
 
 
+def with_sample_of(values: list[Any], donor: list[Any], dims: list[int], index: int) -> list[Any]:
+    """``values`` with sample ``index`` of ``donor`` (another micro-batch's values, alike in
+    structure) appended on each batched tensor's batch dim."""
+    extra = iter([t.narrow(d, index, 1) for t, d in microbatch.batched_tensors(donor, dims)])
+    return microbatch.map_batched(values, dims, lambda t, d: torch.cat([t, next(extra).to(t.device)], d))
+
+
 class BatchDependenceError(ValueError):
     """``forward`` on a batch is not its micro-batches' outputs joined: micro-batching would change it."""
 
@@ -138,6 +146,18 @@ def _per_sample_list(value: Any, path: str, size: int) -> tuple[str, str] | None
     return None
 
 
+def _rows_by_row_then_sample(first: torch.Tensor, second: torch.Tensor, whole: torch.Tensor, size: int,
+                             scale: float) -> bool:
+    """Whether ``whole`` (``size`` samples) is the halves' outputs flattened row-major over (rows,
+    samples) rather than (samples, rows): what ``x.transpose(0, 1).reshape(-1, n)`` gives."""
+    if whole.shape[0] % size or whole.shape[0] // size < 2 or first.shape[0] + second.shape[0] != whole.shape[0]:
+        return False
+    rows = whole.shape[0] // size
+    halves = [h.reshape(rows, -1, *h.shape[1:]) for h in (first, second.to(first.device))]
+    joined = torch.cat(halves, 1).reshape(whole.shape).to(whole.device)
+    return (joined - whole).abs().max().item() <= 1e-3 * max(scale, 1e-6)
+
+
 def check_per_sample(module: nn.Module, call: Any, dims: Any, run: Callable[[Any], Any]) -> None:
     """Refuse a ``forward`` whose result depends on the batch it is in.
 
@@ -183,6 +203,10 @@ def check_per_sample(module: nn.Module, call: Any, dims: Any, run: Callable[[Any
             continue
         scale = whole_leaf.abs().max().item() if whole_leaf.numel() else 0.0
         error = (joined - whole_leaf).abs().max().item()
+        if error > 1e-3 * max(scale, 1e-6) and _rows_by_row_then_sample(first, second, whole_leaf, size, scale):
+            raise microbatch.MicroBatchError(interleaved_rows_message(
+                tuple(whole_leaf.shape), whole_leaf.shape[0] // size,
+                "the whole batch's rows are the halves' rows interleaved row by row"))
         if error > 1e-3 * max(scale, 1e-6):
             raise BatchDependenceError(
                 f"{type(module).__name__}.forward gives a sample another output when the batch around it changes "

@@ -27,7 +27,7 @@ same container holding the dims of its items (dict keys left out have dim 0)."""
 
 def batch_size(value: Any, dims: BatchDims = 0) -> int | None:
     """The common batch size of the tensors in ``value``; ``None`` if it holds no batched tensor."""
-    sizes = {t.shape[d] for t, d in _batched(value, dims)}
+    sizes = {t.shape[d] for t, d in batched_tensors(value, dims)}
     if len(sizes) > 1:
         raise MicroBatchError(
             f"the tensors of one batch have different batch sizes ({sorted(sizes)}); every tensor input is "
@@ -87,17 +87,18 @@ def _has_batch(tensor: torch.Tensor, dim: int) -> bool:
     return True
 
 
-def _batched(value: Any, dims: BatchDims) -> Iterator[tuple[torch.Tensor, int]]:
+def batched_tensors(value: Any, dims: BatchDims) -> Iterator[tuple[torch.Tensor, int]]:
+    """Every batched tensor of ``value`` with its batch dim, in the order :func:`map_batched` visits them."""
     if isinstance(value, torch.Tensor):
         assert isinstance(dims, int)
         if _has_batch(value, dims):
             yield value, dims
     elif isinstance(value, (tuple, list)):
         for i, v in enumerate(value):
-            yield from _batched(v, _item_dims(dims, i))
+            yield from batched_tensors(v, _item_dims(dims, i))
     elif isinstance(value, dict):
         for k, v in value.items():
-            yield from _batched(v, _item_dims(dims, k))
+            yield from batched_tensors(v, _item_dims(dims, k))
 
 
 def gather(chunks: Sequence[Any], device: torch.device | str | None = None,
@@ -135,12 +136,16 @@ def _join(chunks: Sequence[torch.Tensor], device: torch.device | str | None, siz
         )
     if dim is None:
         shapes = [tuple(c.shape) for c in chunks]
+        same = len(set(shapes)) == 1
         raise MicroBatchError(
-            f"the pipelined module returned a tensor that is not one row per sample: shapes {shapes} for "
-            f"micro-batches of {list(sizes or [])} samples (a sum over the batch, or a value computed from the "
-            "weights?). Joining those on dim 0 would not give what the whole batch gives. Return only "
-            "per-sample outputs and compute the rest outside the pipelined module (or pipeline a submodule "
-            "with module=...)."
+            f"the pipelined module returned a tensor with no dim that follows the samples: shapes {shapes} for "
+            f"micro-batches of {list(sizes or [])} samples"
+            + (", the same whatever the micro-batch holds (a sum or mean over the batch, or a value computed "
+               "from the weights alone)" if same else ", and no dim is one entry (or a fixed number of rows) per "
+               "sample") +
+            ". Joining those would not give what the whole batch gives. Return per-sample outputs (a loss "
+            "module's reduction='none', or logits), compute the rest outside the pipelined module, or pipeline a "
+            "submodule with module=..."
         )
     return torch.cat([c if device is None else c.to(device) for c in chunks], dim=dim)
 

@@ -55,16 +55,31 @@ def take_assigned(outputs: MicroOutputs, returned_slots: Sequence[int], assigned
 
 
 def output_dims(outputs: MicroOutputs, sizes: Sequence[int | None],
-                grown_shapes: Callable[[], Sequence[Shape]]) -> list[int | None]:
+                grown_shapes: Callable[[], Sequence[Shape]],
+                rows_in_sample_order: Callable[[], Sequence[bool | None]] | None = None) -> list[int | None]:
     """The batch dim of each output leaf; ``grown_shapes()`` gives the leaves' shapes for a first
-    micro-batch one sample larger, asked only where the sizes cannot tell."""
+    micro-batch one sample larger, asked only where the sizes cannot tell.
+
+    An output with no such dim whose dim 0 is a fixed multiple of the micro-batch sizes (samples ×
+    tokens, as ``output.view(-1, vocab)`` gives) is joined on dim 0, where
+    ``rows_in_sample_order()`` says its rows hold each sample's rows together, in sample order;
+    where they do not (tokens × samples), joining would interleave the micro-batches wrongly, and
+    is refused."""
     micro_leaves = [leaves for leaves, _ in outputs]
     dims: list[int | None] = []
     for i, value in enumerate(micro_leaves[0]):
         if not isinstance(value, torch.Tensor):
             dims.append(None)
             continue
-        candidates = batch_dim_candidates([leaves[i] for leaves in micro_leaves], sizes)
+        chunks = [leaves[i] for leaves in micro_leaves]
+        candidates = batch_dim_candidates(chunks, sizes)
+        if not candidates and flattened_rows(chunks, sizes) is not None:
+            in_order = rows_in_sample_order()[i] if rows_in_sample_order is not None and len(chunks) > 1 else None
+            if in_order is False:
+                raise MicroBatchError(interleaved_rows_message(tuple(value.shape), flattened_rows(chunks, sizes),
+                                                               "changing one sample changed rows of others"))
+            dims.append(0)
+            continue
         if len(candidates) <= 1:
             dims.append(candidates[0] if candidates else None)
             continue
@@ -77,6 +92,47 @@ def output_dims(outputs: MicroOutputs, sizes: Sequence[int | None],
             )
         dims.append(grew[0])
     return dims
+
+
+def interleaved_rows_message(shape: tuple[int, ...], rows: int | None, evidence: str) -> str:
+    """Why an output flattened over samples and rows in another order than sample by sample is refused."""
+    return (f"an output of shape {shape} holds {rows} rows per sample on dim 0, but not sample by sample: {evidence}, "
+            "so its rows are ordered another way (rows × samples, as x.transpose(0, 1).reshape(-1, n) gives). "
+            "Joining micro-batches on dim 0 would mix their rows up. Flatten with the samples first (x.reshape(-1, n) "
+            "on a batch-first tensor), or return the output unflattened.")
+
+
+def flattened_rows(chunks: Sequence[torch.Tensor], sizes: Sequence[int | None]) -> int | None:
+    """The rows per sample of an output whose dim 0 is the same multiple (2 or more) of every
+    micro-batch's size, its other dims equal; ``None`` for any other output."""
+    if any(n is None or n == 0 for n in sizes) or chunks[0].dim() == 0:
+        return None
+    first = chunks[0]
+    rows, left = divmod(first.shape[0], sizes[0])  # type: ignore[operator]
+    if rows < 2 or left:
+        return None
+    if all(c.dim() == first.dim() and c.shape[0] == rows * n and c.shape[1:] == first.shape[1:]
+           for c, n in zip(chunks, sizes)):
+        return rows
+    return None
+
+
+def rows_in_sample_order(before: Sequence[Any], after: Sequence[Any], samples: int,
+                         rows_per_sample: Sequence[int | None]) -> list[bool | None]:
+    """Per output leaf, from two runs of one micro-batch of ``samples`` samples that differ only in
+    its last sample (same random draws): whether only that sample's rows, the last on dim 0,
+    changed (``True``), rows before them changed (``False``), or nothing changed (``None``)."""
+    verdicts: list[bool | None] = []
+    for a, b, rows in zip(before, after, rows_per_sample):
+        if rows is None or not isinstance(a, torch.Tensor):
+            verdicts.append(None)
+            continue
+        kept = (samples - 1) * rows
+        if not torch.allclose(a[:kept], b[:kept], rtol=1e-5, atol=1e-6 * float(a.abs().max().clamp(min=1))):
+            verdicts.append(False)
+        else:
+            verdicts.append(True if not torch.equal(a[kept:], b[kept:]) else None)
+    return verdicts
 
 
 def assigned_dim(values: Sequence[torch.Tensor], sizes: Sequence[int | None], grown_shape: Callable[[], Shape]

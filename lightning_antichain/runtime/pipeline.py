@@ -32,6 +32,7 @@ from .batch_dims import (
     check_per_sample,
     grown_by_one,
     refuse_per_sample_lists,
+    with_sample_of,
 )
 from .batchnorm import deferred_batch_norm
 from .captures import Captures, Runnable
@@ -39,7 +40,15 @@ from .cpu_threads import stage_threads
 from .device import shares_host
 from .engine import PassState, StepRecord, run_forward
 from .options import PipelineOptions
-from .output_join import Assigned, MicroOutputs, assigned_dim, output_dims, take_assigned
+from .output_join import (
+    Assigned,
+    MicroOutputs,
+    assigned_dim,
+    flattened_rows,
+    output_dims,
+    rows_in_sample_order,
+    take_assigned,
+)
 from .plan import Plan, recomputed_micro_batches
 from .randomness import step_seed
 from .saved_tensors import HeldMemory, state_storages
@@ -224,7 +233,8 @@ class Pipeline(nn.Module):
         if not torch.is_grad_enabled():
             outputs, assigned = self._take_assigned_of(
                 run, run_forward(self._pool, micro_batch_stages, micro_inputs, None, 0, schedule, seed))
-            dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0])
+            dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
+                               lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes))
             leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
             result = self._assemble(run, leaves, outputs[0][1])
             self._assign(run, assigned, micro_values[0], sizes)
@@ -242,7 +252,8 @@ class Pipeline(nn.Module):
         with deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext():
             outputs = run_forward(self._pool, micro_batch_stages, micro_inputs, state, stop, schedule)
         outputs, assigned = self._take_assigned_of(run, outputs)
-        dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0])
+        dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
+                               lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes))
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
         tensor_at = [i for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)]
         backward = PipelineBackward(
@@ -335,6 +346,30 @@ class Pipeline(nn.Module):
                               {n: shape(v) for n, v in (taken.values[0] if taken.values else {}).items()})
         return run.grown[key]
 
+
+    def _rows_in_sample_order(self, run: Runnable, micro_values: list[list[Any]], outputs: MicroOutputs,
+                              sizes: list[int | None]) -> list[bool | None]:
+        """Per output leaf flattened over samples and rows, whether its rows are in sample order
+        (:func:`~.output_join.rows_in_sample_order`): the first micro-batch run twice with one more
+        sample, another micro-batch's first or last, under one seed (dropout draws alike). Run
+        once per input shapes, side effects undone."""
+        first = micro_values[0]
+        key = ("rows", tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in flatten(first)[0]))
+        if key not in run.grown:
+            rows = [flattened_rows([leaves[i] for leaves, _ in outputs], sizes)
+                    if isinstance(value, torch.Tensor) else None for i, value in enumerate(outputs[0][0])]
+            donor, seed = micro_values[-1], 0  # any seed, the same for both runs
+            runs = []
+            with side_effects_undone(self.module), torch.no_grad():
+                for index in (0, -1):
+                    grown = with_sample_of(first, donor, run.input_dims, index)
+                    leaves = flatten([grown[i] for i in run.input_slots])
+                    stages = self._captures.stages_for(run, grown)
+                    found, _ = self._take_assigned_of(run, run_forward(self._pool, [stages], [leaves], None, 0,
+                                                                       seed=seed))
+                    runs.append(found[0][0])
+            run.grown[key] = rows_in_sample_order(runs[0], runs[1], (sizes[0] or 0) + 1, rows)
+        return run.grown[key]
 
     def _assign(self, run: Runnable, assigned: Assigned, first: list[Any], sizes: list[int | None]) -> None:
         """Give the attributes ``forward`` assigns the values a whole-batch call would."""
