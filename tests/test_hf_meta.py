@@ -165,3 +165,50 @@ def test_hugging_face_buffers_on_meta_are_made_again_by_its_own_initialisation(t
     real = build("llama")
     assert torch.equal(model.net.model.rotary_emb.inv_freq, real.model.rotary_emb.inv_freq.double())
     torch.testing.assert_close(model.losses, plain_losses("llama", reference_state("llama")), rtol=1e-6, atol=0)
+
+
+def padded_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Labels with padding set to -100, unevenly: micro-batches hold different counts of tokens."""
+    labels = ids.clone()
+    lengths = torch.randint(3, LENGTH + 1, (ids.shape[0],), generator=torch.Generator().manual_seed(1))
+    labels[torch.arange(LENGTH)[None, :] >= lengths[:, None]] = -100
+    return labels
+
+
+class OwnLossLM(CausalLM):
+    """Trains on the loss the Hugging Face model computes from ``labels=``, as its users do."""
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.net(input_ids=ids, labels=padded_labels(ids)).loss
+        self.losses.append(loss.item())
+        return loss
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_hugging_face_decoder_trains_on_the_loss_it_computes_from_padded_labels_like_plain(tmp_path, name):
+    model = OwnLossLM(name, save(name, tmp_path, "safetensors"))
+    fit = pipelined(model, empty_init=True, module="net")
+    assert_pipelined(fit)
+    plain = OwnLossLM(name)
+    plain.configure_model()
+    plain.net.double().load_state_dict(reference_state(name))
+    trainer(devices=1, precision="64-true", max_steps=STEPS).fit(plain, data())
+    # Hugging Face computes the loss in float32 whatever the model's dtype: its rounding, not float64's
+    torch.testing.assert_close(model.losses, plain.losses, rtol=1e-6, atol=0)
+
+
+class WrappedLossLM(CausalLM):
+    """Returns the Hugging Face loss from its own forward: a mean over tokens the pipeline cannot
+    join exactly across micro-batches of different token counts."""
+
+    def forward(self, ids, labels):
+        return self.net(input_ids=ids, labels=labels).loss
+
+    def training_step(self, batch, batch_idx):
+        return self(batch[0], padded_labels(batch[0]))
+
+
+def test_a_token_mean_loss_the_pipeline_cannot_join_exactly_is_refused_with_the_way_out():
+    with pytest.raises(la.MicroBatchError, match=r"neither as a mean over samples nor as a sum.*module='net'"):
+        pipelined(WrappedLossLM("llama"), empty_init=True)

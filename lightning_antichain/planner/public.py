@@ -16,6 +16,7 @@ from torch import nn
 
 from ..capture.signature import FlatSignature, original_forward, split_inputs
 from ..runtime.batch_dims import first_micro_batch
+from ..runtime.model_loss import with_items_in_batch
 from ..runtime.options import PipelineOptions
 from ..runtime.plan import Plan
 from .planning import AUTO, Planned, plan_model
@@ -46,7 +47,10 @@ def plan(
 
 def planning_call(module: nn.Module, args: tuple, kwargs: dict, options: PipelineOptions) -> tuple[tuple, dict]:
     """What a call of a whole batch ``args, kwargs`` is planned on: the batch itself for
-    ``chunks="auto"`` (it weighs how to split it), else its first micro-batch."""
+    ``chunks="auto"`` (it weighs how to split it), else its first micro-batch; with the whole
+    batch's token count, as the pipeline passes it, where the module computes a Hugging Face loss
+    (:func:`~lightning_antichain.runtime.model_loss.with_items_in_batch`)."""
+    args, kwargs = with_items_in_batch(module, args, kwargs)
     if options.chunks == AUTO:
         return args, kwargs
     return first_micro_batch(module, args, kwargs, options.chunks, options.batch_dim)

@@ -27,7 +27,7 @@ class PipelineBackward:
     state: PassState | None
     count: int
     outputs: tuple[torch.Tensor, ...]
-    output_dims: list[int | None]
+    output_dims: list[Any]
     output_sizes: list[list[int]]
     output_is_tensor: list[bool]
     leaf_positions: list[int] | None
@@ -63,7 +63,13 @@ class PipelineFunction(torch.autograd.Function):
         it = iter(zip(grads, plan.output_sizes, plan.output_dims))
         for is_tensor in plan.output_is_tensor:
             grad, sizes, dim = next(it) if is_tensor else (None, None, 0)
-            per_output.append(list(torch.split(grad, sizes, dim)) if grad is not None else [None] * count)
+            weights = getattr(dim, "weights", None)  # a loss joined as a weighted sum
+            if grad is None:
+                per_output.append([None] * count)
+            elif weights is not None:
+                per_output.append([w * grad for w in weights])
+            else:
+                per_output.append(list(torch.split(grad, sizes, dim)))
         output_grads = [tuple(g[m] for g in per_output) for m in range(count)]
         if plan.leaf_positions is not None:  # leaves only kept for attributes get no gradient
             output_grads = [spread(grads, plan.leaf_positions, plan.leaf_count) for grads in output_grads]

@@ -86,10 +86,13 @@ def grown_by_one(values: list[Any], dims: list[int]) -> list[Any]:
     return microbatch.map_batched(values, dims, lambda t, d: torch.cat([t, t.narrow(d, 0, 1)], d))
 
 
-def with_sample_of(values: list[Any], donor: list[Any], dims: list[int], index: int) -> list[Any]:
-    """``values`` with sample ``index`` of ``donor`` (another micro-batch's values, alike in
-    structure) appended on each batched tensor's batch dim."""
-    extra = iter([t.narrow(d, index, 1) for t, d in microbatch.batched_tensors(donor, dims)])
+def with_samples_of(values: list[Any], donor: list[Any], dims: list[int], samples: slice) -> list[Any]:
+    """``values`` with ``samples`` of ``donor`` (another micro-batch's values, alike in structure)
+    appended on each batched tensor's batch dim."""
+    def taken(t: torch.Tensor, d: int) -> torch.Tensor:
+        return t[(slice(None),) * d + (samples,)]
+
+    extra = iter([taken(t, d) for t, d in microbatch.batched_tensors(donor, dims)])
     return microbatch.map_batched(values, dims, lambda t, d: torch.cat([t, next(extra).to(t.device)], d))
 
 

@@ -102,7 +102,7 @@ def batched_tensors(value: Any, dims: BatchDims) -> Iterator[tuple[torch.Tensor,
 
 
 def gather(chunks: Sequence[Any], device: torch.device | str | None = None,
-           sizes: Sequence[int | None] | None = None, dims: Sequence[int | None] | None = None) -> Any:
+           sizes: Sequence[int | None] | None = None, dims: Sequence[Any] | None = None) -> Any:
     """The micro-batch outputs joined back on their batch dim (on ``device`` if given), structure kept.
 
     Non-tensor values are taken from the first micro-batch. Only per-sample tensors can be joined:
@@ -110,7 +110,8 @@ def gather(chunks: Sequence[Any], device: torch.device | str | None = None,
     them (dim 0 where several do), and a tensor with none (a sum over the batch, a value computed
     from the weights) is an error, since joining it would silently give another value than the
     whole batch would; so is a 0-dim tensor. ``dims`` gives the batch dim of each item of a list of
-    outputs where the caller has found it (``None``: it has none), for outputs the sizes cannot tell.
+    outputs where the caller has found it (``None``: it has none), for outputs the sizes cannot tell,
+    or the weights a loss joins by (:class:`~.model_loss.WeightedSum`).
     """
     if dims is not None:
         return [_join([c[i] for c in chunks], device, sizes, dim) if isinstance(chunks[0][i], torch.Tensor)
@@ -128,11 +129,15 @@ def gather(chunks: Sequence[Any], device: torch.device | str | None = None,
 
 
 def _join(chunks: Sequence[torch.Tensor], device: torch.device | str | None, sizes: Sequence[int | None] | None,
-          dim: int | None) -> torch.Tensor:
+          dim: Any) -> torch.Tensor:
+    weights = getattr(dim, "weights", None)
+    if weights is not None:  # a loss: model_loss.WeightedSum
+        target = device or chunks[0].device
+        return sum((w * c.to(target) for w, c in zip(weights[1:], chunks[1:])), weights[0] * chunks[0].to(target))
     if chunks[0].dim() == 0:
         raise MicroBatchError(
-            "the pipelined module returned a 0-dim tensor; outputs must keep the batch on dim 0 so "
-            "the micro-batches can be joined. Reduce (e.g. compute the loss) outside the module."
+            "the pipelined module returned a 0-dim tensor that is not a floating-point loss; outputs must keep "
+            "the batch on a dim so the micro-batches can be joined. Compute it outside the module."
         )
     if dim is None:
         shapes = [tuple(c.shape) for c in chunks]

@@ -18,6 +18,7 @@ import torch
 from ..capture.batch_axis import batch_dim_candidates
 from ..capture.pytrees import flatten, unflatten
 from .microbatch import MicroBatchError
+from .model_loss import WeightedSum
 
 Shape = tuple[int, ...] | None
 MicroOutputs = list[tuple[list[Any], Any]]
@@ -56,7 +57,8 @@ def take_assigned(outputs: MicroOutputs, returned_slots: Sequence[int], assigned
 
 def output_dims(outputs: MicroOutputs, sizes: Sequence[int | None],
                 grown_shapes: Callable[[], Sequence[Shape]],
-                rows_in_sample_order: Callable[[], Sequence[bool | None]] | None = None) -> list[int | None]:
+                rows_in_sample_order: Callable[[], Sequence[bool | None]] | None = None,
+                loss_weights: Callable[[int], WeightedSum] | None = None) -> list[int | WeightedSum | None]:
     """The batch dim of each output leaf; ``grown_shapes()`` gives the leaves' shapes for a first
     micro-batch one sample larger, asked only where the sizes cannot tell.
 
@@ -64,12 +66,16 @@ def output_dims(outputs: MicroOutputs, sizes: Sequence[int | None],
     tokens, as ``output.view(-1, vocab)`` gives) is joined on dim 0, where
     ``rows_in_sample_order()`` says its rows hold each sample's rows together, in sample order;
     where they do not (tokens × samples), joining would interleave the micro-batches wrongly, and
-    is refused."""
+    is refused. A 0-dim floating-point output (a loss the model computes) joins as the weighted sum
+    ``loss_weights(i)`` finds for leaf ``i`` (:mod:`.model_loss`)."""
     micro_leaves = [leaves for leaves, _ in outputs]
-    dims: list[int | None] = []
+    dims: list[int | WeightedSum | None] = []
     for i, value in enumerate(micro_leaves[0]):
         if not isinstance(value, torch.Tensor):
             dims.append(None)
+            continue
+        if value.dim() == 0 and value.is_floating_point() and loss_weights is not None:
+            dims.append(loss_weights(i))
             continue
         chunks = [leaves[i] for leaves in micro_leaves]
         candidates = batch_dim_candidates(chunks, sizes)

@@ -32,13 +32,14 @@ from .batch_dims import (
     check_per_sample,
     grown_by_one,
     refuse_per_sample_lists,
-    with_sample_of,
+    with_samples_of,
 )
 from .batchnorm import deferred_batch_norm
 from .captures import Captures, Runnable
 from .cpu_threads import stage_threads
 from .device import shares_host
 from .engine import PassState, StepRecord, run_forward
+from .model_loss import WeightedSum, is_items_in_batch, join_weights, joins_as, with_items_in_batch
 from .options import PipelineOptions
 from .output_join import (
     Assigned,
@@ -216,6 +217,7 @@ class Pipeline(nn.Module):
             raise
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
+        args, kwargs = with_items_in_batch(self.module, args, kwargs)
         if self.check_batch:
             refuse_per_sample_lists(self.module, args, kwargs, self.batch_dim)
         run = self._run = self._captures.for_call(args, kwargs)
@@ -234,7 +236,8 @@ class Pipeline(nn.Module):
             outputs, assigned = self._take_assigned_of(
                 run, run_forward(self._pool, micro_batch_stages, micro_inputs, None, 0, schedule, seed))
             dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
-                               lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes))
+                               lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes),
+                               lambda i: self._loss_weights(run, (args, kwargs), i, sizes))
             leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
             result = self._assemble(run, leaves, outputs[0][1])
             self._assign(run, assigned, micro_values[0], sizes)
@@ -253,7 +256,8 @@ class Pipeline(nn.Module):
             outputs = run_forward(self._pool, micro_batch_stages, micro_inputs, state, stop, schedule)
         outputs, assigned = self._take_assigned_of(run, outputs)
         dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
-                               lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes))
+                               lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes),
+                               lambda i: self._loss_weights(run, (args, kwargs), i, sizes))
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
         tensor_at = [i for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)]
         backward = PipelineBackward(
@@ -262,7 +266,8 @@ class Pipeline(nn.Module):
             count=len(micro_inputs),
             outputs=tuple(gathered[i] for i in tensor_at),
             output_dims=[dims[i] for i in tensor_at],
-            output_sizes=[[leaves[i].shape[dims[i]] for leaves, _ in outputs] for i in tensor_at],
+            output_sizes=[[leaves[i].shape[dims[i]] if isinstance(dims[i], int) else 0 for leaves, _ in outputs]
+                          for i in tensor_at],
             output_is_tensor=[isinstance(v, torch.Tensor) for v in gathered],
             leaf_positions=assigned.leaf_positions,
             leaf_count=assigned.leaf_count,
@@ -362,7 +367,7 @@ class Pipeline(nn.Module):
             runs = []
             with side_effects_undone(self.module), torch.no_grad():
                 for index in (0, -1):
-                    grown = with_sample_of(first, donor, run.input_dims, index)
+                    grown = with_samples_of(first, donor, run.input_dims, slice(index, index + 1 or None))
                     leaves = flatten([grown[i] for i in run.input_slots])
                     stages = self._captures.stages_for(run, grown)
                     found, _ = self._take_assigned_of(run, run_forward(self._pool, [stages], [leaves], None, 0,
@@ -370,6 +375,44 @@ class Pipeline(nn.Module):
                     runs.append(found[0][0])
             run.grown[key] = rows_in_sample_order(runs[0], runs[1], (sizes[0] or 0) + 1, rows)
         return run.grown[key]
+
+    def _loss_weights(self, run: Runnable, call: tuple[tuple, dict], leaf: int, sizes: list[int | None]
+                      ) -> WeightedSum:
+        """How output ``leaf``, 0-dim (a loss), joins over the micro-batches: a sum where a Hugging
+        Face model divided each micro-batch's loss by the whole batch's count; else the mean over
+        samples (or the sum) that the module in eval mode gives on micro-batches 0 and 1 run
+        together, checked once per input shapes. Refused where it is neither."""
+        args, kwargs = call
+        placeholders = [n for n in run.graph.graph_module.graph.nodes if n.op == "placeholder"]
+        values = run.graph.bind(args, kwargs)
+        if any(is_items_in_batch(v, kwargs) and placeholders[i].users for i, v in enumerate(values)):
+            return join_weights(sizes, summed=True)
+        if len(sizes) == 1:
+            return join_weights(sizes, summed=False)
+        key = ("loss", leaf, tuple(sizes))
+        if key not in run.grown:
+            run.grown[key] = self._checked_loss_join(call, leaf, sizes)
+        return run.grown[key]
+
+    def _checked_loss_join(self, call: tuple[tuple, dict], leaf: int, sizes: list[int | None]) -> WeightedSum:
+        with training_flags_set(self.module, False), side_effects_undone(self.module), torch.no_grad():
+            evaluated = self._captures.for_call(*call)
+            values = microbatch.scatter(evaluated.graph.bind(*call), self.chunks, evaluated.input_dims)
+            together = with_samples_of(values[0], values[1], evaluated.input_dims, slice(None))
+            losses = [self._run_whole(evaluated, v)[0][0][0][leaf] for v in (values[0], values[1], together)]
+        parts, whole = losses[:2], losses[2]
+        for summed in (False, True):
+            if joins_as(parts, whole, join_weights(sizes[:2], summed)):
+                return join_weights(sizes, summed)
+        raise microbatch.MicroBatchError(
+            f"the pipelined module returns a 0-dim value (a loss?) that joins over micro-batches neither as a mean "
+            f"over samples nor as a sum: {float(parts[0]):.6g} and {float(parts[1]):.6g} on micro-batches of "
+            f"{sizes[0]} and {sizes[1]} samples, {float(whole):.6g} on both together (in eval mode). A mean over "
+            "tokens with padding is one such: a Hugging Face model called with labels= is joined exactly (its "
+            "loss is divided by the whole batch's token count), so pipeline it directly (module='net' for the "
+            "strategy); otherwise return per-sample losses (reduction='none') or the logits, and reduce outside "
+            "the pipelined module."
+        )
 
     def _assign(self, run: Runnable, assigned: Assigned, first: list[Any], sizes: list[int | None]) -> None:
         """Give the attributes ``forward`` assigns the values a whole-batch call would."""
