@@ -212,3 +212,53 @@ class WrappedLossLM(CausalLM):
 def test_a_token_mean_loss_the_pipeline_cannot_join_exactly_is_refused_with_the_way_out():
     with pytest.raises(la.MicroBatchError, match=r"neither as a mean over samples nor as a sum.*module='net'"):
         pipelined(WrappedLossLM("llama"), empty_init=True)
+
+
+peft = pytest.importorskip("peft")
+
+
+class LoraLM(CausalLM):
+    """LoRA adapters (peft) on a decoder built on meta, its base loaded from a checkpoint."""
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            super().configure_model()
+            config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+            self.net = peft.get_peft_model(self.net, config)
+
+    def forward(self, ids):
+        return self.net(input_ids=ids).logits
+
+
+def test_lora_adapters_on_a_decoder_built_on_meta_train_like_plain_and_the_frozen_base_costs_no_gradients(tmp_path):
+    model = LoraLM("llama", save("llama", tmp_path, "sharded"))
+    fit = pipelined(model, empty_init=True)
+    assert_pipelined(fit)
+    def base(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k.replace("base_model.model.", "").replace(".base_layer", ""): v for k, v in state.items()
+                if "lora_" not in k}
+
+    reference = reference_state("llama")
+    assert set(base(model.initial)) == set(reference)
+    for key, value in reference.items():  # loaded, and frozen through training
+        assert torch.equal(base(model.initial)[key], value), key
+        assert torch.equal(base(model.net.state_dict())[key], value), key
+    adapters = {k: v for k, v in model.initial.items() if "lora_" in k}
+    assert adapters and all(not v.any() for k, v in adapters.items() if "lora_B" in k)  # B starts at zero, as peft's
+    assert all(v.std() > 0 for k, v in adapters.items() if "lora_A" in k)
+    # the plan charges gradients and optimizer state (AdamW: 2) only to the adapters
+    plan = fit.strategy.plan
+    frozen = sum(v.numel() * v.element_size() for v in reference.values())
+    assert sum(stage.frozen_bytes for stage in plan.stages) == frozen
+    for stage in plan.stages:
+        trainable = stage.param_bytes - stage.frozen_bytes
+        held = stage.activation_bytes * plan.chunks
+        assert stage.memory_bytes == trainable * 4 + stage.frozen_bytes + stage.buffer_bytes + held
+
+    plain = LoraLM("llama")
+    plain.configure_model()
+    plain.net.double().load_state_dict(model.initial)
+    trainer(devices=1, precision="64-true", max_steps=STEPS).fit(plain, data())
+    torch.testing.assert_close(model.losses, plain.losses, rtol=1e-6, atol=0)
+    for (key, value), (_, expected) in zip(model.net.state_dict().items(), plain.net.state_dict().items()):
+        torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-9, msg=key)

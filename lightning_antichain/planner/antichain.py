@@ -52,6 +52,7 @@ class StateSpace:
     forward: np.ndarray
     backward: np.ndarray
     param_bytes: np.ndarray
+    frozen_bytes: np.ndarray
     buffer_bytes: np.ndarray
     activation_bytes: np.ndarray
     cut_bytes: np.ndarray
@@ -276,6 +277,7 @@ def _state_space(graph: nx.DiGraph, nodes: list[Any], masks: list[int], compress
         forward=fmember @ attr("forward_s"),
         backward=fmember @ attr("backward_s"),
         param_bytes=fmember @ attr("param_bytes"),
+        frozen_bytes=fmember @ attr("frozen_bytes"),
         buffer_bytes=fmember @ attr("buffer_bytes"),
         activation_bytes=fmember @ attr("saved_bytes"),
         cut_bytes=cut_membership.astype(np.float64) @ attr("output_bytes"),

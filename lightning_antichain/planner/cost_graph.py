@@ -49,6 +49,7 @@ NODE_DEFAULTS: dict[str, Any] = {
     "backward_s": 0.0,
     "output_bytes": 0,
     "param_bytes": 0,
+    "frozen_bytes": 0,
     "buffer_bytes": 0,
     "pinned": False,
 }
@@ -75,7 +76,8 @@ def normalize_cost_graph(graph: nx.DiGraph) -> nx.DiGraph:
             attrs.setdefault(key, default)
         attrs.setdefault("top_level", str(name))
         attrs.setdefault("saved_bytes", attrs["output_bytes"])
-        for key in ("forward_s", "backward_s", "output_bytes", "param_bytes", "buffer_bytes", "saved_bytes"):
+        for key in ("forward_s", "backward_s", "output_bytes", "param_bytes", "frozen_bytes", "buffer_bytes",
+                    "saved_bytes"):
             if attrs[key] < 0:
                 raise CostGraphError(f"node {name!r} has negative {key} = {attrs[key]}")
     if out.graph.get("saved_counted") and any("saved" not in a or "storages" not in a for _, a in out.nodes(data=True)):

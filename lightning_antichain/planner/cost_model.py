@@ -50,15 +50,16 @@ class CostModel:
         """Seconds to ship ``nbytes`` forward and its gradient back."""
         return 2.0 * nbytes / self.bandwidth
 
-    def memory_bytes(self, params: Any, buffers: Any, activations: Any, inputs: Any) -> Any:
-        """A stage's peak: parameters with their gradients and optimizer state, buffers, and what it
+    def memory_bytes(self, params: Any, buffers: Any, activations: Any, inputs: Any, frozen: Any = 0) -> Any:
+        """A stage's peak: parameters with their gradients and optimizer state (none for the
+        ``frozen`` part of ``params``, which trains no gradient: a LoRA model's base), buffers, and what it
         keeps for backward. Without recomputation that is every micro-batch's ``activations``
         (inputs included), at the end of the forward pass. With it, the peak comes at the first
         backward, which recomputes one micro-batch's activations while the others keep only their
         ``inputs``; ``"except_last"`` and ``"always"`` meet the same peak there."""
         recomputes = self.recompute != "never" and self.chunks > 1
         held = inputs * (self.chunks - 1) + activations if recomputes else activations * self.chunks
-        return params * (2.0 + self.optimizer_multiplier) + buffers + held
+        return (params - frozen) * (2.0 + self.optimizer_multiplier) + frozen + buffers + held
 
 
 def checked_mode(recompute: str) -> str:
@@ -96,7 +97,7 @@ def memory_of(graph: nx.DiGraph, nodes: list[Any], model: CostModel) -> float:
     attr = lambda key: sum(graph.nodes[v][key] for v in nodes)  # noqa: E731
     cut_in = list(dict.fromkeys(p for v in nodes for p in graph.predecessors(v) if p not in nodes))
     activations, inputs = kept_bytes(graph, nodes, cut_in, nodes)
-    return model.memory_bytes(attr("param_bytes"), attr("buffer_bytes"), activations, inputs)
+    return model.memory_bytes(attr("param_bytes"), attr("buffer_bytes"), activations, inputs, attr("frozen_bytes"))
 
 
 def kept_bytes(graph: nx.DiGraph, nodes: Sequence[Any], cut_in: Sequence[Any], cut_out: Sequence[Any]
@@ -165,8 +166,9 @@ def evaluate_stages(
                 backward_s=sum_attr("backward_s") / spec.speed,
                 transfer_s=float(model.transfer_s(in_bytes + out_bytes)),
                 memory_bytes=int(model.memory_bytes(sum_attr("param_bytes"), sum_attr("buffer_bytes"), activations,
-                                                    kept_inputs)),
+                                                    kept_inputs, sum_attr("frozen_bytes"))),
                 param_bytes=int(sum_attr("param_bytes")),
+                frozen_bytes=int(sum_attr("frozen_bytes")),
                 buffer_bytes=int(sum_attr("buffer_bytes")),
                 activation_bytes=int(activations),
                 input_bytes=int(in_bytes),

@@ -42,7 +42,8 @@ def _stage_memory(space: StateSpace, model: CostModel) -> np.ndarray:
     activations = diff(space.activation_bytes) + inputs
     if space.graph.graph.get("saved_counted"):
         activations = activations + space.cut_bytes[:, None]
-    return model.memory_bytes(diff(space.param_bytes), diff(space.buffer_bytes), activations, inputs)
+    return model.memory_bytes(diff(space.param_bytes), diff(space.buffer_bytes), activations, inputs,
+                              diff(space.frozen_bytes))
 
 
 def solve_bottleneck(

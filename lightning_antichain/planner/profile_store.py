@@ -25,12 +25,14 @@ from .cache import DamagedEntry, entry_key, entry_path, read_entry, write_entry
 from .cost_graph import cost_graph_from_dict, cost_graph_to_dict
 
 _NUMBERS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "buffer_bytes")
+# frozen_bytes (no gradient, no optimizer state) is checked when present: profiles cached before it have none
 
 
 def profile_key(graph: OpGraph, module: nn.Module, example: Any, device: torch.device) -> str:
     """The cache key of the costs of ``module`` on ``example`` at ``device``."""
     code = graph.graph_module.code if graph.graph_module is not None else repr([n.name for n in graph.nodes])
-    state = [(name, tuple(t.shape), str(t.dtype)) for name, t in [*module.named_parameters(), *module.named_buffers()]]
+    state = [(name, tuple(t.shape), str(t.dtype), t.requires_grad)
+             for name, t in [*module.named_parameters(), *module.named_buffers()]]
     inputs = [(tuple(t.shape), str(t.dtype)) for t in iter_tensors(example)]
     autocast = [str(dtype) for _, dtype in autocast_settings()]
     return entry_key("profile", code, state, inputs, device_name(device), autocast, torch.__version__,

@@ -9,6 +9,9 @@ whose tensors are new is initialised in one of three ways, the first that applie
    ``Module.apply`` and Hugging Face do: a parent such as T5's attention initialises its children);
 3. the module's own ``reset_parameters()``, Lightning's and torch's contract for meta models.
 
+A peft LoRA layer then initialises its adapters as peft does (``reset_lora_parameters``: A as
+``nn.Linear``, B zero, so the adapted model starts as the base model).
+
 Nothing here decides whether the values are complete: :mod:`.materialize` checks every new tensor
 afterwards, whatever filled it.
 """
@@ -48,11 +51,15 @@ class Initializer:
         self.names = {} if root is None else {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
         self._parents: dict[int, nn.Module] = {}
         self._hugging_face: dict[int, nn.Module] = {}  # module -> the innermost PreTrainedModel holding it
+        self._lora_init: dict[str, object] = {}  # adapter name -> peft's init_lora_weights
         for module in ([] if root is None else root.modules()):
             for child in module.children():
                 self._parents.setdefault(id(child), module)
             if is_hugging_face_model(module):
                 self._hugging_face.update((id(m), module) for m in module.modules())
+            configs = getattr(module, "peft_config", None)
+            if isinstance(configs, dict):
+                self._lora_init.update((name, getattr(c, "init_lora_weights", True)) for name, c in configs.items())
 
     def name(self, module: nn.Module) -> str:
         """``module``'s qualified name in the model (its type where it is the root)."""
@@ -63,10 +70,11 @@ class Initializer:
         return name.count(".") + 1 if name else 0
 
     def ancestors(self, module: nn.Module) -> Iterator[nn.Module]:
-        """The modules above ``module``, nearest first, that Hugging Face would initialise too."""
+        """The modules above ``module``, nearest first, whose initialisation reaches into it."""
         parent = self._parents.get(id(module))
-        while parent is not None and id(parent) in self._hugging_face:
-            yield parent
+        while parent is not None:
+            if self.ancestor_ways(parent):
+                yield parent
             parent = self._parents.get(id(parent))
 
     def own_ways(self, module: nn.Module) -> list[Way]:
@@ -81,12 +89,33 @@ class Initializer:
         return ways
 
     def ancestor_ways(self, module: nn.Module) -> list[Way]:
-        """How a module above new tensors initialises them: only Hugging Face's ``_init_weights``
-        reaches into children (``reset_parameters()`` fills a module's own tensors)."""
-        owner = self._hugging_face.get(id(module))
-        if owner is None or self.param_init_fn is not None:
+        """How a module above new tensors initialises them: Hugging Face's ``_init_weights`` and a
+        LoRA layer's ``reset_lora_parameters`` reach into children (``reset_parameters()`` fills
+        a module's own tensors only)."""
+        if self.param_init_fn is not None:
             return []
-        return [Way(f"{type(owner).__name__}._init_weights", lambda: _hugging_face_init(owner, module))]
+        ways = []
+        owner = self._hugging_face.get(id(module))
+        if owner is not None:
+            ways.append(Way(f"{type(owner).__name__}._init_weights", lambda: _hugging_face_init(owner, module)))
+        lora = self._lora_way(module)
+        if lora is not None:
+            ways.append(lora)
+        return ways
+
+    def _lora_way(self, module: nn.Module) -> Way | None:
+        reset, adapters = getattr(module, "reset_lora_parameters", None), getattr(module, "lora_A", None)
+        if not callable(reset) or not isinstance(adapters, nn.ModuleDict):
+            return None
+        inits = {name: self._lora_init.get(name, True) for name in adapters}
+        if any(init not in (True, "gaussian") for init in inits.values()):  # PiSSA, OLoRA, ...: from the base weights
+            return None
+
+        def run() -> None:
+            for name, init in inits.items():
+                reset(name, init)
+
+        return Way("reset_lora_parameters()", run)
 
 
 def _hugging_face_init(owner: nn.Module, module: nn.Module) -> None:

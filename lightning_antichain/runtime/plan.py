@@ -43,7 +43,8 @@ class Stage:
 
     ``compute_s`` is forward plus backward of one micro-batch on this device; ``transfer_s`` ships
     the stage's input cut in and its output cut out, forward and the gradients back.
-    ``memory_bytes`` counts parameters, their gradients and optimizer state, buffers, and what the
+    ``memory_bytes`` counts parameters, their gradients and optimizer state (none for the
+    ``frozen_bytes`` of parameters that need no gradient), buffers, and what the
     plan's ``recompute`` mode keeps for backward at its peak: ``activation_bytes`` (what one
     micro-batch keeps: saved tensors, inputs and outputs) for each of ``chunks`` micro-batches, or,
     with recomputation, one micro-batch's ``activation_bytes`` and ``kept_input_bytes`` (a recomputed
@@ -68,6 +69,7 @@ class Stage:
     speed: float = 1.0
     memory_limit_bytes: int | None = None
     kept_input_bytes: int = 0
+    frozen_bytes: int = 0
 
     @property
     def compute_s(self) -> float:
