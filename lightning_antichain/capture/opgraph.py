@@ -174,11 +174,12 @@ def _owner(node: fx.Node) -> str:
     if node.op == "call_module":
         path = str(node.target)
         return path.rsplit(".", 1)[0] if "." in path else ""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
+    # export records hooks of its own in the stack (_empty_nn_module_stack_from_metadata_hook)
+    paths = [str(path) for path, _cls in (node.meta.get("nn_module_stack") or {}).values()
+             if not str(path).startswith("_")]
+    if not paths:
         return ""
-    path, _cls = list(stack.values())[-1]
-    path = str(path)
+    path = paths[-1]
     # export names paths like "L['self'].layers[0]" in some versions; keep the dotted module path
     return path.replace("L['self'].", "").replace("L['self']", "")
 

@@ -62,6 +62,20 @@ class CostModel:
         return (params - frozen) * (2.0 + self.optimizer_multiplier) + frozen + buffers + held
 
 
+def module_span(graph: nx.DiGraph, nodes: Sequence[Any]) -> list[str]:
+    """The modules of a stage's first and last operations (``model.layers.0.input_layernorm``,
+    ``model.layers.7.self_attn.q_proj``), from what the capture recorded of each operation's
+    module; empty where it recorded none (a cost graph made by hand)."""
+    def module_of(v: Any) -> str:
+        attrs = graph.nodes[v]
+        if attrs.get("kind") == "call_module":
+            return str(attrs.get("target") or "")
+        return str(attrs.get("owner") or "")
+
+    named = [m for m in (module_of(v) for v in nodes if not graph.nodes[v]["pinned"]) if m]
+    return [named[0], named[-1]] if named else []
+
+
 def checked_mode(recompute: str) -> str:
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -169,6 +183,7 @@ def evaluate_stages(
                                                     kept_inputs, sum_attr("frozen_bytes"))),
                 param_bytes=int(sum_attr("param_bytes")),
                 frozen_bytes=int(sum_attr("frozen_bytes")),
+                modules=module_span(graph, nodes),
                 buffer_bytes=int(sum_attr("buffer_bytes")),
                 activation_bytes=int(activations),
                 input_bytes=int(in_bytes),

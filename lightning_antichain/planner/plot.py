@@ -23,9 +23,11 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str], title: str | None = None
 
     stages = plan.stages
     fig, (loads, timeline) = plt.subplots(
-        1, 2, figsize=(13, 2.2 + 0.55 * len(stages)), gridspec_kw={"width_ratios": [1, 2.2]}
+        1, 2, figsize=(13, 2.2 + (0.9 if stages[0].modules else 0.55) * len(stages)),
+        gridspec_kw={"width_ratios": [1, 2.2]}
     )
-    names = [f"stage {s.index}\n{s.device}" for s in stages]
+    names = [f"stage {s.index} ({s.device})" + (f"\n{_short(s.modules[0])} ..\n{_short(s.modules[-1])}"
+                                                   if s.modules else "") for s in stages]
     ms = 1e3
     y = range(len(stages))
     forward = [ms * s.forward_s for s in stages]
@@ -67,3 +69,10 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str], title: str | None = None
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _short(module: str, keep: int = 3) -> str:
+    """The last ``keep`` parts of a dotted module path, for a label."""
+    parts = module.split(".")
+    return module if len(parts) <= keep else "…" + ".".join(parts[-keep:])
+

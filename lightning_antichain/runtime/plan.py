@@ -48,7 +48,8 @@ class Stage:
     plan's ``recompute`` mode keeps for backward at its peak: ``activation_bytes`` (what one
     micro-batch keeps: saved tensors, inputs and outputs) for each of ``chunks`` micro-batches, or,
     with recomputation, one micro-batch's ``activation_bytes`` and ``kept_input_bytes`` (a recomputed
-    micro-batch's inputs) for each of the others. ``input_bytes`` and ``output_bytes`` are the cuts
+    micro-batch's inputs) for each of the others. ``modules`` names the modules of the stage's
+    first and last operations. ``input_bytes`` and ``output_bytes`` are the cuts
     as shipped.
     """
 
@@ -70,6 +71,7 @@ class Stage:
     memory_limit_bytes: int | None = None
     kept_input_bytes: int = 0
     frozen_bytes: int = 0
+    modules: list[str] = field(default_factory=list)
 
     @property
     def compute_s(self) -> float:
@@ -193,13 +195,15 @@ class Plan:
 
     def table(self) -> str:
         """A fixed-width table of the stages, with the plan's totals underneath."""
-        header = ("stage", "device", "ops", "first .. last op", "compute ms", "transfer ms", "memory MB")
+        named = any(s.modules for s in self.stages)
+        span = "first .. last module" if named else "first .. last op"
+        header = ("stage", "device", "ops", span, "compute ms", "transfer ms", "memory MB")
         rows = [
             (
                 str(s.index),
                 s.device,
                 str(len(s.nodes)),
-                _span(s.nodes),
+                _span(s.modules if named else s.nodes),
                 f"{1e3 * s.compute_s:.2f}",
                 f"{1e3 * s.transfer_s:.2f}",
                 f"{s.memory_bytes / 1e6:.1f}",
