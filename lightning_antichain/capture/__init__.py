@@ -15,7 +15,6 @@ all capture through :func:`capture`, and the graph that was profiled is the grap
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,6 +34,7 @@ from .leaves import capture_with_leaves
 from .opgraph import OpGraph, OpNode, RecordedCall, op_graph
 from .settle import settle
 from .signature import SignatureMismatchError, original_forward
+from .status import status
 from .symbolic import call_specialization, capture_symbolic, constant_arguments
 
 FRONTENDS = ("fx", "export", "concrete", "leaves")
@@ -91,6 +91,7 @@ def trace(
     leaf_modules: Sequence[type | str] = (),
     frontends: Sequence[str] = FRONTENDS,
     batch_dim: int | Mapping[str, int] = 0,
+    progress: bool = False,
 ) -> OpGraph:
     """Build the :class:`OpGraph` of ``module``.
 
@@ -98,7 +99,7 @@ def trace(
     need ``example_inputs``, one micro-batch). If no frontend succeeds and ``fallback="children"``,
     the top-level children become the nodes, for planning only; with ``fallback=None`` an
     :class:`UntraceableModelError` gives every frontend's reason. ``leaf_modules`` keeps the listed
-    module classes or dotted paths whole.
+    module classes or dotted paths whole. ``progress`` reports the capture on stderr.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -107,7 +108,7 @@ def trace(
     if granularity == "ops":
         try:
             return capture(module, example_inputs, leaf_modules=leaf_modules, frontends=frontends,
-                           batch_dim=batch_dim)
+                           batch_dim=batch_dim, progress=progress)
         except UntraceableModelError as exc:
             if fallback is None:
                 raise
@@ -151,7 +152,7 @@ def _capture(
             refused.append(f"{frontend}: needs an example input (example_input_array)")
             continue
         started = time.perf_counter()
-        _report(progress, f"capturing {name} with {frontend} ...")
+        _report(progress, f"capturing {name} with {frontend} ...", final=False)
         try:
             # gradients on, as in training: whether an assigned attribute needs them is recorded
             with own_forward(module), attributes_restored(module), torch.enable_grad():
@@ -163,7 +164,7 @@ def _capture(
                     graph, warm_start = settle(module, call, graph, again)
         except FrontendRefused as exc:
             refused.append(f"{frontend}: {exc.reason}")
-            _report(progress, f"capturing {name}: {frontend} refused ({exc.reason[:120]})")
+            _report(progress, f"capturing {name}: {frontend} refused ({exc.reason[:120]})", final=False)
             if exc.data_dependent and data_dependent is None:
                 data_dependent = exc
             logs = logs or logging_call(exc)
@@ -172,16 +173,16 @@ def _capture(
             graph.cache = merged(graph.cache, warm_start())
         graph.refused = tuple(refused)
         graph.training = training_flags(module)
-        _report(progress, f"captured {name} with {frontend}: {len(graph)} operations in "
-                          f"{time.perf_counter() - started:.1f} s")
+        tried = "".join(f", {r.split(':')[0]} refused" for r in refused)
+        _report(progress, f"lightning-antichain: captured {name} with {frontend}: {len(graph)} operations in "
+                          f"{time.perf_counter() - started:.1f} s{tried}")
         return graph
     raise UntraceableModelError(_explain(module, refused, data_dependent, logs), refused)
 
 
-def _report(enabled: bool, line: str) -> None:
+def _report(enabled: bool, line: str, final: bool = True) -> None:
     if enabled:
-        sys.stderr.write(f"lightning-antichain: {line}\n")
-        sys.stderr.flush()
+        status(line if line.startswith("lightning-antichain:") else f"lightning-antichain: {line}", final=final)
 
 
 def _capture_with(

@@ -92,7 +92,7 @@ def profile(
     device = torch.device(device)
     started = time.perf_counter()
     graph = op_graph or trace(module, example_inputs, fallback=fallback, leaf_modules=leaf_modules,
-                                   batch_dim=batch_dim)
+                              batch_dim=batch_dim, progress=progress)
     timer = functools.partial(timed, device)
     label = f"profiling {name or type(module).__name__}"
     if just_in_time is None:

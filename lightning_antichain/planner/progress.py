@@ -1,38 +1,40 @@
-"""A progress line on stderr for work a person waits on (profiling, calibration)."""
+"""Progress of work a person waits on (capture, profiling, calibration), one phase at a time.
+
+On a terminal each phase is a tqdm bar with what is being done, its rate and the time left; in a
+log (stderr not a terminal) each phase leaves one line when it ends, so that what comes before
+the first training step stays short.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
 
+from tqdm.auto import tqdm
+
+from ..capture.status import status
+
 
 class Progress:
-    """``label: done/total unit, seconds``: redrawn in place on a terminal, every 10% otherwise (logs)."""
+    """One phase of ``total`` steps of ``unit``, named ``label``."""
 
     def __init__(self, total: int, *, enabled: bool, label: str, unit: str) -> None:
         self.total, self.enabled, self.label, self.unit = total, enabled, label, unit
         self.done = 0
-        self.tty = sys.stderr.isatty()
         self.started = time.perf_counter()
-        self.last_tenth = -1
+        self._bar = tqdm(total=total, desc=label, unit=f" {unit}", leave=True, file=sys.stderr, dynamic_ncols=True,
+                         mininterval=0.2) if enabled and sys.stderr.isatty() else None
 
     def step(self) -> None:
         self.done += 1
-        if not self.enabled:
-            return
-        tenth = 10 * self.done // max(self.total, 1)
-        if self.tty:
-            sys.stderr.write(f"\r{self._line()}")
-        elif tenth != self.last_tenth:
-            sys.stderr.write(self._line() + "\n")
-        self.last_tenth = tenth
-        sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.update(1)
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.enabled and self.done:
+            status(f"{self.label}: {self.done}/{self.total} {self.unit} in {time.perf_counter() - self.started:.1f} s")
+        self.enabled = False
 
-    def _line(self) -> str:
-        elapsed = time.perf_counter() - self.started
-        return f"{self.label}: {self.done}/{self.total} {self.unit}, {elapsed:.1f}s"
