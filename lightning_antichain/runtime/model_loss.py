@@ -42,21 +42,25 @@ class WeightedSum:
 
 def with_items_in_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args, kwargs`` with ``num_items_in_batch`` added, where ``module`` is a Hugging Face model
-    whose loss divides by it and the call gives ``labels`` (and not the count already): the number
-    of label tokens of the whole batch that count, as a 0-dim tensor every micro-batch receives."""
-    if not is_hugging_face_model(module) or ITEMS in kwargs:
+    (or a peft model around one) whose loss divides by it and the call gives ``labels`` (and not
+    the count already): the number of label tokens of the whole batch that count, as a 0-dim
+    tensor every micro-batch receives."""
+    base = getattr(module, "get_base_model", None)  # peft's PeftModel passes its keywords on
+    model = base() if callable(base) and not is_hugging_face_model(module) else module
+    if not isinstance(model, nn.Module) or not is_hugging_face_model(model) or ITEMS in kwargs:
         return args, kwargs
     try:
-        loss = getattr(module.loss_function, "__name__", None)  # by loss_type, or the causal LM's by default
+        loss = getattr(model.loss_function, "__name__", None)  # by loss_type, or the causal LM's by default
     except Exception:  # a model without Hugging Face's loss mapping
         return args, kwargs
     if loss not in COUNTED_LOSSES:
         return args, kwargs
-    try:
-        bound = inspect.signature(original_forward(module)).bind(*args, **kwargs)
-    except TypeError:
-        return args, kwargs
-    labels = bound.arguments.get("labels")
+    labels = kwargs.get("labels")
+    if labels is None:
+        try:
+            labels = inspect.signature(original_forward(module)).bind(*args, **kwargs).arguments.get("labels")
+        except TypeError:
+            return args, kwargs
     takes_more = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(original_forward(module))
                      .parameters.values())
     if not isinstance(labels, torch.Tensor) or not takes_more:
