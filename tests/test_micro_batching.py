@@ -49,8 +49,9 @@ def test_an_output_that_is_not_per_sample_is_refused_not_joined(extra, shapes, g
     model = Net(extra).double()
     x = torch.randn(8, 4, dtype=torch.float64)
     with _pipe(model, x, chunks=2) as pipe, torch.set_grad_enabled(grad):
-        with pytest.raises(MicroBatchError, match=rf"not one row per sample: shapes {shapes} for micro-batches of "
-                                                  r"\[4, 4\] samples .*compute the rest outside"):
+        with pytest.raises(MicroBatchError, match=rf"no dim that follows the samples: shapes {shapes} for "
+                                                  r"micro-batches of \[4, 4\] samples, the same whatever the "
+                                                  r"micro-batch holds.*compute the rest outside"):
             pipe(x)
 
 

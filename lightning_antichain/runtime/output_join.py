@@ -80,11 +80,11 @@ def output_dims(outputs: MicroOutputs, sizes: Sequence[int | None],
         chunks = [leaves[i] for leaves in micro_leaves]
         candidates = batch_dim_candidates(chunks, sizes)
         if not candidates and flattened_rows(chunks, sizes) is not None:
-            in_order = rows_in_sample_order()[i] if rows_in_sample_order is not None and len(chunks) > 1 else None
+            in_order = rows_in_sample_order()[i] if rows_in_sample_order is not None and len(chunks) > 1 else True
             if in_order is False:
                 raise MicroBatchError(interleaved_rows_message(tuple(value.shape), flattened_rows(chunks, sizes),
                                                                "changing one sample changed rows of others"))
-            dims.append(0)
+            dims.append(0 if in_order else None)  # None: no row changed with its sample (from the weights?)
             continue
         if len(candidates) <= 1:
             dims.append(candidates[0] if candidates else None)
