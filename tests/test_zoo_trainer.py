@@ -9,6 +9,8 @@ training mode with BatchNorm in eval mode), since micro-batches change batch sta
 
 from __future__ import annotations
 
+import functools
+
 import lightning as L
 import pytest
 import torch
@@ -65,15 +67,38 @@ class ZooModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
-def _losses(name: str, strategy) -> tuple[list[float], L.Trainer]:
+class MetaZooModule(ZooModule):
+    """The same model built in ``configure_model()`` on meta (the strategy's ``empty_init``) and
+    loaded from the plain model's initial weights, as a pretrained checkpoint goes in."""
+
+    def __init__(self, name: str, initial: dict[str, torch.Tensor]) -> None:
+        L.LightningModule.__init__(self)
+        self.entry, self.initial, self.net = ZOO[name], initial, None
+        self.losses = []
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = modes_set(self.entry.build(), self.entry.train)
+            la.load_state_dict(self.net, self.initial)
+
+
+def _losses(name: str, strategy, meta: bool = False) -> tuple[list[float], L.Trainer]:
     torch.manual_seed(0)
     model = ZooModule(name)
+    if meta:
+        model = MetaZooModule(name, {k: v.double() if v.is_floating_point() else v
+                                     for k, v in model.net.state_dict().items()})
     torch.manual_seed(1)
     data = DataLoader(Samples(ZOO[name].batch(BATCH * STEPS)), batch_size=BATCH)
     devices = 1 if strategy == "auto" else 2
     fit = trainer(strategy=strategy, devices=devices, precision="64-true", max_steps=STEPS)
     fit.fit(model, data)
     return model.losses, fit
+
+
+@functools.cache
+def _plain_losses(name: str) -> tuple[float, ...]:
+    return tuple(_losses(name, "auto")[0])
 
 
 def _marks(name: str) -> list:
@@ -83,7 +108,7 @@ def _marks(name: str) -> list:
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in sorted(ZOO)])
 def test_zoo_model_trains_through_the_trainer_like_plain_lightning(name):
     RESULTS[name] = "failed"
-    plain, _ = _losses(name, "auto")
+    plain = list(_plain_losses(name))
     assert len(plain) == STEPS and plain[-1] != plain[0]  # it trains: the comparison is not of constants
     strategy = la.AntichainPipelineStrategy(chunks=CHUNKS, module="net", use_profile_cache=False, calibrate=False)
     losses, fit = _losses(name, strategy)
@@ -91,3 +116,18 @@ def test_zoo_model_trains_through_the_trainer_like_plain_lightning(name):
     assert fit.strategy.plan.num_stages == 2
     assert {stage for stage, _ in assert_pipelined(fit)} == {0, 1}
     RESULTS[name] = fit.strategy.plan.frontend
+
+
+HUGGING_FACE = [pytest.param(n, marks=_marks(n)) for n in sorted(ZOO) if ZOO[n].library == "transformers"]
+
+
+@pytest.mark.parametrize("name", HUGGING_FACE)
+def test_zoo_hugging_face_model_built_on_meta_and_loaded_trains_like_plain_lightning(name):
+    plain = list(_plain_losses(name))
+    strategy = la.AntichainPipelineStrategy(chunks=CHUNKS, module="net", use_profile_cache=False, calibrate=False,
+                                            empty_init=True)
+    losses, fit = _losses(name, strategy, meta=True)
+    assert not any(t.is_meta for t in fit.lightning_module.net.state_dict().values())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-6, atol=0)
+    assert {stage for stage, _ in assert_pipelined(fit)} == {0, 1}
+

@@ -207,11 +207,12 @@ def _capture_with(
         graph.note = f"kept whole: {', '.join(made)}" if made else None
         return graph
     assert call is not None
-    with state_on_meta(module, call, inputs_too=frontend == "export") as (args, kwargs):
+    with state_on_meta(module, call, inputs_too=frontend == "export") as ((args, kwargs), put_back):
         if frontend == "export":
             graph_module, signature, specialization, assignments = capture_exported(module, args, kwargs, batch_dim)
         else:
             graph_module, signature, specialization, assignments = capture_concrete(module, args, kwargs)
+        put_back(graph_module)
     specialization.recapture = functools.partial(_capture_again, module, leaf_modules, frontend, batch_dim)
     graph = op_graph(module, graph_module, frontend, signature, specialization)
     graph.assignments = assignments

@@ -9,7 +9,7 @@ from their inputs at run time and need nothing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,10 +64,13 @@ def on_module_device(module: torch.nn.Module, values: Any) -> Any:
 
 
 @contextlib.contextmanager
-def state_on_meta(module: nn.Module, call: tuple[tuple, dict], inputs_too: bool) -> Iterator[tuple[tuple, dict]]:
+def state_on_meta(module: nn.Module, call: tuple[tuple, dict], inputs_too: bool
+                  ) -> Iterator[tuple[tuple[tuple, dict], Callable[[nn.Module], None]]]:
     """While the block runs, every real parameter and buffer of ``module`` behind a meta stand-in,
-    where ``module`` has any state on meta (else all as is); yields ``call``, on meta if
-    ``inputs_too``.
+    where ``module`` has any state on meta (else all as is). Yields ``call``, on meta if
+    ``inputs_too``, and ``put_back(graph_module)``, which gives a graph module made in the block
+    the real tensors where it took a stand-in itself (a tensor of the root module, which it holds
+    rather than reads through a submodule).
 
     A model built on meta usually has real buffers (made in ``__init__``) and takes real inputs.
     torch.export traces on one device or refuses ("weight is on meta, different from other tensors
@@ -77,15 +80,24 @@ def state_on_meta(module: nn.Module, call: tuple[tuple, dict], inputs_too: bool)
     state = [(table, name, t) for m in module.modules() for table in (m._parameters, m._buffers)
              for name, t in table.items() if t is not None]
     if not any(t.is_meta for _, _, t in state):
-        yield call
+        yield call, lambda graph_module: None
         return
     hidden = [(table, name, t) for table, name, t in state if not t.is_meta]
+    originals: dict[int, torch.Tensor] = {}
     for table, name, tensor in hidden:
         stand_in = torch.empty_like(tensor, device="meta")
         table[name] = nn.Parameter(stand_in, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else stand_in
+        originals[id(table[name])] = tensor
+
+    def put_back(graph_module: nn.Module) -> None:
+        for table in (graph_module._parameters, graph_module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and id(tensor) in originals:
+                    table[name] = originals[id(tensor)]
+
     try:
-        yield call if not inputs_too else torch.utils._pytree.tree_map(
-            lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, call)
+        yield (call if not inputs_too else torch.utils._pytree.tree_map(
+            lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, call)), put_back
     finally:
         for table, name, tensor in hidden:
             table[name] = tensor
