@@ -157,3 +157,33 @@ def test_a_real_model_profiled_just_in_time_is_left_as_it_was_and_costs_the_same
     layer = sum(p.numel() * p.element_size() for p in model.parameters()) / 12
     assert live.peak["cpu"] < 3 * layer  # never a copy of all of it
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_repeated_blocks_are_profiled_once_with_the_memory_of_every_block_and_the_plan_says_so(monkeypatch):
+    """nanoGPT's 4 blocks are equal but for their names: blocks 1-3 take block 0's measurements,
+    node for node, and their memory counts equal a whole profile of the real model's, key for key."""
+    from lightning_antichain.planner import profiler
+
+    entry = ZOO["nanogpt"]
+    torch.manual_seed(0)
+    real = entry.build()
+    with torch.device("meta"):
+        meta = entry.build()
+    args, _ = entry.batch(2)
+    whole = la.profile(real, args, repeats=1, warmup=0, progress=False, runtime_overhead=False)
+    timed = []
+    time_once = profiler._time_once
+    monkeypatch.setattr(profiler, "_time_once",
+                        lambda call, timer: timed.append(call.node.name) or time_once(call, timer))
+    streamed = la.profile(meta, args, repeats=1, warmup=0, progress=False, runtime_overhead=False)
+    assert streamed.graph["repeated_blocks"] == {"h.0": ["h.1", "h.2", "h.3"]}
+    block = [n for n in streamed.nodes if streamed.nodes[n]["owner"].startswith("h.0")]
+    repeats = [n for n in streamed.nodes if streamed.nodes[n]["owner"].startswith(("h.1", "h.2", "h.3"))]
+    assert len(repeats) == 3 * len(block) and not set(repeats) & set(timed)  # never run
+    assert set(block) <= set(timed)
+    for node in whole.nodes:
+        assert {k: streamed.nodes[node][k] for k in MEMORY_KEYS} == {k: whole.nodes[node][k] for k in MEMORY_KEYS}
+    for a, b in zip(block, repeats):  # node for node
+        assert streamed.nodes[b]["forward_s"] == streamed.nodes[a]["forward_s"]
+    plan = la.partition(streamed, 2, chunks=2)
+    assert "profiled once: h.1 .. h.3 (3 blocks) repeat h.0" in plan.table()

@@ -12,6 +12,11 @@ pass without autograd would) and the state of the operations in flight, never th
 Each operation is timed and its saved tensors counted as in the ordinary profile, on the real
 values of its inputs (integer tensors, such as positions, keep their meaning), except that it is
 timed ``warmup + repeats`` times in a row instead of round-robin over all operations.
+
+A block that repeats an earlier one operation for operation (a decoder's layers,
+:mod:`.repeated_blocks`) is not run: each of its operations takes its counterpart's times and
+saved tensors, once its inputs are found to have the counterpart's shapes. Its outputs that later
+operations read are zeros of the counterpart's shapes.
 """
 
 from __future__ import annotations
@@ -33,46 +38,58 @@ from ..capture.pytrees import iter_tensors, map_tensors
 from ..runtime.device import peak_memory_since, start_peak_memory
 from ..runtime.materialize import materialize, own_state, release
 from ..runtime.saved_tensors import CallMemory, SavedLedger, storage_of
+from .repeated_blocks import Repeat, find_repeats
 
 
 @dataclass
 class StreamedProfile:
     """Per operation, in execution order: its call (values replaced by meta tensors of their shape),
-    its timings, and what it keeps for backward; and the most bytes the profile held on the device."""
+    its timings, and what it keeps for backward; the most bytes the profile held on the device;
+    and the blocks measured as repeats of another, by the block they repeat."""
 
     calls: list[RecordedCall] = field(default_factory=list)
     samples: list[list[tuple[float, float]]] = field(default_factory=list)
     kept: list[CallMemory] = field(default_factory=list)
     peak_bytes: int | None = None
+    repeated: dict[str, list[str]] = field(default_factory=dict)
 
 
 def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torch.device,
                          time_once: Callable[[RecordedCall], tuple[float, float]], rounds: int, warmup: int,
-                         step: Callable[[], None]) -> StreamedProfile:
+                         step: Callable[[], None], repeats_once: bool = True) -> StreamedProfile:
     """Time and count each operation of ``graph`` (its module on meta) on ``device``, one at a time.
 
     ``time_once`` times one replay of a call; ``rounds`` replays are made of each, the first
-    ``warmup`` not kept; ``step`` reports each replay's progress.
+    ``warmup`` not kept; ``step`` reports each replay's progress. ``repeats_once``: blocks that
+    repeat an earlier one take its measurements instead of running.
     """
     assert graph.graph_module is not None, "a model on meta is profiled from its captured graph"
     work = meta_copy(graph.graph_module)
     work.train()
     retarget_devices(work, graph.capture_device, device)
     replay = graph.rebound(work, work)
-    run = _JustInTime(replay, work, device)
-    result = StreamedProfile()
     ledger = SavedLedger()
+    run = _JustInTime(replay, work, device, find_repeats(replay, work) if repeats_once else [], ledger.names_of)
+    result = StreamedProfile()
+    position: dict[str, int] = {}
     start = start_peak_memory(device)
     completed = False
     try:
-        for call in run.calls(args, kwargs):
-            measured = []
-            for round_index in range(rounds):
-                timing = time_once(call)
-                if round_index >= warmup:
-                    measured.append(timing)
-                step()
-            ledger.add(call, run.state_storages())
+        for call, like in run.calls(args, kwargs):
+            position[call.node.name] = len(result.calls)
+            if like is not None:  # an operation of a repeated block: its counterpart's measurements
+                measured = list(result.samples[position[like]])
+                ledger.add_like(call, like, run.names_like(call.node.name), run.state_storages())
+                for _ in range(rounds):
+                    step()
+            else:
+                measured = []
+                for round_index in range(rounds):
+                    timing = time_once(call)
+                    if round_index >= warmup:
+                        measured.append(timing)
+                    step()
+                ledger.add(call, run.state_storages())
             result.calls.append(_shapes_only(call))
             result.samples.append(measured)
             del call
@@ -87,6 +104,7 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
 
     result.kept = ledger.memories()
     result.peak_bytes = peak_memory_since(device, start)
+    result.repeated = run.repeated
     return result
 
 
@@ -104,8 +122,23 @@ def meta_copy(module: nn.Module) -> nn.Module:
 class _JustInTime:
     """Runs a graph module node by node, its state real only around the nodes that use it."""
 
-    def __init__(self, graph: OpGraph, work: fx.GraphModule, device: torch.device) -> None:
+    def __init__(self, graph: OpGraph, work: fx.GraphModule, device: torch.device, repeats: list[Repeat],
+                 storage_names: Callable[[Any], list[str]]) -> None:
         self.graph, self.work, self.device = graph, work, device
+        self._storage_names = storage_names  # how the saved-tensor count names a value's storages
+        self._repeat_at = {r.block.nodes[0]: r for r in repeats}  # a repeat, by its first node
+        self._references = {r.reference.nodes[0]: r.reference for r in repeats}
+        self._input_shapes: dict[str, Any] = {}  # a reference block's input shapes, when it ran
+        self._input_names: dict[str, list[list[str]]] = {}  # and its inputs' storages' names
+        self._like: dict[str, str] = {}  # node of a repeat being taken -> the reference's node
+        self._names: dict[str, dict[str, str]] = {}  # node of a repeat -> its block's names -> the reference's
+        self._shapes: dict[str, Any] = {}  # reference node -> its output on meta
+        nodes = {n.name: n for n in work.graph.nodes}
+        self._read_outside = {name for r in repeats for inside in [set(r.block.nodes)] for name in r.block.nodes
+                              if any(u.name not in inside for u in nodes[name].users)}
+        self._keep_shapes = {name for r in repeats for name in r.reference.nodes}
+        #: repeated blocks taken from a reference block, by the reference's name
+        self.repeated: dict[str, list[str]] = {}
         self.env: dict[str, Any] = {}
         self._nodes = [n for n in work.graph.nodes if n.op != "output"]
         self._needs: dict[str, list[nn.Module]] = {n.name: self._modules_of(n) for n in self._nodes}
@@ -138,14 +171,28 @@ class _JustInTime:
                 owners.append(self.work.get_submodule(str(source.target).rpartition(".")[0]))
         return owners
 
-    def calls(self, args: tuple, kwargs: dict) -> Iterator[RecordedCall]:
-        """Each node's call on real values, its state made real for it; values it was the last to
-        read are dropped, and state it was the last to use sent back to meta, by :meth:`forget`."""
+    def calls(self, args: tuple, kwargs: dict) -> Iterator[tuple[RecordedCall, str | None]]:
+        """Each node's call on real values, its state made real for it, with ``None``; or, for a
+        node of a repeated block, its call with its counterpart's output shapes, not run, with the
+        counterpart's name. Values a node was the last to read are dropped, and state it was the
+        last to use sent back to meta, by :meth:`forget`."""
         values = iter(self.graph.bind(*map_tensors(lambda t: t.to(self.device), (args, kwargs))))
         gm = self.work
         for index, node in enumerate(self._nodes):
             if node.op == "get_attr":
                 self.env[node.name] = AttrFetch(gm, str(node.target))()
+                continue
+            if node.name in self._references:
+                block = self._references[node.name]
+                self._input_shapes[block.name] = self._shapes_of_inputs(block.inputs)
+                if self._input_shapes[block.name] is not None:
+                    self._input_names[block.name] = [self._storage_names(self.env[i]) for i in block.inputs]
+            if node.name in self._repeat_at:
+                self._take_if_alike(self._repeat_at[node.name])
+            like = self._like.pop(node.name, None)
+            if like is not None:
+                self._done = index
+                yield self._call_like(node, like), like
                 continue
             materialize(self._needs[node.name], self.device, "random")
             op = self.graph[node.name]
@@ -160,10 +207,47 @@ class _JustInTime:
                 fn, module = node_callable(gm, node)
             output = self._run(node, fn, call_args, call_kwargs)
             self.env[node.name] = output
+            if node.name in self._keep_shapes:
+                self._shapes[node.name] = map_tensors(lambda t: t.detach().to("meta").requires_grad_(t.requires_grad),
+                                                      output)
             state = tuple((name, AttrFetch(gm, name)()) for name in op.state)
             self._done = index
-            yield RecordedCall(op, fn, tuple(call_args), dict(call_kwargs), output, module, state)
+            yield RecordedCall(op, fn, tuple(call_args), dict(call_kwargs), output, module, state), None
         self.forget()
+
+    def _shapes_of_inputs(self, inputs: list[str]) -> Any:
+        if any(name not in self.env for name in inputs):
+            return None  # read before it is made: not a block that runs as one piece
+        return [map_tensors(lambda t: (tuple(t.shape), t.dtype, t.requires_grad), self.env[name]) for name in inputs]
+
+    def _take_if_alike(self, repeat: Repeat) -> None:
+        """Take ``repeat``'s block from its reference where its inputs have the reference's shapes."""
+        reference = self._input_shapes.get(repeat.reference.name)
+        if reference is None or self._shapes_of_inputs(repeat.block.inputs) != reference:
+            return
+        names = repeat.node_map()
+        for own, ref in zip(repeat.block.inputs, self._input_names[repeat.reference.name]):
+            names.update(zip(self._storage_names(self.env[own]), ref))  # an input made in place keeps its maker's name
+        self._like.update(zip(repeat.block.nodes, repeat.reference.nodes))
+        self._names.update((name, names) for name in repeat.block.nodes)
+        self.repeated.setdefault(repeat.reference.name, []).append(repeat.block.name)
+
+    def names_like(self, node: str) -> dict[str, str]:
+        """The names of ``node``'s repeated block and its inputs -> its reference's."""
+        return self._names.pop(node)
+
+    def _call_like(self, node: fx.Node, like: str) -> RecordedCall:
+        """``node``'s call, not run: its output is zeros of ``like``'s output shapes where nodes
+        outside its block read it, else those shapes on meta."""
+        shapes = self._shapes[like]
+        if node.name in self._read_outside:
+            shapes = self.env[node.name] = map_tensors(
+                lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device).requires_grad_(t.requires_grad),
+                shapes)
+        fn, module = node_callable(self.work, node)
+        op = self.graph[node.name]
+        state = tuple((name, AttrFetch(self.work, name)()) for name in op.state)
+        return RecordedCall(op, fn, (), {}, shapes, module, state)
 
     def _run(self, node: fx.Node, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         """``fn``'s output with its autograd graph cut (so that it holds no earlier value or

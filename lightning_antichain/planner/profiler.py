@@ -111,7 +111,8 @@ def profile(
         reporter.close()
         calls, samples, kept = streamed.calls, streamed.samples, streamed.kept
         capacity, scale = None, 1.0  # both need whole-model runs
-        just_in_time = {"just_in_time": True, "profile_peak_bytes": streamed.peak_bytes}
+        just_in_time = {"just_in_time": True, "profile_peak_bytes": streamed.peak_bytes,
+                        "repeated_blocks": streamed.repeated}
     else:
         args, kwargs = split_inputs(map_tensors(lambda t: t.to(device), example_inputs))
         calls, samples, kept, capacity, scale = _profile_whole(graph, module, args, kwargs, device, timer, warmup,

@@ -137,6 +137,7 @@ class Plan:
     batch_size: int | None = None
     calibration: dict[str, Any] | None = None
     rounds: list[dict[str, Any]] = field(default_factory=list)
+    repeated_blocks: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
@@ -258,6 +259,9 @@ class Plan:
                     f"{1e3 * row['measured_bottleneck_s']:.2f} ms (x"
                     f"{row['measured_bottleneck_s'] / row['measured_lower_bound_s']:.3f})"
                     + ("  <- chosen" if row.get("chosen") else ""))
+        for reference, blocks in self.repeated_blocks.items():
+            lines.append(f"profiled once: {_span(blocks)} ({len(blocks)} blocks) repeat {reference} operation for "
+                         f"operation, and took its times and memory")
         if self.candidates:
             lines.append(f"chunks=auto for batches of {self.batch_size}: chose {self.chunks}")
             for row in self.candidates:

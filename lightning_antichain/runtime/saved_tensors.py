@@ -207,6 +207,38 @@ class SavedLedger:
         self._made_by.update((name, call.node.name) for name in keys if name not in self._made_by)
         self._calls.append((call.node.name, keys, mutated, found))
 
+    def add_like(self, call: Any, reference: str, names: dict[str, str], excluded: set[int]) -> None:
+        """Count ``call`` as keeping what the call of node ``reference`` kept (an operation of a
+        repeated block, not run), with the names ``names`` maps from this block to the reference's
+        turned back; its output's storages (stand-ins) take the names the reference's had (its own
+        name, or the input's that an in-place operation or a view returns)."""
+        back = {ref: own for own, ref in names.items()}  # later entries (storages' names) win
+
+        def renamed(key: str) -> str:
+            cut = min((i for i in (key.find("#"), key.find("~")) if i >= 0), default=len(key))
+            return back.get(key[:cut], key[:cut]) + key[cut:]
+
+        _, keys, mutated, found = next(entry for entry in reversed(self._calls) if entry[0] == reference)
+        outputs = list(found)
+        for index, tensor in enumerate(t for t in iter_tensors(call.output) if not t.is_meta):
+            key, nbytes = storage_of(tensor)
+            if key not in excluded and nbytes and key not in self._owner:
+                ref = outputs[index] if index < len(outputs) else None
+                name = renamed(ref) if ref is not None else f"{call.node.name}#{index}"
+                self._owner[key] = (name, nbytes)
+                self._made_by.setdefault(name, renamed(self._made_by.get(ref, reference)) if ref else call.node.name)
+        for key in keys:
+            self._made_by.setdefault(renamed(key), renamed(self._made_by.get(key, reference)))
+        keys = {renamed(k): v for k, v in keys.items()}
+        self._kept.update(keys)
+        self._calls.append((call.node.name, keys, [renamed(m) for m in mutated],
+                            {renamed(k): v for k, v in found.items()}))
+
+    def names_of(self, value: Any) -> list[str]:
+        """The names of the storages of ``value``'s tensors that calls made."""
+        keys = [storage_of(t)[0] for t in iter_tensors(value) if not t.is_meta]
+        return [self._owner[key][0] for key in keys if key in self._owner]
+
     def forget(self, alive: set[int]) -> None:
         """Drop the storages not among the keys ``alive``: they were freed."""
         self._owner = {key: value for key, value in self._owner.items() if key in alive}
