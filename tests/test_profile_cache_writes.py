@@ -41,7 +41,7 @@ def test_an_unwritable_cache_falls_back_to_a_temporary_directory_with_one_warnin
     fallback = tmp_path / "tmp" / f"lightning-antichain-{profile_cache._user()}"
     assert f"using {fallback} instead" in said[0] and "LIGHTNING_ANTICHAIN_CACHE" in said[0]
     assert list(fallback.glob("*.json")), "the profile was cached in the fallback directory"
-    assert capsys.readouterr().err.count("profiling TinyClassifier: 1/") == 1  # the second fit read it
+    assert capsys.readouterr().err.count("profiling TinyClassifier: ") == 1  # the second fit read it
 
 
 def test_with_no_writable_directory_at_all_planning_runs_without_a_cache(tmp_path, monkeypatch):

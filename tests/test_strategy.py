@@ -181,7 +181,7 @@ def test_profile_cache_skips_profiling_the_second_time(tmp_path, capsys):
             limit_val_batches=0,
         )
     assert len(list(tmp_path.glob("profile-*.json"))) == 1
-    assert capsys.readouterr().err.count("profiling TinyClassifier: 1/") == 1  # profiled once, not twice
+    assert capsys.readouterr().err.count("profiling TinyClassifier: ") == 1  # profiled once, not twice
 
 
 def test_more_stages_than_devices_is_a_clear_error():
