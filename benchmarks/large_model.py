@@ -14,7 +14,16 @@ runtime (the stage's tensors, and what autograd's hooks saw kept for backward), 
 allocator's peak on each device (one stage per GPU; with fewer GPUs than stages, all stages on
 one GPU, ``placement=[0, 0, 0, 0]``, against the sum of their predictions).
 
-    python benchmarks/large_model.py              # both parts, on the CPU
+Part 3 (``--part llama``) is a Hugging Face model as people bring one. It plans a Llama of
+Llama-2-70B's shapes (bf16, 69 B parameters, random values never made real whole) from meta through
+``la.plan``: 8 stages, batches of 8 x 128 tokens in 8 micro-batches. The 80 equal layers are
+profiled once. It prints the planning peak against the model's bytes, the time, the bytes the
+stages hold and the plan's balance. It then writes a 1 B Llama as a sharded safetensors directory,
+builds it on meta in ``configure_model()``, loads it lazily (``la.load_checkpoint``) and trains a
+few steps over 4 stages, reporting each stage's measured peak against its prediction.
+
+    python benchmarks/large_model.py              # parts 1 and 2, on the CPU
+    python benchmarks/large_model.py --part llama # part 3
     python benchmarks/large_model.py --device cuda:0 --part train
 """
 
@@ -40,6 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine, publish, section  # noqa: E402
 
 START, END = "<!-- large-model:start -->", "<!-- large-model:end -->"
+LLAMA_START, LLAMA_END = "<!-- llama:start -->", "<!-- llama:end -->"
+LLAMA_2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                   num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                   use_cache=False, tie_word_embeddings=False)
+LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, use_cache=False,
+                tie_word_embeddings=False)
 BIG = {"vocab": 50304, "width": 2560, "heads": 20, "layers": 25, "block": 128}
 SMALL = {"vocab": 8192, "width": 768, "heads": 12, "layers": 14, "block": 128}
 
@@ -199,6 +215,125 @@ def train_small(device: torch.device, stages: int, batch: int, chunks: int, step
     return [*lines, ""]
 
 
+def llama(config: dict, dtype: torch.dtype) -> nn.Module:
+    """A Hugging Face Llama of ``config``'s shapes, its parameters on meta (its buffers real)."""
+    import transformers
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with la.init_empty_weights():
+            return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    finally:
+        torch.set_default_dtype(default)
+
+
+def plan_llama(device: torch.device, stages: int, batch: int, tokens: int, chunks: int) -> list[str]:
+    """Part 3a: plan Llama-2-70B's shapes from meta through ``la.plan``."""
+    model = llama(LLAMA_2_70B, torch.bfloat16)
+    total = nbytes(model)
+    ids = torch.randint(0, LLAMA_2_70B["vocab_size"], (batch, tokens))
+    gc.collect()
+    before = peak_rss_bytes()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    plan = la.plan(model, ids, [device] * stages, chunks=chunks, use_profile_cache=False, calibrate=False,
+                   optimizer_multiplier=2.0)
+    seconds = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+    print(plan.table())
+    held = sum(stage.param_bytes for stage in plan.stages)
+    where = "allocator peak on " + str(device) if device.type == "cuda" else "peak resident set of the process"
+    repeated = sum(len(blocks) for blocks in plan.repeated_blocks.values())
+    return [
+        f"**Planning a Hugging Face Llama of Llama-2-70B's shapes from meta** "
+        f"(`LlamaForCausalLM`, {sum(p.numel() for p in model.parameters()) / 1e9:.1f} B parameters, bf16: "
+        f"{total / 1e9:.1f} GB; batches of {batch} x {tokens} tokens in {plan.chunks} micro-batches, {stages} "
+        f"stages, Adam's state counted; {repeated} of {LLAMA_2_70B['num_hidden_layers']} layers profiled once as "
+        f"repeats of the first):",
+        "",
+        "| model bytes | planning peak | peak / model | peak before planning | time to plan | stages hold | "
+        "bottleneck / bound |",
+        "|---|---|---|---|---|---|---|",
+        f"| {total / 1e9:.1f} GB | {peak / 1e9:.2f} GB ({where}) | {peak / total:.3f} | {before / 1e9:.2f} GB | "
+        f"{seconds:.0f} s | {held / total:.3f} of the parameter bytes | x{plan.bound_ratio:.3f} |",
+        "",
+        "Stages: " + "; ".join(f"{s.index}: {s.modules[0]} .. {s.modules[-1]}" for s in plan.stages if s.modules),
+        "",
+    ]
+
+
+class LlamaFineTune(L.LightningModule):
+    def __init__(self, checkpoint: Path) -> None:
+        super().__init__()
+        self.checkpoint, self.net = checkpoint, None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            import transformers
+
+            self.net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B))
+            la.load_checkpoint(self.net, self.checkpoint)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.net(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+def train_llama(device: torch.device, stages: int, batch: int, tokens: int, chunks: int, steps: int,
+                directory: Path) -> list[str]:
+    """Part 3b: a 1 B Llama written as sharded safetensors, built on meta and loaded lazily, trained."""
+    import transformers
+
+    if not (directory / "model.safetensors.index.json").exists():
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B)).save_pretrained(
+                directory, max_shard_size="500MB")
+    ids = torch.randint(0, LLAMA_1B["vocab_size"], (batch * steps, tokens))
+    measured = Measured()
+    gpu = device.type == "cuda"
+    shared = gpu and torch.cuda.device_count() - (device.index or 0) < stages
+    gpus = [device.index or 0] if shared else [(device.index or 0) + k for k in range(stages)]
+    strategy = la.AntichainPipelineStrategy(chunks=chunks, empty_init=True, module="net", use_profile_cache=False,
+                                            calibrate=False, placement=[0] * stages if shared else None,
+                                            memory_gb=1e3)  # a limit turns on the run-time count
+    trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=gpus if gpu else stages, strategy=strategy,
+                        precision="bf16-true", max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, callbacks=[measured])
+    started = time.perf_counter()
+    trainer.fit(LlamaFineTune(directory), DataLoader(TensorDataset(ids), batch_size=batch))
+    seconds = time.perf_counter() - started
+    plan = trainer.strategy.plan
+    print(plan.table())
+    observed = measured.allocated if gpu else measured.counted
+    how = "allocator peak" if gpu else "counted by the runtime"
+    params = sum(s.param_bytes for s in plan.stages)
+    lines = [
+        f"**Training a 1 B Hugging Face Llama built on meta and loaded lazily from a sharded safetensors "
+        f"directory** ({params / 1e9:.2f} GB of bf16 parameters in {len(list(directory.glob('*.safetensors')))} "
+        f"shards; bf16-true, SGD; batches of {batch} x {tokens} tokens in {plan.chunks} micro-batches; {steps} "
+        f"steps in {seconds:.0f} s):",
+        "",
+        f"| stage | device | modules | predicted | measured ({how}) | measured / predicted |",
+        "|---|---|---|---|---|---|",
+    ]
+    if shared:
+        predicted = sum(stage.memory_bytes for stage in plan.stages)
+        lines.append(f"| all | {device} | | {predicted / 1e9:.3f} GB | {observed[0] / 1e9:.3f} GB | "
+                     f"{observed[0] / predicted:.3f} |")
+        return [*lines, ""]
+    for stage, seen in zip(plan.stages, observed):
+        span = f"{stage.modules[0]} .. {stage.modules[-1]}" if stage.modules else ""
+        lines.append(f"| {stage.index} | {stage.device} | {span} | {stage.memory_bytes / 1e9:.3f} GB | "
+                     f"{seen / 1e9:.3f} GB | {seen / stage.memory_bytes:.3f} |")
+    return [*lines, ""]
+
+
 def _activation_bytes(batch: int, tokens: int) -> int:
     """A rough count of what a float32 batch keeps for backward: per block about 16 width-sized
     and 2 head-by-token-squared values per token, plus the logits twice."""
@@ -210,7 +345,10 @@ def _activation_bytes(batch: int, tokens: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--part", choices=("plan", "train", "both"), default="both")
+    parser.add_argument("--part", choices=("plan", "train", "both", "llama"), default="both")
+    parser.add_argument("--checkpoint-dir", default="checkpoints/llama-1b",
+                        help="where part 3 writes (or finds) the 1 B Llama's shards")
+    parser.add_argument("--llama-steps", type=int, default=2)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64, help="tokens of the micro-batch part 1 profiles")
     parser.add_argument("--batch", type=int, default=8)
@@ -221,6 +359,12 @@ def main() -> None:
     device = torch.device(args.device)
     lines = [f"Machine: {machine(torch.get_num_threads())}" + (f", {torch.cuda.get_device_name(device)}"
                                                                if device.type == "cuda" else ""), ""]
+    if args.part == "llama":
+        lines += plan_llama(device, 8, 8, 128, 8)
+        lines += train_llama(device, 4, 8, 128, 4, args.llama_steps, Path(args.checkpoint_dir))
+        publish(section(LLAMA_START, LLAMA_END, lines), LLAMA_START, LLAMA_END, "## A model bigger than one device",
+                not args.no_write)
+        return
     if args.part in ("plan", "both"):
         lines += plan_big(device, args.stages, args.tokens)
     if args.part in ("train", "both"):

@@ -296,3 +296,56 @@ def test_resuming_a_model_with_non_persistent_buffers_built_on_meta_continues_as
     plain_resumed = run(6, first.initial, tmp_path / "plain.ckpt")
     torch.testing.assert_close(first.losses + resumed.losses, plain_first.losses + plain_resumed.losses, rtol=1e-6,
                                atol=0)
+
+
+class ViTClassifier(L.LightningModule):
+    """torchvision's ViT (export captures it: fx cannot) built on meta and loaded from a file."""
+
+    def __init__(self, checkpoint=None) -> None:
+        super().__init__()
+        self.checkpoint, self.net = checkpoint, None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = vit()
+            if self.checkpoint is not None:
+                la.load_checkpoint(self.net, self.checkpoint)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def vit() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                                                mlp_dim=64, num_classes=10)
+
+
+def test_torchvision_vit_built_on_meta_and_loaded_trains_like_plain(tmp_path):
+    torch.manual_seed(0)
+    state = {k: v.double() for k, v in vit().state_dict().items()}
+    state = {k: v + 0.01 * torch.randn_like(v) for k, v in state.items()}  # the head starts at zero otherwise
+    torch.save(state, tmp_path / "vit.pt")
+    images = DataLoader(TensorDataset(torch.randn(24, 3, 32, 32), torch.randint(0, 10, (24,))), batch_size=8)
+    model = ViTClassifier(tmp_path / "vit.pt")
+    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True, module="net")
+    fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=3)
+    fit.fit(model, images)
+    assert strategy.plan.frontend == "export"
+    assert_pipelined(fit)
+    plain = ViTClassifier()
+    plain.configure_model()
+    plain.net.double().load_state_dict(state)
+    trainer(devices=1, precision="64-true", max_steps=3).fit(plain, images)
+    torch.testing.assert_close(model.losses, plain.losses, rtol=1e-6, atol=0)
