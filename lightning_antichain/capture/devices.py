@@ -77,28 +77,46 @@ def state_on_meta(module: nn.Module, call: tuple[tuple, dict], inputs_too: bool
     on cpu"), so it gets meta inputs too; concrete capture reads the inputs' values (a mask
     checked for causality) and keeps them real. Either graph reads every tensor of the module by
     name, so the stand-ins are never kept, and its device constants are retargeted per stage."""
-    state = [(table, name, t) for m in module.modules() for table in (m._parameters, m._buffers)
-             for name, t in table.items() if t is not None]
+    state = list(named_state(module))
     if not any(t.is_meta for _, _, t in state):
         yield call, lambda graph_module: None
         return
-    hidden = [(table, name, t) for table, name, t in state if not t.is_meta]
+    with behind_meta_stand_ins([(table, name, t) for table, name, t in state if not t.is_meta]) as originals:
+
+        def put_back(graph_module: nn.Module) -> None:
+            for table, name, tensor in named_state(graph_module, recurse=False):
+                table[name] = originals.get(id(tensor), tensor)
+
+        yield (call if not inputs_too else torch.utils._pytree.tree_map(
+            lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, call)), put_back
+
+
+State = tuple[dict[str, Any], str, torch.Tensor]
+"""A parameter or buffer as its module holds it: the module's table, its name, the tensor."""
+
+
+def named_state(module: nn.Module, recurse: bool = True) -> Iterator[State]:
+    """Every parameter and buffer of ``module`` (and below it), with the table that holds it."""
+    for sub in module.modules() if recurse else [module]:
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in list(table.items()):
+                if tensor is not None:
+                    yield table, name, tensor
+
+
+@contextlib.contextmanager
+def behind_meta_stand_ins(state: list[State]) -> Iterator[dict[int, torch.Tensor]]:
+    """While the block runs, each of ``state`` held behind a meta tensor of its shape (a
+    Parameter for a Parameter); yields each stand-in's original by the stand-in's ``id``. Only
+    the modules' tables change, never the tensors."""
     originals: dict[int, torch.Tensor] = {}
-    for table, name, tensor in hidden:
+    for table, name, tensor in state:
         stand_in = torch.empty_like(tensor, device="meta")
         table[name] = nn.Parameter(stand_in, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else stand_in
         originals[id(table[name])] = tensor
-
-    def put_back(graph_module: nn.Module) -> None:
-        for table in (graph_module._parameters, graph_module._buffers):
-            for name, tensor in table.items():
-                if tensor is not None and id(tensor) in originals:
-                    table[name] = originals[id(tensor)]
-
     try:
-        yield (call if not inputs_too else torch.utils._pytree.tree_map(
-            lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, call)), put_back
+        yield originals
     finally:
-        for table, name, tensor in hidden:
+        for table, name, tensor in state:
             table[name] = tensor
 

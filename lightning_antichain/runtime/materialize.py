@@ -26,12 +26,13 @@ parameter, keep the same objects.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
 
+from ..capture.devices import behind_meta_stand_ins, named_state
 from .initialization import Initializer
 
 Init = Literal["reset", "random"]
@@ -143,13 +144,6 @@ def own_state(module: nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
-def _own_named_state(module: nn.Module) -> Iterator[tuple[str, dict[str, torch.Tensor | None], torch.Tensor]]:
-    for table in (module._parameters, module._buffers):
-        for name, tensor in table.items():
-            if tensor is not None:
-                yield name, table, tensor
-
-
 class UninitializedTensorError(RuntimeError):
     """A tensor made real from meta that nothing filled: training on it would read garbage."""
 
@@ -171,7 +165,7 @@ def materialize(modules: Iterable[nn.Module], device: torch.device, init: Init =
     loaded: dict[int, Read] = {}
     made = []
     for module in modules:
-        meta = [(name, t) for name, _, t in _own_named_state(module) if t.is_meta]
+        meta = [(name, t) for _, name, t in named_state(module, recurse=False) if t.is_meta]
         if not meta:
             continue
         made.append(module)
@@ -246,24 +240,12 @@ def _unfilled(module: nn.Module, name: str, tensor: torch.Tensor, written: tuple
     return (tensor._version, tensor.data_ptr()) == written
 
 
-@contextlib.contextmanager
 def _only_new_visible(module: nn.Module, fresh: Mapping[int, tuple[nn.Module, str, torch.Tensor]]
-                      ) -> Iterator[None]:
+                      ) -> contextlib.AbstractContextManager:
     """Behind meta stand-ins while the block runs: every tensor below ``module`` that was real
     before this materialisation, so an initialisation cannot overwrite it."""
-    hidden: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = []
-    for sub in module.modules():
-        for name, table, tensor in _own_named_state(sub):
-            if not tensor.is_meta and id(tensor) not in fresh:
-                hidden.append((table, name, tensor))
-    for table, name, tensor in hidden:
-        stand_in = torch.empty_like(tensor, device="meta")
-        table[name] = nn.Parameter(stand_in, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else stand_in
-    try:
-        yield
-    finally:
-        for table, name, tensor in hidden:
-            table[name] = tensor
+    return behind_meta_stand_ins([(table, name, t) for table, name, t in named_state(module)
+                                  if not t.is_meta and id(t) not in fresh])
 
 
 def _unfilled_message(unfilled: list[tuple[nn.Module, str]], initializer: Initializer, device: torch.device,
