@@ -354,3 +354,29 @@ def test_operations_are_timed_in_context_on_each_stage_stream(gpu_device, convne
         for phase, times in (("forward", clock.forward_s), ("backward", clock.backward_s)):
             assert all(v >= 0 for v in times.values())
             assert sum(times.values()) <= seconds_between(*spans[phase]) * 1.01 + 1e-4
+
+
+def test_a_hugging_face_decoder_built_on_meta_is_loaded_from_its_shards_into_stages_on_the_gpu(gpu_device, tmp_path):
+    """Each stage reads its own tensors from the memory-mapped shards onto the GPU; the losses are
+    plain Lightning's on the CPU (float64)."""
+    pytest.importorskip("transformers")
+    from test_hf_meta import STEPS, CausalLM, data, plain_losses, reference_state, save
+
+    accelerator = "gpu" if gpu_device.type == "cuda" else "cpu"
+    model = CausalLM("llama", save("llama", tmp_path, "sharded"))
+    seen: list[set[str]] = []
+
+    class Where(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            seen.append({p.device.type for p in pl_module.net.parameters()})
+
+    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True, placement=[0, 0])
+    trainer = L.Trainer(accelerator=accelerator, devices=[gpu_device.index or 0] if accelerator == "gpu" else 1,
+                        strategy=strategy, precision="64-true", max_steps=STEPS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Where()])
+    trainer.fit(model, data())
+    assert seen and seen[0] == {gpu_device.type}
+    for key, value in reference_state("llama").items():
+        assert torch.equal(model.initial[key].cpu(), value), key
+    torch.testing.assert_close(model.losses, plain_losses("llama", reference_state("llama")), rtol=1e-6, atol=0)
