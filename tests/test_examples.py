@@ -54,6 +54,7 @@ def test_cifar10_example_trains_from_yaml(tmp_path, strategy):
     assert list((tmp_path / "runs").rglob("*.ckpt"))
 
 
+@pytest.mark.slow  # the same path runs in-process in tests/test_hf_meta.py
 def test_llm_finetune_example_builds_on_meta_loads_shards_and_trains_lora_from_yaml(tmp_path):
     command = [
         sys.executable, str(ROOT / "examples/llm_finetune/train.py"), "fit",

@@ -138,7 +138,7 @@ def test_a_hugging_face_decoder_built_on_meta_and_loaded_from_its_checkpoint_tra
     torch.testing.assert_close(model.losses, plain_losses(name, reference_state(name)), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("mistral", marks=pytest.mark.slow), "gpt2"])
 def test_a_hugging_face_decoder_built_bare_on_meta_is_initialised_as_hugging_face_does(name):
     model = CausalLM(name)
     pipelined(model, empty_init=True)

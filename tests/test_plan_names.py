@@ -21,7 +21,7 @@ def llama_plan() -> tuple[torch.nn.Module, la.Plan]:
     return model, plan
 
 
-@pytest.mark.parametrize("which", ["export", "fx"])
+@pytest.mark.parametrize("which", ["export", pytest.param("fx", marks=pytest.mark.slow)])
 def test_each_stage_names_the_modules_of_its_first_and_last_operations(which, tmp_path):
     if which == "export":
         model, plan = llama_plan()

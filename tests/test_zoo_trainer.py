@@ -118,7 +118,9 @@ def test_zoo_model_trains_through_the_trainer_like_plain_lightning(name):
     RESULTS[name] = fit.strategy.plan.frontend
 
 
-HUGGING_FACE = [pytest.param(n, marks=_marks(n)) for n in sorted(ZOO) if ZOO[n].library == "transformers"]
+META_BY_DEFAULT = {"hf_llama", "hf_gpt2", "hf_t5", "hf_bart"}  # a decoder, a tied head, encoder-decoders
+HUGGING_FACE = [pytest.param(n, marks=[] if n in META_BY_DEFAULT else [pytest.mark.slow])
+                for n in sorted(ZOO) if ZOO[n].library == "transformers"]
 
 
 @pytest.mark.parametrize("name", HUGGING_FACE)
