@@ -1,0 +1,114 @@
+"""The split's stages run under torch.distributed.pipelining, one real process per stage (gloo):
+a skip tensor crossing two cuts is passed through the stage between, and every gradient equals the
+plain module's in float64, under GPipe and 1F1B."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+STAGES, CHUNKS = 3, 4
+
+
+class Skip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        g = torch.tanh(self.c(torch.tanh(self.b(h))))
+        return self.d(g + h)  # h is made in stage 0 and read in stage 2
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return Skip().double()
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(8, 8, dtype=torch.float64, generator=gen), torch.randn(8, 4, dtype=torch.float64, generator=gen)
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target).square().sum()
+
+
+def stage_process(rank: int, port: int, schedule: str, results: mp.Queue) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    import lightning_antichain as la
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.runtime.process_stages import FlatStage
+    from lightning_antichain.runtime.split import split_stages
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=STAGES)
+    try:
+        model = build()
+        x, y = batch()
+        graph = capture_call(model, (x[:2],), {})
+        cost = la.profile(model, x[:2], op_graph=graph, repeats=1, warmup=0, progress=False, runtime_overhead=False)
+        plan = la.plan_from_balance(cost, [3, 3, 3], chunks=CHUNKS)  # x a tanh | b tanh c | tanh add d
+        stages = split_stages(graph, plan, [torch.device("cpu")] * STAGES)
+        stage = PipelineStage(FlatStage(stages[rank]), rank, STAGES, torch.device("cpu"))
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+        run = kind(stage, CHUNKS, loss_fn=loss_fn, scale_grads=False)
+        if rank == 0:
+            run.step(x)
+        elif rank == STAGES - 1:
+            run.step(target=y)
+        else:
+            run.step()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.put((rank, os.getpid(), [(s.inputs, s.outputs) for s in stages], grads))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stages_in_processes_pass_a_skip_through_and_match_plain_gradients(schedule):
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=stage_process, args=(r, port, schedule, results)) for r in range(STAGES)]
+    for process in processes:
+        process.start()
+    got: dict[str, torch.Tensor] = {}
+    pids, io = set(), None
+    try:
+        for _ in processes:
+            _, pid, io, grads = results.get(timeout=120)
+            pids.add(pid)
+            got.update(grads)
+    except queue.Empty:
+        pytest.fail("a stage process gave no result within 120 s")
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert all(p.exitcode == 0 for p in processes)
+    assert len(pids) == STAGES and os.getpid() not in pids  # one process per stage, none of them this one
+    assert io == [(("x",), ("tanh",)), (("tanh",), ("tanh", "c")), (("tanh", "c"), ("d",))]  # h passes through 1
+    model = build()
+    x, y = batch()
+    loss_fn(model(x), y).backward()
+    assert set(got) == {n for n, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, rtol=1e-12, atol=1e-13, msg=name)
