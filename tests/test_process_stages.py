@@ -42,7 +42,18 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output - target).square().sum()
 
 
-def stage_process(rank: int, port: int, schedule: str, results: mp.Queue) -> None:
+class Failing(nn.Module):
+    """A stage whose forward raises, as a user's code can."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *values):
+        raise RuntimeError("the user's forward failed on this stage")
+
+
+def stage_process(rank: int, port: int, schedule: str, results: mp.Queue, failing: int | None = None) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     import lightning_antichain as la
@@ -60,7 +71,8 @@ def stage_process(rank: int, port: int, schedule: str, results: mp.Queue) -> Non
         cost = la.profile(model, x[:2], op_graph=graph, repeats=1, warmup=0, progress=False, runtime_overhead=False)
         plan = la.plan_from_balance(cost, [3, 3, 3], chunks=CHUNKS)  # x a tanh | b tanh c | tanh add d
         stages = split_stages(graph, plan, [torch.device("cpu")] * STAGES)
-        stage = PipelineStage(FlatStage(stages[rank]), rank, STAGES, torch.device("cpu"))
+        module = FlatStage(stages[rank])
+        stage = PipelineStage(Failing(module) if rank == failing else module, rank, STAGES, torch.device("cpu"))
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         run = kind(stage, CHUNKS, loss_fn=loss_fn, scale_grads=False)
         if rank == 0:
@@ -71,6 +83,9 @@ def stage_process(rank: int, port: int, schedule: str, results: mp.Queue) -> Non
             run.step()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.put((rank, os.getpid(), [(s.inputs, s.outputs) for s in stages], grads))
+    except Exception as exc:
+        results.put((rank, os.getpid(), None, f"{type(exc).__name__}: {exc}"))
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -112,3 +127,26 @@ def test_stages_in_processes_pass_a_skip_through_and_match_plain_gradients(sched
     assert set(got) == {n for n, _ in model.named_parameters()}
     for name, param in model.named_parameters():
         torch.testing.assert_close(got[name], param.grad, rtol=1e-12, atol=1e-13, msg=name)
+
+
+def test_a_stage_that_raises_stops_every_stage_process_within_seconds():
+    """Rank 1 raises in its forward: rank 0 and rank 2, waiting on it, fail too instead of hanging."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=stage_process, args=(r, port, "1f1b", results, 1)) for r in range(STAGES)]
+    for process in processes:
+        process.start()
+    errors = {}
+    for _ in processes:
+        rank, _, io, error = results.get(timeout=120)
+        errors[rank] = error
+    for process in processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+            pytest.fail(f"stage process {processes.index(process)} was still waiting 30 s after the others failed")
+    assert "the user's forward failed on this stage" in errors[1]
+    assert all(isinstance(errors[r], str) for r in range(STAGES)), errors  # none finished a step
+    assert all(p.exitcode != 0 for p in processes)
+
