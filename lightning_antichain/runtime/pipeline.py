@@ -237,7 +237,7 @@ class Pipeline(nn.Module):
                 run, run_forward(self._pool, micro_batch_stages, micro_inputs, None, 0, schedule, seed))
             dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
                                lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes),
-                               lambda i: self._loss_weights(run, (args, kwargs), i, sizes))
+                               lambda i: self._loss_weights(run, (args, kwargs), values, i, sizes))
             leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
             result = self._assemble(run, leaves, outputs[0][1])
             self._assign(run, assigned, micro_values[0], sizes)
@@ -257,7 +257,7 @@ class Pipeline(nn.Module):
         outputs, assigned = self._take_assigned_of(run, outputs)
         dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
                                lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes),
-                               lambda i: self._loss_weights(run, (args, kwargs), i, sizes))
+                               lambda i: self._loss_weights(run, (args, kwargs), values, i, sizes))
         gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
         tensor_at = [i for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)]
         backward = PipelineBackward(
@@ -376,17 +376,20 @@ class Pipeline(nn.Module):
             run.grown[key] = rows_in_sample_order(runs[0], runs[1], (sizes[0] or 0) + 1, rows)
         return run.grown[key]
 
-    def _loss_weights(self, run: Runnable, call: tuple[tuple, dict], leaf: int, sizes: list[int | None]
-                      ) -> WeightedSum:
+    def _loss_weights(self, run: Runnable, call: tuple[tuple, dict], values: list[Any], leaf: int,
+                      sizes: list[int | None]) -> WeightedSum:
         """How output ``leaf``, 0-dim (a loss), joins over the micro-batches: a sum where a Hugging
         Face model divided each micro-batch's loss by the whole batch's count; else the mean over
         samples (or the sum) that the module in eval mode gives on micro-batches 0 and 1 run
-        together, checked once per input shapes. Refused where it is neither."""
-        args, kwargs = call
-        placeholders = [n for n in run.graph.graph_module.graph.nodes if n.op == "placeholder"]
-        values = run.graph.bind(args, kwargs)
-        if any(is_items_in_batch(v, kwargs) and placeholders[i].users for i, v in enumerate(values)):
-            return join_weights(sizes, summed=True)
+        together, checked once per input shapes. Refused where it is neither. ``values`` are the
+        call's placeholder values."""
+        counted = [i for i, v in enumerate(values) if is_items_in_batch(v, call[1])]
+        if counted:
+            if "read" not in run.grown:  # whether the graph divides by the count (the model passed it on)
+                placeholders = [n for n in run.graph.graph_module.graph.nodes if n.op == "placeholder"]
+                run.grown["read"] = bool(placeholders[counted[0]].users)
+            if run.grown["read"]:
+                return join_weights(sizes, summed=True)
         if len(sizes) == 1:
             return join_weights(sizes, summed=False)
         key = ("loss", leaf, tuple(sizes))
