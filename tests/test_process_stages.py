@@ -53,7 +53,19 @@ class Failing(nn.Module):
         raise RuntimeError("the user's forward failed on this stage")
 
 
-def stage_process(rank: int, port: int, schedule: str, results: mp.Queue, failing: int | None = None) -> None:
+class Killed(nn.Module):
+    """A stage whose process dies in forward, as one killed or out of memory does: no exception."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *values):
+        os._exit(9)
+
+
+def stage_process(rank: int, port: int, schedule: str, results: mp.Queue, failing: int | None = None,
+                  how: str = "raises") -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     import lightning_antichain as la
@@ -72,7 +84,8 @@ def stage_process(rank: int, port: int, schedule: str, results: mp.Queue, failin
         plan = la.plan_from_balance(cost, [3, 3, 3], chunks=CHUNKS)  # x a tanh | b tanh c | tanh add d
         stages = split_stages(graph, plan, [torch.device("cpu")] * STAGES)
         module = FlatStage(stages[rank])
-        stage = PipelineStage(Failing(module) if rank == failing else module, rank, STAGES, torch.device("cpu"))
+        wrapper = {"raises": Failing, "killed": Killed}[how]
+        stage = PipelineStage(wrapper(module) if rank == failing else module, rank, STAGES, torch.device("cpu"))
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         run = kind(stage, CHUNKS, loss_fn=loss_fn, scale_grads=False)
         if rank == 0:
@@ -149,4 +162,26 @@ def test_a_stage_that_raises_stops_every_stage_process_within_seconds():
     assert "the user's forward failed on this stage" in errors[1]
     assert all(isinstance(errors[r], str) for r in range(STAGES)), errors  # none finished a step
     assert all(p.exitcode != 0 for p in processes)
+
+
+def test_a_stage_process_that_dies_stops_every_other_stage_process_within_seconds():
+    """Rank 1 dies without a word (os._exit): ranks 0 and 2 fail on the closed connection, none hangs."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=stage_process, args=(r, port, "1f1b", results, 1, "killed"))
+                 for r in range(STAGES)]
+    for process in processes:
+        process.start()
+    errors = {}
+    for _ in range(STAGES - 1):  # the dead rank reports nothing
+        rank, _, _, error = results.get(timeout=120)
+        errors[rank] = error
+    for process in processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+            pytest.fail(f"stage process {processes.index(process)} was still waiting 30 s after rank 1 died")
+    assert set(errors) == {0, 2} and all(isinstance(e, str) for e in errors.values()), errors
+    assert processes[1].exitcode == 9 and all(p.exitcode != 0 for p in processes)
 

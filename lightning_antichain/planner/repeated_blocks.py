@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..capture import OpGraph
+from ..capture.opgraph import AttrFetch
 
 
 @dataclass
@@ -62,8 +63,6 @@ def find_repeats(graph: OpGraph, graph_module: fx.GraphModule) -> list[Repeat]:
     repeats = []
     for block in blocks.values():
         key = _signature(block, graph, graph_module)
-        if key is None:
-            continue
         reference = first.setdefault(key, block)
         if reference is not block:
             repeats.append(Repeat(block, reference))
@@ -92,7 +91,7 @@ def _blocks(graph: OpGraph, graph_module: fx.GraphModule) -> dict[str, Block]:
     return blocks
 
 
-def _signature(block: Block, graph: OpGraph, graph_module: fx.GraphModule) -> Hashable | None:
+def _signature(block: Block, graph: OpGraph, graph_module: fx.GraphModule) -> Hashable:
     nodes = {n.name: n for n in graph_module.graph.nodes}
     local = {name: i for i, name in enumerate(block.nodes)}
     outside = {name: i for i, name in enumerate(block.inputs)}
@@ -108,7 +107,7 @@ def _signature(block: Block, graph: OpGraph, graph_module: fx.GraphModule) -> Ha
             if value.name in local:
                 return ("local", local[value.name])
             if value.op == "get_attr":
-                fetched = _fetch(graph_module, str(value.target))
+                fetched = AttrFetch(graph_module, str(value.target))()
                 shape = (tuple(fetched.shape), str(fetched.dtype)) if isinstance(fetched, torch.Tensor) else None
                 return ("state", relative(str(value.target)), shape)
             return ("outside", outside[value.name])
@@ -135,18 +134,10 @@ def _signature(block: Block, graph: OpGraph, graph_module: fx.GraphModule) -> Ha
 def _shapes(node: fx.Node) -> Any:
     """The shapes export recorded for ``node``'s output (none for other frontends)."""
     value = node.meta.get("val")
-    if isinstance(value, torch.Tensor):
-        return (tuple(str(s) for s in value.shape), str(value.dtype))
     if isinstance(value, (list, tuple)):
-        return tuple(_shapes_of(v) for v in value)
-    return None
+        return tuple(_shape_of(v) for v in value)
+    return _shape_of(value) if isinstance(value, torch.Tensor) else None
 
 
-def _shapes_of(value: Any) -> Any:
+def _shape_of(value: Any) -> Any:
     return (tuple(str(s) for s in value.shape), str(value.dtype)) if isinstance(value, torch.Tensor) else repr(value)
-
-
-def _fetch(root: Any, target: str) -> Any:
-    for part in target.split("."):
-        root = getattr(root, part)
-    return root
