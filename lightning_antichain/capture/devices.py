@@ -24,7 +24,9 @@ def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | 
     """Rewrite every ``source`` device constant in ``graph_module`` to ``target``, in place.
 
     ``meta`` is rewritten too: a graph captured from a model built on the meta device names it
-    where forward creates a tensor on a parameter's device, and nothing runs on meta."""
+    where forward creates a tensor on a parameter's device, and nothing runs on meta. Graphs that
+    the graph calls as higher-order operations' bodies (``wrap_with_set_grad_enabled``, ``cond``)
+    are rewritten with it: torch.export puts device checks (``_assert_tensor_metadata``) there too."""
     target = torch.device(target)
     sources = [] if is_meta(target) else [torch.device("meta")]
     if source is not None and not same_device(torch.device(source), target):
@@ -40,13 +42,38 @@ def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | 
             return target
         return value
 
-    for node in graph_module.graph.nodes:
-        if node.op in ("call_function", "call_method"):
-            node.args = fx.node.map_aggregate(node.args, swap)
-            node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
-    if swapped:
-        graph_module.recompile()
+    def rewrite(module: fx.GraphModule) -> None:
+        swapped.clear()
+        for node in module.graph.nodes:
+            if node.op in ("call_function", "call_method"):
+                node.args = fx.node.map_aggregate(node.args, swap)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, swap)
+        if swapped:
+            module.recompile()
+
+    for body in _graph_bodies(graph_module):
+        rewrite(body)
     return graph_module
+
+
+def _graph_bodies(graph_module: fx.GraphModule) -> list[fx.GraphModule]:
+    """``graph_module`` and, depth first, every graph module its ``get_attr`` nodes fetch (the
+    bodies of higher-order operations), each once."""
+    found: list[fx.GraphModule] = []
+    pending = [graph_module]
+    while pending:
+        module = pending.pop()
+        if any(module is f for f in found):
+            continue
+        found.append(module)
+        for node in module.graph.nodes:
+            if node.op == "get_attr":
+                owner: Any = module
+                for part in str(node.target).split("."):
+                    owner = getattr(owner, part, None)
+                if isinstance(owner, fx.GraphModule):
+                    pending.append(owner)
+    return found
 
 
 
