@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .assignments import AssignmentError, assigned_paths, snapshot
+from .causal_attention import call_causal_attention
 from .children import children_instead, trace_children
 from .concrete import SpecializationError, capture_concrete
 from .devices import state_on_meta
@@ -171,6 +172,8 @@ def _capture(
             continue
         if warm_start is not None:
             graph.cache = merged(graph.cache, warm_start())
+        if graph.graph_module is not None:
+            call_causal_attention(graph.graph_module)
         graph.refused = tuple(refused)
         graph.training = training_flags(module)
         tried = "".join(f", {r.split(':')[0]} refused" for r in refused)

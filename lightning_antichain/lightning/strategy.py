@@ -83,7 +83,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         leaf_modules: dotted paths of submodules to keep whole when tracing.
         profile_cache: directory of cached profiles; default ``~/.cache/lightning-antichain``.
         use_profile_cache: read and write that cache.
-        calibrate: time a few steps of a plan whose stages share the CPU and predict from them
+        calibrate: time a few steps of a plan whose stages share the CPU or are all on GPUs, and predict from them
             (:mod:`lightning_antichain.planner.calibration`); seconds once, then cached with the profiles.
         rebalance_rounds: after calibration, cut again on the stage times measured for at most
             this many rounds, keeping the best split measured (0: keep the profile's split).

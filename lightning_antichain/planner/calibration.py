@@ -1,16 +1,20 @@
-"""What a plan's CPU stages take in the runtime itself, measured on a few of its steps.
+"""What a plan's stages take in the runtime itself, measured on a few of its steps.
 
 Per-op profiles and the profiler's two-thread probe predict CPU pipelines well at large
 micro-batches and badly at small ones. At 4 samples per micro-batch (ResNet-18), ops replayed one
 at a time added up to 26% more than the runtime's tasks took, and two whole models on two threads
 slowed each other far more than two stages of one pipeline do (docs/benchmarks.md, "How much CPU
-stages slow each other"). So a plan whose stages share the CPU is run for a few steps before it is
-trusted: its micro-batches one at a time (what each stage's forward and backward take alone) and
-pipelined (how much the stages slow each other while they overlap). The plan's stage times and
-parallel capacity become the runtime's own. One micro-batch of each step also has its operations
-timed inside their stages (:mod:`~lightning_antichain.runtime.op_clock`), which the planner's
-loop (:mod:`.rebalance`) cuts again on. Results are cached next to the profiles, and the
-module is left as it was found: parameters, gradients, buffers, attributes and random state.
+stages slow each other"). On a GPU, ops replayed one at a time, each synchronised, added up to
+1.3x to 2.75x the step (docs/benchmarks.md, "On a GPU"): a step's kernels run while the host
+launches the next ones. So a plan whose stages share the CPU, or whose stages are all on
+accelerators, is run for a few steps before it is trusted: its micro-batches one at a time (what
+each stage's forward and backward take alone; on a GPU, the time between marks on the stage's
+compute stream) and pipelined (how much CPU stages slow each other while they overlap). The
+plan's stage times and parallel capacity become the runtime's own. One micro-batch of each step
+also has its operations timed inside their stages (:mod:`~lightning_antichain.runtime.op_clock`),
+which the planner's loop (:mod:`.rebalance`) cuts again on. Results are cached next to the
+profiles, and the module is left as it was found: parameters, gradients, buffers, attributes and
+random state.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from ..capture.opgraph import OpGraph
 from ..capture.pytrees import iter_tensors
 from ..runtime import microbatch
 from ..runtime.batch_dims import call_dims
-from ..runtime.device import shares_host
+from ..runtime.device import is_accelerator, shares_host
 from ..runtime.materialize import has_meta_state
 from ..runtime.op_clock import OpClock
 from ..runtime.plan import Plan, recomputed_micro_batches
@@ -64,11 +68,14 @@ class Calibration:
 
 
 def applies_to(plan: Plan, graph: OpGraph | None) -> bool:
-    """Whether calibration can help ``plan``: two or more stages sharing the CPU, and a graph to run
-    of a model that is real (calibrating one built on meta would make all of it real at once)."""
+    """Whether calibration can help ``plan``: two or more stages sharing the CPU, or stages all on
+    accelerators (where a step's kernels overlap its launches, which operations timed one at a time
+    do not show), and a graph to run of a model that is real (calibrating one built on meta would
+    make all of it real at once)."""
     cpu_stages = sum(shares_host(s.device) for s in plan.stages)
-    return (graph is not None and graph.granularity == "ops" and cpu_stages >= 2 and cpu_stages == plan.num_stages
-            and not has_meta_state(graph.module))
+    on_accelerators = all(is_accelerator(s.device) for s in plan.stages)
+    return (graph is not None and graph.granularity == "ops" and not has_meta_state(graph.module)
+            and ((cpu_stages >= 2 and cpu_stages == plan.num_stages) or on_accelerators))
 
 
 def calibrate(
@@ -116,7 +123,7 @@ def calibrate(
                     operations.append(_clocked_pass(single, micro_args, micro_kwargs))
                 else:
                     backward_from(single(*micro_args, **micro_kwargs))
-                alone.append({t.task: t.end - t.start for stage in single.last_step.timed for t in stage})
+                alone.append(single.last_step.task_seconds())
             return elapsed, alone, timed
 
         started = time.perf_counter()
@@ -173,7 +180,7 @@ def _clocked_pass(single: Any, args: tuple, kwargs: dict) -> dict[str, tuple[flo
     for tasks in record.timed:
         for timed in tasks:
             if timed.task.phase == "backward":
-                clocks[timed.task.stage].backward_ended(record.started_at + timed.end)
+                clocks[timed.task.stage].backward_ended(record.task_end(timed.task))
     return {name: (clock.forward_s.get(name, 0.0), clock.backward_s.get(name, 0.0))
             for clock in clocks for name in {*clock.forward_s, *clock.backward_s}}
 

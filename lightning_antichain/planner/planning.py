@@ -136,7 +136,8 @@ def plan_model(
     :func:`default_bandwidth_gbps` and :func:`default_memory_gb`. ``optimizers`` are timed (on
     copies of their parameters) so that the predicted step includes their ``step()``.
     Plans are made for training: a module entirely in eval mode is planned as in training mode,
-    and left in its mode. ``calibrate`` runs a plan whose stages share the CPU for a few steps and takes its stage times
+    and left in its mode. ``calibrate`` runs a plan whose stages share the CPU, or are all on GPUs, for a few
+    steps and takes its stage times
     and parallel capacity from them (:mod:`~lightning_antichain.planner.calibration`; cached with the
     profiles), since per-op profiles mispredict CPU pipelines at small micro-batches.
 

@@ -2,8 +2,9 @@
 
 ``la.profile`` + ``la.partition`` predict from the profile alone. The strategy and the command
 also check the batch, read and fill the profile cache, time the optimizer, measure the stages of
-a plan that shares the CPU and cut again on what they measured (:mod:`.rebalance`). This is that
-path, with the same defaults (:class:`~lightning_antichain.runtime.options.PipelineOptions`).
+a plan whose stages share the CPU or are all on GPUs, and cut again on what they measured
+(:mod:`.rebalance`). This is that path, with the same defaults
+(:class:`~lightning_antichain.runtime.options.PipelineOptions`).
 """
 
 from __future__ import annotations

@@ -112,6 +112,22 @@ class StepRecord:
         """The tasks each stage ran, in the order it ran them."""
         return [[t.task for t in stage] for stage in self.timed]
 
+    def task_seconds(self) -> dict[Task, float]:
+        """Each task's seconds: on a GPU its time on the device between its marks (read from
+        events, so this waits for them), elsewhere its wall time."""
+        seconds = {}
+        for stage, marks in zip(self.timed, self.marks):
+            for i, timed in enumerate(stage):
+                seconds[timed.task] = clock_seconds(*marks[i]) if marks else timed.end - timed.start
+        return seconds
+
+    def task_end(self, task: Task) -> Any:
+        """When ``task`` ended on its device's clock: its end mark on a GPU, else the
+        ``time.perf_counter()`` reading (:func:`~.device.mark`)."""
+        stage, marks = self.timed[task.stage], self.marks[task.stage]
+        i = next(i for i, timed in enumerate(stage) if timed.task == task)
+        return marks[i][1] if marks else self.started_at + stage[i].end
+
     @property
     def busy_s(self) -> list[float]:
         """Seconds each stage worked: on a GPU its tasks' time on the device (read from events, so

@@ -164,7 +164,10 @@ def module_may_draw(module: nn.Module) -> bool:
 
 
 def function_may_draw(fn: Any) -> bool:
-    """Whether calling ``fn`` may draw random numbers; unknown code is assumed to."""
+    """Whether calling ``fn`` may draw random numbers; unknown code is assumed to. A callable that
+    stands for another (``draws_like``) draws as that one does."""
+    if getattr(fn, "draws_like", None) is not None:
+        return function_may_draw(fn.draws_like)
     if isinstance(fn, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in fn.tags
     if isinstance(fn, torch._ops.OpOverloadPacket):
