@@ -15,6 +15,7 @@ import copy
 import gc
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -161,7 +162,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--chunk-counts", default="1,2,4,8", help="micro-batch counts of the one-stage table")
+    parser.add_argument("--parts", default="one,memory,shared,simulated",
+                        help="which tables: one (one stage), memory, shared (K stages on one GPU), simulated")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    cache = Path(tempfile.mkdtemp(prefix="gpu-benchmark-"))  # profiles shared by the tables, none from earlier runs
     device = torch.device(args.device)
     clock = Clock(device)
     zoo = models(args.small)
@@ -178,21 +184,30 @@ def main() -> None:
             costs[name, chunks] = la.profile(model, x[: size // chunks], str(device), progress=False)
         return model, x, costs[name, chunks]
 
-    # 1. one stage against the plain module, and the profile's prediction against the measured step
+    # 1. one stage against the plain module, and the plan's prediction against the measured step
     lines += ["### One stage against the plain module", "",
-              "| model | batch | chunks | plain step ms | pipeline step ms | overhead | predicted / measured |",
-              "|---|---|---|---|---|---|---|"]
-    for name in ("ResNet-50", "GPT-2 (12 x 768)"):
-        for chunks in (1, 4):
-            model, x, cost = profiled(name, chunks)
+              "Predicted from the per-operation profile alone, and from the plan calibrated on a few of its own "
+              "steps (the default: `calibrate=True`).", "",
+              "| model | batch | chunks | plain step ms | pipeline step ms | overhead | profiled / measured "
+              "| calibrated / measured |", "|---|---|---|---|---|---|---|---|"]
+    for name in ("ResNet-50", "GPT-2 (12 x 768)") if "one" in parts else ():
+        for chunks in map(int, args.chunk_counts.split(",")):
+            build, batch, size = zoo[name]
+            if size // chunks < 2:  # BatchNorm needs two samples (only the --small inputs are this small)
+                continue
+            torch.manual_seed(0)
+            model, x = build(), batch(size)
             plain = copy.deepcopy(model).to(device)
-            plan = la.partition(cost, stages=1, chunks=chunks, devices=[str(device)])
+            settings = dict(chunks=chunks, profile_cache=str(cache), progress=False)
+            profiled_plan = la.plan(model, x, [str(device)], calibrate=False, **settings)
+            plan = la.plan(model, x, [str(device)], **settings)
             with la.Pipeline(model, plan, chunks=chunks) as pipe:
                 xs = x.to(device)
                 medians = interleaved(clock, {"plain": step_of(plain, list(plain.parameters()), xs),
                                               "pipe": step_of(pipe, list(model.parameters()), xs)}, args.repeats)
             lines.append(f"| {name} | {len(x)} | {chunks} | {1e3 * medians['plain']:.1f} | {1e3 * medians['pipe']:.1f} "
                          f"| {100 * (medians['pipe'] / medians['plain'] - 1):+.1f}% "
+                         f"| {profiled_plan.predict_step() / medians['pipe']:.2f} "
                          f"| {plan.predict_step() / medians['pipe']:.2f} |")
             print(lines[-1], flush=True)
             del plain, model, pipe
@@ -200,8 +215,11 @@ def main() -> None:
     lines += ["", "### Memory of one stage: predicted against the allocator's peak", "",
               "Parameters, gradients and activations (SGD without momentum keeps no state); the measured "
               "peak also holds what the plan does not model, such as the cuBLAS workspace.", "",
-              "| model | recompute | predicted MB | measured MB | measured / predicted |", "|---|---|---|---|---|"]
-    for name in ("ResNet-50", "GPT-2 (12 x 768)"):
+              "The last column adds what the plan leaves out on the output's device: the micro-batches' outputs "
+              "joined into one batch, and that batch's gradient.", "",
+              "| model | recompute | predicted MB | measured MB | measured / predicted | with the joined output "
+              "and its gradient |", "|---|---|---|---|---|---|"]
+    for name in ("ResNet-50", "GPT-2 (12 x 768)") if "memory" in parts else ():
         for recompute in ("never", "except_last", "always"):
             model, x, cost = profiled(name, 4)
             plan = la.partition(cost, stages=1, chunks=4, devices=[str(device)], recompute=recompute,
@@ -212,14 +230,16 @@ def main() -> None:
                 step()
                 measured = peak_bytes(device, step, baseline)
             predicted = plan.stages[0].memory_bytes
-            shown = "n/a" if measured is None else f"{measured / 1e6:.0f} | {measured / predicted:.2f}"
+            joined = predicted + 2 * 4 * plan.stages[0].output_bytes
+            shown = "n/a | | " if measured is None else (f"{measured / 1e6:.0f} | {measured / predicted:.2f} "
+                                                        f"| {measured / joined:.2f}")
             lines.append(f"| {name} | {recompute} | {predicted / 1e6:.0f} | {shown} |")
             print(lines[-1], flush=True)
             del model, pipe
     # 3. K stages sharing the GPU against the plain module: the runtime's cost per micro-batch
     lines += ["", f"### K stages on one device against the plain module ({args.chunks} micro-batches)", "",
               "| model | K | plain step ms | pipeline step ms | ratio |", "|---|---|---|---|---|"]
-    for name in ("ResNet-50", "GPT-2 (12 x 768)"):
+    for name in ("ResNet-50", "GPT-2 (12 x 768)") if "shared" in parts else ():
         for stages in (2, 4):
             model, x, cost = profiled(name, args.chunks)
             plain = copy.deepcopy(model).to(device)
@@ -237,7 +257,7 @@ def main() -> None:
               "A simulation: the plan's predicted step on K identical GPUs (16 GB/s links) against one GPU's, "
               "from the per-operation profile measured here; nothing ran on K GPUs.", "",
               "| model | K=2 | K=4 | K=8 | torchgpipe (published, 8 GPUs) |", "|---|---|---|---|---|"]
-    for name in ("ResNet-101", "U-Net", "GPT-2 (12 x 768)"):
+    for name in ("ResNet-101", "U-Net", "GPT-2 (12 x 768)") if "simulated" in parts else ():
         _, _, cost = profiled(name, args.chunks)
         one = la.partition(cost, stages=1, chunks=args.chunks, devices=[la.DeviceSpec("gpu0")]).predict_step()
         row = []

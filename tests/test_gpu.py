@@ -380,3 +380,26 @@ def test_a_hugging_face_decoder_built_on_meta_is_loaded_from_its_shards_into_sta
     for key, value in reference_state("llama").items():
         assert torch.equal(model.initial[key].cpu(), value), key
     torch.testing.assert_close(model.losses, plain_losses("llama", reference_state("llama")), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_plans_on_the_gpu_are_calibrated_on_the_stage_streams_and_leave_the_model_as_it_was(gpu_device, tmp_path,
+                                                                                            stages):
+    """Calibration runs GPU plans too: each stage's forward and backward are its time on the device
+    (events on its compute stream), every operation of every stage is timed in context, and the
+    model keeps its parameters and gradients."""
+    if gpu_device.type == "cpu" and stages == 1:
+        pytest.skip("a single CPU stage shares the CPU with nothing: it is not calibrated")
+    model = convnet(torch.float32)
+    x = torch.randn(16, 3, 8, 8)
+    before = copy.deepcopy(model.state_dict())
+    plan = la.plan(model, x, [str(gpu_device)] * stages, chunks=4, profile_cache=str(tmp_path), progress=False,
+                   rebalance_rounds=0)
+    found = plan.calibration
+    assert found is not None and found["steps"] >= 3
+    assert all(t > 0 for t in [*found["forward_s"], *found["backward_s"]])
+    timed = set(found["operations"])
+    assert timed and all(set(stage.nodes) & timed for stage in plan.stages)
+    assert all(p.grad is None for p in model.parameters())
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value.cpu(), before[name], rtol=0, atol=0)
