@@ -27,10 +27,12 @@ def gpu_device(request) -> torch.device:
 @pytest.fixture(autouse=True)
 def _one_thread_and_seed():
     threads = torch.get_num_threads()
+    deterministic = torch.are_deterministic_algorithms_enabled()  # Trainer(deterministic=True) sets it for good
     torch.set_num_threads(1)
     torch.manual_seed(0)
     yield
     torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def random_cost_graph(

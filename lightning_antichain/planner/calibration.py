@@ -261,13 +261,20 @@ def backward_from(output: Any) -> None:
 @contextlib.contextmanager
 def untouched(module: nn.Module) -> Iterator[None]:
     """Gradients (``None`` inside the block), buffers, attributes and random state as they were
-    before the block."""
+    before the block, and every parameter and buffer on the device it was on: calibrating on GPUs
+    places the stages there, and a module left on the GPU would be captured again as another graph
+    (Hugging Face code takes other paths on CUDA) than the one planned."""
     grads = [(p, p.grad) for p in module.parameters()]
+    homes = [(t, t.device) for t in [*module.parameters(), *module.buffers()]]
     for p, _ in grads:
         p.grad = None
     try:
         with attributes_restored(module), side_effects_undone(module), torch.enable_grad():
             yield
     finally:
+        with torch.no_grad():
+            for tensor, device in homes:
+                if tensor.device != device:
+                    tensor.data = tensor.data.to(device)
         for p, grad in grads:
             p.grad = grad
