@@ -189,7 +189,8 @@ def main() -> None:
               "Predicted from the per-operation profile alone, and from the plan calibrated on a few of its own "
               "steps (the default: `calibrate=True`).", "",
               "| model | batch | chunks | plain step ms | pipeline step ms | overhead | profiled / measured "
-              "| calibrated / measured |", "|---|---|---|---|---|---|---|---|"]
+              "| calibrated / measured | calibrated stage ms per micro-batch | calibrated step overhead ms |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("ResNet-50", "GPT-2 (12 x 768)") if "one" in parts else ():
         for chunks in map(int, args.chunk_counts.split(",")):
             build, batch, size = zoo[name]
@@ -208,7 +209,8 @@ def main() -> None:
             lines.append(f"| {name} | {len(x)} | {chunks} | {1e3 * medians['plain']:.1f} | {1e3 * medians['pipe']:.1f} "
                          f"| {100 * (medians['pipe'] / medians['plain'] - 1):+.1f}% "
                          f"| {profiled_plan.predict_step() / medians['pipe']:.2f} "
-                         f"| {plan.predict_step() / medians['pipe']:.2f} |")
+                         f"| {plan.predict_step() / medians['pipe']:.2f} "
+                         f"| {1e3 * plan.stages[0].compute_s:.1f} | {1e3 * plan.step_overhead_s:.1f} |")
             print(lines[-1], flush=True)
             del plain, model, pipe
     # 2. memory per stage, predicted against measured, for each recompute mode

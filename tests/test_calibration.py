@@ -3,6 +3,7 @@
 import copy
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -141,3 +142,28 @@ def test_a_damaged_cached_calibration_is_measured_again(tmp_path):
                                        progress=False, rebalance_rounds=0).plan
         assert plan.calibration is not None and len(plan.calibration["forward_s"]) == 2
         assert calibration.load(tmp_path, key, 2) is not None  # rewritten whole
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_a_calibrated_accelerator_plan_charges_per_step_what_its_measured_step_leaves_unexplained(device):
+    """On accelerators the stage times come from the device's clock, and what the runtime adds per
+    step is read from the measured pipelined step; CPU plans keep the runtime overhead measured for
+    the machine. (Planning only: nothing runs on the device.)"""
+    model = SequentialCNN()
+    cost = la.profile(model, torch.randn(4, 3, 16, 16), "cpu", repeats=1, warmup=0, progress=False)
+    cost.graph.update(task_overhead_s=1e-4, step_overhead_s=2e-3)
+    plan = la.partition(cost, stages=2, chunks=4, devices=[device, device])
+    forward, backward = (0.010, 0.020), (0.015, 0.030)
+    explained = replace(plan, stages=[replace(s, forward_s=f - 1e-4 - s.transfer_s / 2,
+                                              backward_s=b - 1e-4 - s.transfer_s / 2)
+                                      for s, f, b in zip(plan.stages, forward, backward)],
+                        step_overhead_s=0.0, optimizer_step_s=0.0).predict_step()
+    found = calibration.Calibration(forward, backward, None, explained + 0.005, explained, steps=3)
+    calibrated = calibration.calibrated(plan, found)
+    if device == "cpu":
+        assert calibrated.step_overhead_s == plan.step_overhead_s
+    else:
+        assert calibrated.step_overhead_s == pytest.approx(0.005)
+        assert calibrated.predict_step() == pytest.approx(found.pipelined_step_s + plan.optimizer_step_s)
+        slower = calibration.calibrated(plan, replace(found, pipelined_step_s=explained / 2))
+        assert slower.step_overhead_s == 0.0  # never negative: the stage times stand

@@ -36,7 +36,7 @@ from ..capture.opgraph import OpGraph
 from ..capture.pytrees import iter_tensors
 from ..runtime import microbatch
 from ..runtime.batch_dims import call_dims
-from ..runtime.device import is_accelerator, shares_host
+from ..runtime.device import is_accelerator, shares_host, synchronize
 from ..runtime.materialize import has_meta_state
 from ..runtime.op_clock import OpClock
 from ..runtime.plan import Plan, recomputed_micro_batches
@@ -105,6 +105,7 @@ def calibrate(
     count = len(micro_batches)
     recomputed = recomputed_micro_batches(recompute, count)
     shared = [shares_host(s.device) for s in plan.stages]
+    devices = [s.device for s in plan.stages]
     options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False,
                                "cpu_threads": cpu_threads}
     rounds: list[tuple[float, list[dict[Task, float]], list[list[Timed]]]] = []
@@ -113,14 +114,19 @@ def calibrate(
             Pipeline(module, plan, chunks=1, **options) as single:
 
         def one_round() -> tuple[float, list[dict[Task, float]], list[list[Timed]]]:
+            synchronize(devices)
             started = time.perf_counter()
             backward_from(piped(*call_args, **call_kwargs))
+            synchronize(devices)
             elapsed = time.perf_counter() - started
             timed = [list(stage) for stage in piped.last_step.timed]
             alone = []
             for m, (micro_args, micro_kwargs) in enumerate(micro_batches):
                 if m == 0 and single.stages:
                     operations.append(_clocked_pass(single, micro_args, micro_kwargs))
+                    if count == 1:  # the clock slows what it times: take the stage times from a pass without it
+                        alone.append(single.last_step.task_seconds())
+                        backward_from(single(*micro_args, **micro_kwargs))
                 else:
                     backward_from(single(*micro_args, **micro_kwargs))
                 alone.append(single.last_step.task_seconds())
@@ -193,7 +199,8 @@ def _medians(passes: list[dict[str, tuple[float, float]]]) -> dict[str, tuple[fl
 
 def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) -> Plan:
     """``plan`` with each stage's times and the parallel capacity measured in the runtime, and its
-    step predicted again from them; the profiled values, and the cache file the calibration was
+    step predicted again from them (on accelerators, with the per-step cost that the measured
+    pipelined step leaves unexplained); the profiled values, and the cache file the calibration was
     read from (``None``: measured now), are kept in ``plan.calibration``."""
     stages = [
         replace(s, forward_s=max(0.0, f - plan.task_overhead_s - s.transfer_s / 2),
@@ -215,6 +222,12 @@ def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) ->
                      "profiled_parallel_capacity": plan.parallel_capacity,
                      "read_from": None if read_from is None else str(read_from)},
     )
+    if all(is_accelerator(s.device) for s in stages):
+        # the runtime's own per-step cost on an accelerator is what its host work leaves the devices
+        # idle, not the host time measured on a tiny model (overhead.py): the part of the measured
+        # pipelined step that the stage times do not explain
+        explained = replace(new, step_overhead_s=0.0, optimizer_step_s=0.0).predict_step()
+        new.step_overhead_s = max(0.0, found.pipelined_step_s - explained)
     new.predicted_step_s = new.predict_step()
     return new
 
