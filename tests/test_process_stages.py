@@ -185,3 +185,98 @@ def test_a_stage_process_that_dies_stops_every_other_stage_process_within_second
     assert set(errors) == {0, 2} and all(isinstance(e, str) for e in errors.values()), errors
     assert processes[1].exitcode == 9 and all(p.exitcode != 0 for p in processes)
 
+
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h1", 2), ("zbv", 2)]
+BALANCES = {2: [4, 5], 4: [2, 2, 2, 3]}  # x a tanh b | tanh c tanh add d; x a | tanh b | tanh c | tanh add d
+
+
+def every_schedule_process(rank: int, port: int, results: mp.Queue) -> None:
+    """Rank ``rank`` of 2 runs one step of every schedule, each on a fresh model, and reports the
+    gradients it holds: its own stages' parameters only."""
+    import lightning_antichain as la
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.runtime.process_schedules import process_schedule
+    from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for name, virtual in SCHEDULES:
+            schedule = process_schedule(name, virtual)
+            model = build()
+            x, y = batch()
+            graph = capture_call(model, (x[:2],), {})
+            cost = la.profile(model, x[:2], op_graph=graph, repeats=1, warmup=0, progress=False,
+                              runtime_overhead=False)
+            plan = la.plan_from_balance(cost, BALANCES[schedule.num_stages(2)], chunks=CHUNKS)
+            stages = rank_stages(graph, plan, schedule, rank, 2, torch.device("cpu"))
+            run = schedule_runner(schedule, stages, CHUNKS, loss_fn)
+            holds_first = 0 in schedule.stages_of(rank, 2)
+            holds_last = schedule.num_stages(2) - 1 in schedule.stages_of(rank, 2)
+            losses: list[torch.Tensor] = []
+            if holds_first and holds_last:
+                run.step(x, target=y, losses=losses)
+            elif holds_first:
+                run.step(x)
+            elif holds_last:
+                run.step(target=y, losses=losses)
+            else:
+                run.step()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results.put((rank, f"{name}/{virtual}", [s.stage_index for s in stages], grads,
+                         [float(v) for v in losses]))
+    except Exception as exc:
+        results.put((rank, "error", None, f"{name}/{virtual}: {type(exc).__name__}: {exc}", None))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_schedule_runs_the_plan_in_two_processes_with_plain_gradients():
+    """GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZBV from torch, on the split's stages: each rank holds
+    the stages its schedule gives it (round robin, or a V for ZBV), a skip tensor passes through
+    the stages between, and the gradients over both ranks are the plain module's, in float64."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=every_schedule_process, args=(r, port, results)) for r in range(2)]
+    for process in processes:
+        process.start()
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    held: dict[tuple[str, int], list[int]] = {}
+    losses: dict[str, list[float]] = {}
+    try:
+        for _ in range(2 * len(SCHEDULES)):
+            rank, name, stages, grads, step_losses = results.get(timeout=180)
+            assert name != "error", grads
+            held[name, rank] = stages
+            assert not set(grads) & set(got.get(name, {})), f"{name}: a parameter has gradients on both ranks"
+            got.setdefault(name, {}).update(grads)
+            if step_losses:
+                losses[name] = step_losses
+    except queue.Empty:
+        pytest.fail("a stage process gave no result within 180 s")
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert all(p.exitcode == 0 for p in processes)
+    assert held["interleaved-1f1b/2", 0] == [0, 2] and held["interleaved-1f1b/2", 1] == [1, 3]
+    assert held["zbv/2", 0] == [0, 3] and held["zbv/2", 1] == [1, 2]
+    model = build()
+    x, y = batch()
+    loss_fn(model(x), y).backward()
+    with torch.no_grad():
+        micro_losses = [loss_fn(model(xm), ym).item() for xm, ym in zip(x.chunk(CHUNKS), y.chunk(CHUNKS))]
+    for name, _ in SCHEDULES:
+        for virtual in (1, 2):
+            key = f"{name}/{virtual}"
+            if key not in got:
+                continue
+            assert set(got[key]) == {n for n, _ in model.named_parameters()}, key
+            for pname, param in model.named_parameters():
+                torch.testing.assert_close(got[key][pname], param.grad, rtol=1e-12, atol=1e-13, msg=f"{key} {pname}")
+            assert losses[key] == pytest.approx(micro_losses, rel=1e-12), key

@@ -5,19 +5,25 @@ The stages the split makes (:func:`~.split.split_stages`) already fit: each take
 crossing the cut before it, the ones it does not read included, and returns every value crossing
 the cut after it, so a skip tensor is passed through each stage it spans. :class:`FlatStage` is
 that stage as a module of tensors, for torch's schedules (GPipe, 1F1B, interleaved, zero-bubble),
-which run it in the process of its rank. This is the first piece of the process runtime: the
-strategy does not use it yet.
+which run it in the process of its rank; :func:`rank_stages` builds and places a rank's stages
+alone, and :func:`schedule_runner` hands them to torch's schedule. The strategy does not use this
+runtime yet.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
+from ..capture import OpGraph
 from ..capture.pytrees import flatten
-from .split import StageModule
+from .plan import Plan
+from .process_schedules import ProcessSchedule
+from .split import StageModule, place_stages, split_stages
 
 
 class CutValueError(TypeError):
@@ -48,4 +54,43 @@ class FlatStage(nn.Module):
                 f"({outside or 'nested values'}); torch.distributed.pipelining sends tensors only. Cut "
                 "elsewhere (a fixed balance=), or keep the operation that makes them with its readers."
             )
+        leaves = [_Sent.apply(v) for v in leaves]
         return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+
+class _Sent(torch.autograd.Function):
+    """A value a stage sends on, as a tensor object of its own over the same memory. torch's
+    zero-bubble schedules detach a stage's outputs in place once their input gradients are taken;
+    that must not reach the tensor itself where its own operations saved it for the weight
+    gradients still to come (a Linear's input, a tanh's output), nor an input passed through."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def rank_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
+                device: torch.device, group: Any = None) -> list[PipelineStage]:
+    """The stages rank ``rank`` of ``ranks`` holds under ``schedule``, as torch's stages: split from
+    ``graph`` as ``plan`` cuts it, and placed (made real, where the model is on meta) on ``device``,
+    these stages alone."""
+    if plan.num_stages != schedule.num_stages(ranks):
+        raise ValueError(f"schedule {schedule.name!r} with {schedule.virtual_stages} stage(s) per rank on {ranks} "
+                         f"ranks runs {schedule.num_stages(ranks)} stages; the plan has {plan.num_stages}. Plan for "
+                         f"{schedule.num_stages(ranks)} stages.")
+    stages = split_stages(graph, plan, [device] * plan.num_stages)
+    mine = [stages[i] for i in schedule.stages_of(rank, ranks)]
+    place_stages(mine)
+    return [PipelineStage(FlatStage(stage), stage.index, plan.num_stages, device, group=group) for stage in mine]
+
+
+def schedule_runner(schedule: ProcessSchedule, stages: list[PipelineStage], chunks: int,
+                    loss_fn: Callable[..., torch.Tensor] | None) -> Any:
+    """torch's schedule that runs ``stages`` (this rank's) over ``chunks`` micro-batches, back-propagating
+    the sum of ``loss_fn`` over them (``scale_grads=False``: the caller's loss decides the scale)."""
+    held = stages if schedule.takes_a_list else stages[0]
+    return schedule.runs_with(held, chunks, loss_fn=loss_fn, scale_grads=False)

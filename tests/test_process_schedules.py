@@ -1,0 +1,43 @@
+"""The process runtime's schedules as data: torch's class for each name, and which stages each
+rank holds (round robin, or a V for ZBV)."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+
+from lightning_antichain.runtime.process_schedules import SCHEDULE_NAMES, process_schedule
+
+
+def test_each_name_runs_with_torchs_class():
+    assert process_schedule("1f1b").runs_with is Schedule1F1B and not process_schedule("1f1b").takes_a_list
+    assert process_schedule("interleaved-1f1b").runs_with is ScheduleInterleaved1F1B
+    assert process_schedule("ZBV").runs_with is ScheduleZBVZeroBubble and process_schedule("zbv").takes_a_list
+    assert process_schedule("interleaved_1f1b", 3).virtual_stages == 3
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_every_stage_is_held_by_exactly_one_rank(name, ranks):
+    schedule = process_schedule(name)
+    held = [s for rank in range(ranks) for s in schedule.stages_of(rank, ranks)]
+    assert sorted(held) == list(range(schedule.num_stages(ranks)))
+    assert all(schedule.rank_of(s, ranks) == r for r in range(ranks) for s in schedule.stages_of(r, ranks))
+
+
+def test_interleaved_stages_go_round_robin_and_zbv_stages_in_a_v():
+    interleaved = process_schedule("interleaved-1f1b", 3)
+    assert [interleaved.stages_of(r, 2) for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
+    zbv = process_schedule("zbv")
+    assert [zbv.stages_of(r, 4) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+
+
+def test_what_a_schedule_cannot_run_is_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="not one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zbv"):
+        process_schedule("pipedream")
+    with pytest.raises(ValueError, match="holds 1 stage.*use interleaved-1f1b or zb-h1"):
+        process_schedule("1f1b", 2)
+    with pytest.raises(ValueError, match="holds 2 stage"):
+        process_schedule("zbv", 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        process_schedule("interleaved-1f1b", 0)
