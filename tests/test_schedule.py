@@ -85,7 +85,7 @@ def test_the_engine_runs_each_stage_in_the_order_the_schedule_lists(name, monkey
         assert all(0 <= t.start <= t.end for t in stage)
         assert all(a.end <= b.start for a, b in zip(stage, stage[1:]))
         for t in stage:
-            before = schedule._inputs(t.task, 2, [schedule.Task("forward", 2, m) for m in range(5)])
+            before = schedule._inputs(t.task, 2, [schedule.Task("forward", 2, m) for m in range(5)], False)
             assert all(end[u] <= t.start for u in before)
     torch.testing.assert_close(output, expected, rtol=1e-12, atol=0)
     for p, g in zip(model.parameters(), want):
@@ -127,3 +127,35 @@ def test_each_cpu_stage_beyond_the_first_adds_the_profiled_gain_while_there_are_
     assert plan.capacity() == [1.0, 1.5, 1.5, 1.5]
     plan.cpu_cores = 8
     assert plan.capacity() == [1.0, 1.5, 2.0, 2.5]
+
+
+def test_one_f_one_b_fills_then_alternates_then_drains():
+    order = schedule.one_f_one_b(3, 4).order
+    f, b = (lambda m, k: Task("forward", k, m)), (lambda m, k: Task("backward", k, m))
+    assert order[0] == (f(0, 0), f(1, 0), f(2, 0), b(0, 0), f(3, 0), b(1, 0), b(2, 0), b(3, 0))
+    assert order[2] == tuple(t for m in range(4) for t in (f(m, 2), b(m, 2)))
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 5])
+@pytest.mark.parametrize("chunks", [1, 2, 4, 7])
+def test_one_f_one_b_holds_at_most_k_minus_i_micro_batches_and_takes_gpipes_makespan(stages, chunks):
+    ran = schedule.one_f_one_b(stages, chunks)
+    assert schedule.in_flight(ran) == [min(stages - k, chunks) for k in range(stages)]
+    assert schedule.in_flight(gpipe(stages, chunks)) == [chunks] * stages
+    assert all(sorted(ran.order[k], key=str) == sorted(gpipe(stages, chunks).order[k], key=str)
+               for k in range(stages))  # the same tasks, in another order
+    # equal stages: 1F1B has GPipe's bubble, (M + K - 1) * (f + b)
+    assert step_time(ran, [1.0] * stages, [2.0] * stages) == pytest.approx((chunks + stages - 1) * 3.0)
+
+
+def test_a_schedule_with_a_loss_per_micro_batch_starts_backward_before_the_batch_is_through():
+    ends = {t.task: t.end for t in timeline(schedule.one_f_one_b(2, 4), schedule.stage_durations([1.0] * 2, [1.0] * 2))}
+    assert ends[Task("backward", 1, 0)] < ends[Task("forward", 1, 3)]
+
+
+def test_the_in_process_pipeline_refuses_a_schedule_it_cannot_run():
+    cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
+    plan = la.partition(cost, 2, chunks=4)
+    plan.schedule = "1f1b"
+    with pytest.raises(ValueError, match="one process per stage.*plan.schedule = 'gpipe'"):
+        la.Pipeline(LongSkip(), plan, chunks=4)

@@ -124,6 +124,10 @@ class Pipeline(nn.Module):
         self._devices = [torch.device(d) for d in (devices or [s.device for s in plan.stages])]
         if len(self._devices) != plan.num_stages:
             raise ValueError(f"got {len(self._devices)} devices for a plan of {plan.num_stages} stages")
+        if make_schedule(plan.schedule, 1, 1).loss_per_micro_batch:
+            raise ValueError(f"the plan's schedule {plan.schedule!r} computes the loss per micro-batch, which runs "
+                             "with one process per stage; this Pipeline runs the whole batch's loss in one process "
+                             "under 'gpipe': set plan.schedule = 'gpipe', or plan again without a schedule")
         #: every capture of the module made ready to run
         self._captures = Captures(module, plan, self._devices, chunks, batch_dim, self.leaf_modules,
                                   options.param_init_fn)

@@ -3,8 +3,11 @@
 As torchgpipe keeps its ``clock_cycles`` apart from running them, a :class:`Schedule` lists each
 stage's tasks (the forward or the backward of one micro-batch) in the order the stage runs them.
 Three parts read the same list: the engine runs it, the planner predicts a step by simulating it
-(:func:`timeline`), and the plot draws that simulation. GPipe's fill-drain (:func:`gpipe`) is the
-one schedule today; 1F1B or a deferred weight-gradient schedule would be another list here.
+(:func:`timeline`), and the plot draws that simulation. The in-process runtime runs GPipe's
+fill-drain (:func:`gpipe`) with the loss on the joined output of the whole batch; the process
+runtime runs torch's schedules (:mod:`.process_schedules`), whose loss is per micro-batch, and
+1F1B (:func:`one_f_one_b`) keeps at most ``K - k`` micro-batches in flight on stage ``k``
+(:func:`in_flight`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ class Schedule:
     name: str
     chunks: int
     order: tuple[tuple[Task, ...], ...]
+    #: the loss is computed per micro-batch (torch's schedules), so the last stage's backward of a
+    #: micro-batch waits for its own forward only, not for the whole batch's
+    loss_per_micro_batch: bool = False
 
     @property
     def stages(self) -> int:
@@ -52,7 +58,37 @@ def gpipe(stages: int, chunks: int) -> Schedule:
     return Schedule("gpipe", chunks, tuple(tuple(f + b) for f, b in zip(forwards, backwards)))
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe}
+def one_f_one_b(stages: int, chunks: int) -> Schedule:
+    """1F1B (PipeDream-flush): stage k runs ``min(K - k - 1, M)`` forwards to fill the pipeline,
+    then alternates one forward and one backward, then drains the backwards left; backwards go in
+    micro-batch order, each right after the loss of its own micro-batch."""
+    if stages < 1 or chunks < 1:
+        raise ValueError(f"a schedule needs at least one stage and one micro-batch, got {stages} and {chunks}")
+    order = []
+    for k in range(stages):
+        warmup = min(stages - k - 1, chunks)
+        tasks = [Task("forward", k, m) for m in range(warmup)]
+        for m in range(chunks - warmup):
+            tasks += [Task("forward", k, warmup + m), Task("backward", k, m)]
+        tasks += [Task("backward", k, m) for m in range(chunks - warmup, chunks)]
+        order.append(tuple(tasks))
+    return Schedule("1f1b", chunks, tuple(order), loss_per_micro_batch=True)
+
+
+def in_flight(schedule: Schedule) -> list[int]:
+    """Per stage, the most micro-batches whose forward has run and whose backward has not: how many
+    micro-batches' activations the stage holds at once."""
+    held = []
+    for tasks in schedule.order:
+        now = most = 0
+        for task in tasks:
+            now += 1 if task.phase == "forward" else -1
+            most = max(most, now)
+        held.append(most)
+    return held
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 def make_schedule(name: str, stages: int, chunks: int) -> Schedule:
@@ -83,7 +119,8 @@ def timeline(
     A task starts once its stage has finished the task before it in the stage's order and its input
     is there: a forward needs the previous stage's forward of the same micro-batch, a backward the
     next stage's backward of it. The last stage's backwards need every forward of the last stage,
-    since the loss is computed on the joined output of the whole batch.
+    since the loss is computed on the joined output of the whole batch; or, where the schedule
+    computes it per micro-batch, the forward of their own micro-batch.
 
     Stages marked ``shared`` (CPU stages: they share the machine's cores, memory bus and
     interpreter lock) slow each other down while they run at once: ``n`` of them together get
@@ -103,7 +140,7 @@ def timeline(
         for k, tasks in enumerate(schedule.order):
             if k not in running and position[k] < len(tasks):
                 task = tasks[position[k]]
-                if all(t in end for t in _inputs(task, last, all_forwards)):
+                if all(t in end for t in _inputs(task, last, all_forwards, schedule.loss_per_micro_batch)):
                     running[k] = (task, now, duration(task))
         if not running:
             waiting = [tasks[position[k]] for k, tasks in enumerate(schedule.order) if position[k] < len(tasks)]
@@ -125,11 +162,11 @@ def timeline(
     return timed
 
 
-def _inputs(task: Task, last: int, all_forwards: list[Task]) -> list[Task]:
+def _inputs(task: Task, last: int, all_forwards: list[Task], per_micro_batch: bool) -> list[Task]:
     if task.phase == "forward":
         return [Task("forward", task.stage - 1, task.micro_batch)] if task.stage > 0 else []
     if task.stage == last:
-        return all_forwards
+        return [Task("forward", last, task.micro_batch)] if per_micro_batch else all_forwards
     return [Task("backward", task.stage + 1, task.micro_batch)]
 
 
