@@ -24,6 +24,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .random_ops import may_draw
+
 _ATTENTION = (torch.ops.aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
 _POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 #: calls that read a tensor's shape, dtype or device but not its values
@@ -116,8 +118,6 @@ def call_causal_attention(graph_module: fx.GraphModule) -> list[str]:
 def _from_shapes_alone(graph_module: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node``'s value depends on nothing but the shapes, dtypes and devices of the graph's
     inputs: no input's values, no state, no random numbers, no code the graph does not show."""
-    from ..runtime.randomness import may_draw
-
     pending, seen = [node], set()
     while pending:
         current = pending.pop()
