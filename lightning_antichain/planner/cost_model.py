@@ -38,27 +38,40 @@ class CostModel:
 
     ``bandwidth`` is bytes per second between neighbouring stages (``inf``: free transfers, as
     between CPU devices that share memory). ``optimizer_multiplier`` is optimizer state per
-    parameter byte: 0 for SGD, 1 for SGD with momentum, 2 for Adam.
+    parameter byte: 0 for SGD, 1 for SGD with momentum, 2 for Adam. ``held`` is, by stage index,
+    how many micro-batches the schedule has in flight on that stage at most
+    (:func:`~lightning_antichain.runtime.schedule.in_flight`: ``K - k`` under 1F1B); empty: all
+    ``chunks``, as under GPipe.
     """
 
     chunks: int = 1
     bandwidth: float = math.inf
     optimizer_multiplier: float = 2.0
     recompute: str = "never"
+    held: tuple[int, ...] = ()
+
+    def held_by(self, index: int | None) -> int:
+        """Micro-batches stage ``index`` holds at most (``None``: the most any stage holds)."""
+        if not self.held:
+            return self.chunks
+        return max(self.held) if index is None else self.held[index]
 
     def transfer_s(self, nbytes: float | np.ndarray) -> Any:
         """Seconds to ship ``nbytes`` forward and its gradient back."""
         return 2.0 * nbytes / self.bandwidth
 
-    def memory_bytes(self, params: Any, buffers: Any, activations: Any, inputs: Any, frozen: Any = 0) -> Any:
-        """A stage's peak: parameters with their gradients and optimizer state (none for the
-        ``frozen`` part of ``params``, which trains no gradient: a LoRA model's base), buffers, and what it
-        keeps for backward. Without recomputation that is every micro-batch's ``activations``
-        (inputs included), at the end of the forward pass. With it, the peak comes at the first
-        backward, which recomputes one micro-batch's activations while the others keep only their
+    def memory_bytes(self, params: Any, buffers: Any, activations: Any, inputs: Any, frozen: Any = 0,
+                     index: int | None = None) -> Any:
+        """The peak of stage ``index`` (``None``: of whichever stage holds the most micro-batches):
+        parameters with their gradients and optimizer state (none for the ``frozen`` part of
+        ``params``, which trains no gradient: a LoRA model's base), buffers, and what it keeps for
+        backward. Without recomputation that is the ``activations`` (inputs included) of every
+        micro-batch it holds at once (:meth:`held_by`). With it, the peak comes at a backward,
+        which recomputes one micro-batch's activations while the others keep only their
         ``inputs``; ``"except_last"`` and ``"always"`` meet the same peak there."""
-        recomputes = self.recompute != "never" and self.chunks > 1
-        held = inputs * (self.chunks - 1) + activations if recomputes else activations * self.chunks
+        count = self.held_by(index)
+        recomputes = self.recompute != "never" and count > 1
+        held = inputs * (count - 1) + activations if recomputes else activations * count
         return (params - frozen) * (2.0 + self.optimizer_multiplier) + frozen + buffers + held
 
 
@@ -180,7 +193,7 @@ def evaluate_stages(
                 backward_s=sum_attr("backward_s") / spec.speed,
                 transfer_s=float(model.transfer_s(in_bytes + out_bytes)),
                 memory_bytes=int(model.memory_bytes(sum_attr("param_bytes"), sum_attr("buffer_bytes"), activations,
-                                                    kept_inputs, sum_attr("frozen_bytes"))),
+                                                    kept_inputs, sum_attr("frozen_bytes"), index=k)),
                 param_bytes=int(sum_attr("param_bytes")),
                 frozen_bytes=int(sum_attr("frozen_bytes")),
                 modules=module_span(graph, nodes),

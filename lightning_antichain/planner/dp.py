@@ -8,7 +8,7 @@ least total transfer. When no chain fits the memory limits it says which stage n
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import product
 from typing import Any
 
@@ -18,22 +18,23 @@ from .antichain import StateSpace
 from .cost_model import CostModel, DeviceSpec, InfeasiblePlanError, evaluate_stages, memory_of
 
 
-def stage_costs(space: StateSpace, spec: DeviceSpec, model: CostModel) -> np.ndarray:
+def stage_costs(space: StateSpace, spec: DeviceSpec, model: CostModel, index: int | None = None) -> np.ndarray:
     """``T[j, i]``: time of the stage ``D_j minus D_i`` on ``spec``; ``inf`` if not a valid stage.
 
-    Valid means ``D_i`` is a strict subset of ``D_j`` and the stage fits the device's memory.
+    Valid means ``D_i`` is a strict subset of ``D_j`` and the stage fits the device's memory as
+    stage ``index`` of the pipeline (under 1F1B, earlier stages hold more micro-batches).
     """
     compute = (space.compute[:, None] - space.compute[None, :]) / spec.speed
     transfer = model.transfer_s(space.cut_bytes[:, None] + space.cut_bytes[None, :])
     valid = space.contains() & ~space.forbidden[:, None] & ~space.forbidden[None, :]
     cost = np.where(valid, compute + transfer, np.inf)
     if spec.memory_bytes is not None:
-        memory = _stage_memory(space, model)
+        memory = _stage_memory(space, model, index)
         cost[memory > spec.memory_bytes] = np.inf
     return cost
 
 
-def _stage_memory(space: StateSpace, model: CostModel) -> np.ndarray:
+def _stage_memory(space: StateSpace, model: CostModel, index: int | None = None) -> np.ndarray:
     """Every stage's peak, from additive quantities: with counted saved tensors, what its operations
     made and something keeps, plus both its cuts (a cut tensor that is also kept counts twice); else
     every output and the input cut. Never below :func:`evaluate_stages`'s exact count but for views."""
@@ -43,7 +44,7 @@ def _stage_memory(space: StateSpace, model: CostModel) -> np.ndarray:
     if space.graph.graph.get("saved_counted"):
         activations = activations + space.cut_bytes[:, None]
     return model.memory_bytes(diff(space.param_bytes), diff(space.buffer_bytes), activations, inputs,
-                              diff(space.frozen_bytes))
+                              diff(space.frozen_bytes), index=index)
 
 
 def solve_bottleneck(
@@ -57,7 +58,13 @@ def solve_bottleneck(
     """
     kinds = list(dict.fromkeys((s.speed, s.memory_bytes) for s in specs))
     counts = tuple(sum(1 for s in specs if (s.speed, s.memory_bytes) == k) for k in kinds)
-    costs = [stage_costs(space, DeviceSpec("", *k), model) for k in kinds]
+    held = {model.held_by(i) for i in range(len(specs))}
+    by_held = {n: [stage_costs(space, DeviceSpec("", *k), model, _index_holding(model, n)) for k in kinds]
+               for n in held}
+
+    def costs(kind: int, index: int) -> np.ndarray:
+        return by_held[model.held_by(index)][kind]
+
     last = len(space) - 1
     start = np.full(len(space), np.inf)
     start[0] = 0.0
@@ -67,8 +74,8 @@ def solve_bottleneck(
     if not math.isfinite(best):
         raise _infeasible(space, specs, model)
     ceiling = best * (1 + 1e-9) + 1e-15
-    capped = [np.where(c <= ceiling, c, np.inf) for c in costs]
-    total = _run_program(capped, counts, start, combine=np.add)
+    capped = {n: [np.where(c <= ceiling, c, np.inf) for c in arrays] for n, arrays in by_held.items()}
+    total = _run_program(lambda kind, index: capped[model.held_by(index)][kind], counts, start, combine=np.add)
     chain, kind_order = _backtrack(total, counts, last)
     pools = {k: [s for s in specs if (s.speed, s.memory_bytes) == k] for k in kinds}
     ordered = [pools[kinds[k]].pop(0) for k in kind_order]
@@ -78,8 +85,15 @@ def solve_bottleneck(
 Table = dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _run_program(costs: list[np.ndarray], counts: tuple[int, ...], start: np.ndarray, combine: Any) -> Table:
-    """``best[u][j]``: the best value of a chain ending at state j using ``u[k]`` devices of kind k."""
+def _index_holding(model: CostModel, count: int) -> int | None:
+    """A stage index that holds ``count`` micro-batches (``None`` where every stage holds ``chunks``)."""
+    return None if not model.held else model.held.index(count)
+
+
+def _run_program(costs: Callable[[int, int], np.ndarray], counts: tuple[int, ...], start: np.ndarray,
+                 combine: Any) -> Table:
+    """``best[u][j]``: the best value of a chain ending at state j using ``u[k]`` devices of kind k;
+    ``costs(k, i)`` are the stage costs on a device of kind k as the pipeline's stage i."""
     table: Table = {tuple(0 for _ in counts): (start, np.zeros(len(start), int), np.zeros(len(start), int))}
     for used in sorted(product(*(range(c + 1) for c in counts)), key=sum):
         if sum(used) == 0:
@@ -91,7 +105,7 @@ def _run_program(costs: list[np.ndarray], counts: tuple[int, ...], start: np.nda
             if n == 0:
                 continue
             prev = table[used[:k] + (n - 1,) + used[k + 1 :]][0]
-            options = combine(costs[k], prev[None, :])
+            options = combine(costs(k, sum(used) - 1), prev[None, :])
             choice = options.argmin(axis=1)
             candidate = options[np.arange(len(start)), choice]
             better = candidate < value

@@ -21,6 +21,7 @@ import numpy as np
 from ..capture.carried import pass_on
 from ..runtime.options import PLANNING_METHODS, renamed_recompute
 from ..runtime.plan import Plan, Stage
+from ..runtime.schedule import in_flight, make_schedule
 from .antichain import DEFAULT_MAX_STATES, build_state_space
 from .baselines import baseline_split
 from .cost_graph import node_compute, normalize_cost_graph, ordered_nodes, total_compute
@@ -45,6 +46,7 @@ def partition(
     colocate_tied: bool | None = None,
     recompute: str = "never",
     checkpoint: str | None = None,
+    schedule: str = "gpipe",
 ) -> Plan:
     """Split the profiled model into ``stages`` pipeline stages and predict what it will cost.
 
@@ -55,8 +57,11 @@ def partition(
     are per micro-batch. ``colocate_tied`` keeps operations that use the same parameter (tied
     weights) in one stage; by default it does so when the stages are on different devices, since
     a parameter lives on one device. ``recompute`` is the runtime's recompute mode, which sets the
-    activations a stage holds (see :meth:`CostModel.memory_bytes`). Raises
-    :class:`InfeasiblePlanError` when no split fits.
+    activations a stage holds (see :meth:`CostModel.memory_bytes`). ``schedule`` names the order
+    the stages run their tasks in (:data:`~lightning_antichain.runtime.schedule.SCHEDULES`): it
+    sets the predicted step and how many micro-batches each stage holds (``"1f1b"``: ``K - k`` on
+    stage k, which the memory limits are checked against). Raises :class:`InfeasiblePlanError`
+    when no split fits.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -68,7 +73,8 @@ def partition(
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
     if bandwidth <= 0:
         raise ValueError(f"bandwidth_gbps must be positive, got {bandwidth_gbps}")
-    model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)))
+    model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)),
+                      held_micro_batches(schedule, stages, chunks))
     free = [v for v in ordered_nodes(graph) if not graph.nodes[v]["pinned"]]
     if len(free) < stages:
         raise InfeasiblePlanError(
@@ -103,9 +109,17 @@ def partition(
         pinned = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]]
         stage_nodes[0] = pinned + stage_nodes[0]
     built = evaluate_stages(graph, stage_nodes, specs, model)
-    plan = _make_plan(graph, built, specs, model, method, time.perf_counter() - started, num_states, compression)
+    plan = _make_plan(graph, built, specs, model, method, time.perf_counter() - started, num_states, compression,
+                      schedule)
     pass_on(cost_graph, plan)
     return plan
+
+
+def held_micro_batches(schedule: str, stages: int, chunks: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches ``schedule`` keeps in flight on it; empty where every stage
+    holds them all (GPipe), as :class:`CostModel` takes it."""
+    held = tuple(in_flight(make_schedule(schedule, stages, chunks)))
+    return () if all(n == chunks for n in held) else held
 
 
 def plan_from_balance(
@@ -185,6 +199,7 @@ def _make_plan(
     solve_s: float,
     num_states: int,
     compression: list[str],
+    schedule: str = "gpipe",
 ) -> Plan:
     total = total_compute(graph)
     largest = max(node_compute(graph, v) for v in graph.nodes)
@@ -202,6 +217,7 @@ def _make_plan(
         bandwidth_gbps=None if math.isinf(model.bandwidth) else model.bandwidth / 1e9,
         optimizer_multiplier=model.optimizer_multiplier,
         recompute=model.recompute,
+        schedule=schedule,
         num_nodes=sum(1 for v in graph.nodes if not graph.nodes[v]["pinned"]),
         num_states=num_states,
         solve_s=solve_s,

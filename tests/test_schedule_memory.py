@@ -1,0 +1,51 @@
+"""What a schedule keeps in memory, as the planner charges it: under 1F1B stage k holds at most
+K - k micro-batches' activations, and the DP checks each stage's memory limit as the stage it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import SequentialCNN
+
+import lightning_antichain as la
+from lightning_antichain.planner.cost_model import InfeasiblePlanError
+
+
+@pytest.fixture(scope="module")
+def cost():
+    torch.manual_seed(0)
+    return la.profile(SequentialCNN(), torch.randn(4, 3, 16, 16), repeats=1, warmup=0, progress=False)
+
+
+def held_bytes(plan: la.Plan, stage: la.Stage) -> int:
+    trainable = stage.param_bytes - stage.frozen_bytes
+    return stage.memory_bytes - int(trainable * (2 + plan.optimizer_multiplier)) - stage.frozen_bytes - stage.buffer_bytes
+
+
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_under_1f1b_stage_k_holds_k_minus_k_micro_batches(cost, recompute):
+    for schedule, held in (("gpipe", [8, 8, 8]), ("1f1b", [3, 2, 1])):
+        plan = la.partition(cost, 3, chunks=8, schedule=schedule, recompute=recompute)
+        assert plan.schedule == schedule
+        for stage, n in zip(plan.stages, held):
+            kept = (stage.kept_input_bytes * (n - 1) + stage.activation_bytes if recompute != "never" and n > 1
+                    else stage.activation_bytes * n)
+            assert held_bytes(plan, stage) == pytest.approx(kept, abs=2)
+
+
+def test_a_limit_gpipe_cannot_meet_is_met_under_1f1b_stage_by_stage(cost):
+    free = la.partition(cost, 3, chunks=8)
+    limit = max(s.memory_bytes for s in free.stages) * 0.5
+    with pytest.raises(InfeasiblePlanError):
+        la.partition(cost, 3, chunks=8, memory_gb=limit / 1e9)
+    fits = la.partition(cost, 3, chunks=8, memory_gb=limit / 1e9, schedule="1f1b")
+    assert all(s.memory_bytes <= limit for s in fits.stages)
+
+
+def test_the_predicted_step_follows_the_schedule(cost):
+    gpipe = la.partition(cost, 3, chunks=8)
+    one_f_one_b = la.partition(cost, 3, chunks=8, schedule="1f1b")
+    assert one_f_one_b.predicted_step_s == pytest.approx(one_f_one_b.predict_step())
+    assert {t.task for t in one_f_one_b.timeline()} == {t.task for t in gpipe.timeline()}
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+        la.partition(cost, 3, chunks=8, schedule="pipedream")
