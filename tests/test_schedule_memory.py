@@ -19,7 +19,8 @@ def cost():
 
 def held_bytes(plan: la.Plan, stage: la.Stage) -> int:
     trainable = stage.param_bytes - stage.frozen_bytes
-    return stage.memory_bytes - int(trainable * (2 + plan.optimizer_multiplier)) - stage.frozen_bytes - stage.buffer_bytes
+    state = int(trainable * (2 + plan.optimizer_multiplier)) + stage.frozen_bytes + stage.buffer_bytes
+    return stage.memory_bytes - state
 
 
 @pytest.mark.parametrize("recompute", ["never", "always"])
