@@ -103,6 +103,17 @@ def stage_process(rank: int, port: int, schedule: str, results: mp.Queue, failin
         dist.destroy_process_group()
 
 
+def stop(processes: list) -> list[int]:
+    """Wait up to 30 s for each process to end, kill the ones still running; their indices."""
+    late = []
+    for i, process in enumerate(processes):
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+            late.append(i)
+    return late
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,10 +138,7 @@ def test_stages_in_processes_pass_a_skip_through_and_match_plain_gradients(sched
     except queue.Empty:
         pytest.fail("a stage process gave no result within 120 s")
     finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+        stop(processes)
     assert all(p.exitcode == 0 for p in processes)
     assert len(pids) == STAGES and os.getpid() not in pids  # one process per stage, none of them this one
     assert io == [(("x",), ("tanh",)), (("tanh",), ("tanh", "c")), (("tanh", "c"), ("d",))]  # h passes through 1
@@ -259,10 +267,7 @@ def test_every_schedule_runs_the_plan_in_two_processes_with_plain_gradients():
     except queue.Empty:
         pytest.fail("a stage process gave no result within 180 s")
     finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+        stop(processes)
     assert all(p.exitcode == 0 for p in processes)
     assert held["interleaved-1f1b/2", 0] == [0, 2] and held["interleaved-1f1b/2", 1] == [1, 3]
     assert held["zbv/2", 0] == [0, 3] and held["zbv/2", 1] == [1, 2]
