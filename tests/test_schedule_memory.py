@@ -50,3 +50,17 @@ def test_the_predicted_step_follows_the_schedule(cost):
     assert {t.task for t in one_f_one_b.timeline()} == {t.task for t in gpipe.timeline()}
     with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
         la.partition(cost, 3, chunks=8, schedule="pipedream")
+
+
+def test_la_plan_plans_for_the_schedule_and_does_not_run_it_in_process():
+    """The one planning path takes schedule= like every option; a 1F1B plan is not calibrated,
+    since calibration runs the in-process runtime, which runs GPipe."""
+    torch.manual_seed(0)
+    model = SequentialCNN()
+    x = torch.randn(16, 3, 16, 16)
+    plan = la.plan(model, x, ["cpu"] * 3, chunks=8, schedule="1f1b", use_profile_cache=False, progress=False)
+    assert plan.schedule == "1f1b" and plan.calibration is None
+    stages = plan.stages
+    assert stages[0].memory_bytes - stages[0].param_bytes * 4 - stages[0].buffer_bytes == stages[0].activation_bytes * 3
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        la.plan(model, x, ["cpu"] * 3, chunks=8, schedule="zb-h3")

@@ -133,6 +133,7 @@ def plan_from_balance(
     recompute: str = "never",
     checkpoint: str | None = None,
     memory_gb: float | Sequence[float | None] | None = None,
+    schedule: str = "gpipe",
 ) -> Plan:
     """A plan that puts ``balance[k]`` consecutive operations (in execution order) on stage k.
 
@@ -140,7 +141,7 @@ def plan_from_balance(
     predicted costs. The counts must be positive and add up to the number of operations, or to
     that and the model's inputs, which the first stage holds (as a plan's ``balance`` lists them).
     ``memory_gb`` is recorded as each stage's budget, for the run-time check, not enforced here:
-    the split is the user's.
+    the split is the user's. ``schedule`` is as for :func:`partition`.
     """
     started = time.perf_counter()
     graph = normalize_cost_graph(cost_graph)
@@ -154,7 +155,8 @@ def plan_from_balance(
         )
     specs = device_specs(len(balance), devices, None, memory_gb)
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
-    model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)))
+    model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)),
+                      held_micro_batches(schedule, len(balance), chunks))
     bounds = np.cumsum([0, *balance])
     stage_nodes = [free[bounds[k] : bounds[k + 1]] for k in range(len(balance))]
     stage_nodes[0] = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]] + stage_nodes[0]
@@ -166,7 +168,8 @@ def plan_from_balance(
                 "before an in-place change and read after it. Move the boundary before or after them."
             )
     built = evaluate_stages(graph, stage_nodes, specs, model)
-    plan = _make_plan(graph, built, specs, model, "balance", time.perf_counter() - started, len(free) + 1, [])
+    plan = _make_plan(graph, built, specs, model, "balance", time.perf_counter() - started, len(free) + 1, [],
+                      schedule)
     pass_on(cost_graph, plan)
     return plan
 

@@ -162,7 +162,8 @@ def plan_model(
                          "module and a whole batch, not a saved cost graph, or give chunks as a number")
 
     def cut(cost: nx.DiGraph, count: int) -> Plan:
-        return _cut(cost, devices, count, recompute, balance, method, bandwidth_gbps, memory_gb, optimizer_multiplier)
+        return _cut(cost, devices, count, recompute, balance, method, bandwidth_gbps, memory_gb, optimizer_multiplier,
+                    options.schedule)
 
     directory = Path(profile_cache) if profile_cache else default_cache_dir()
     if use_profile_cache:
@@ -268,15 +269,18 @@ def _profiled(module: nn.Module, graph: OpGraph, args: tuple, kwargs: dict, devi
 
 def _cut(cost: nx.DiGraph, devices: list[torch.device], chunks: int, recompute: str,
          balance: Sequence[int] | None, method: str, bandwidth_gbps: float | None,
-         memory_gb: float | Sequence[float | None] | None, optimizer_multiplier: float) -> Plan:
+         memory_gb: float | Sequence[float | None] | None, optimizer_multiplier: float,
+         schedule: str = "gpipe") -> Plan:
     names = [str(d) for d in devices]
     bandwidth = bandwidth_gbps if bandwidth_gbps is not None else default_bandwidth_gbps(devices)
     memory = memory_gb if memory_gb is not None else default_memory_gb(devices)
     if balance is not None:  # the budgets are recorded for the run-time check, not enforced
         return plan_from_balance(cost, list(balance), chunks=chunks, devices=names, bandwidth_gbps=bandwidth,
-                                 optimizer_multiplier=optimizer_multiplier, recompute=recompute, memory_gb=memory)
+                                 optimizer_multiplier=optimizer_multiplier, recompute=recompute, memory_gb=memory,
+                                 schedule=schedule)
     return partition(cost, len(devices), chunks=chunks, method=method, devices=names, bandwidth_gbps=bandwidth,
-                     memory_gb=memory, optimizer_multiplier=optimizer_multiplier, recompute=recompute)
+                     memory_gb=memory, optimizer_multiplier=optimizer_multiplier, recompute=recompute,
+                     schedule=schedule)
 
 
 def _choose_chunks(

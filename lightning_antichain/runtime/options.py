@@ -16,6 +16,7 @@ from typing import Any
 
 from .batch_dims import check_batch_dim
 from .plan import RECOMPUTE_MODES, check_chunks
+from .schedule import SCHEDULES
 
 PLANNING_METHODS = ("antichain", "uniform", "parameters", "blocks")
 FALLBACKS = (None, "children")
@@ -39,7 +40,10 @@ class PipelineOptions:
     :mod:`~lightning_antichain.runtime.initialization`).
 
     Planning: ``balance`` (operations per stage instead of planning), ``method`` (the antichain DP
-    or a baseline), ``bandwidth_gbps`` and ``memory_gb`` (``None``: from the devices),
+    or a baseline), ``schedule`` (the order the stages run their tasks in, which sets the predicted
+    step and each stage's memory: ``"gpipe"``, the in-process runtime's, or ``"1f1b"``, one
+    process per stage; see :mod:`~lightning_antichain.runtime.schedule`), ``bandwidth_gbps`` and
+    ``memory_gb`` (``None``: from the devices),
     ``optimizer_multiplier`` (optimizer state per parameter byte; ``None``: from the optimizers,
     else 2), ``profile_cache`` and ``use_profile_cache``, ``calibrate`` (time a few steps of CPU
     stages), ``rebalance_rounds`` (after calibration, cut again on the measured stage times for at
@@ -60,6 +64,7 @@ class PipelineOptions:
     param_init_fn: Callable[[Any], None] | None = None
     balance: tuple[int, ...] | None = None
     method: str = "antichain"
+    schedule: str = "gpipe"
     bandwidth_gbps: float | None = None
     memory_gb: float | tuple[float | None, ...] | None = None
     optimizer_multiplier: float | None = None
@@ -75,6 +80,8 @@ class PipelineOptions:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         check_batch_dim(self.batch_dim)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}")
         if self.method not in PLANNING_METHODS:
             raise ValueError(f"method must be one of {PLANNING_METHODS}, got {self.method!r}")
         if isinstance(self.rebalance_rounds, bool) or not isinstance(self.rebalance_rounds, int) or (
