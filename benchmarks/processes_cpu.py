@@ -1,0 +1,202 @@
+"""Stages as processes on the CPU: each of torch's schedules on the plan's stages, one gloo process
+per rank, with its step time and what each rank keeps for backward at its peak.
+
+Rank 0 profiles and plans (the DP, ``chunks`` micro-batches) and sends the plan to every rank; each
+rank builds and places its own stages only (:func:`~lightning_antichain.runtime.process_stages.rank_stages`)
+and runs torch's schedule. Steps of the schedules take turns, and each time is the median over the
+repeats of the slowest rank's step. The memory is what autograd saves during a step on each rank
+(:class:`~lightning_antichain.runtime.saved_tensors.HeldMemory`; torch's own copies of the stage
+outputs are not in it), against the plan's activations per micro-batch times the micro-batches
+the schedule holds on the rank's stages. The in-process runtime and Lightning are not in this
+table yet.
+
+    python benchmarks/processes_cpu.py --ranks 2 --chunks 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import machine  # noqa: E402
+
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))
+
+
+class Block(nn.Module):
+    """A pre-norm decoder block: causal self-attention and an MLP, shapes from constants only (no
+    sizes cross the cuts, which torch's stages could not send)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(h)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.out(attended.transpose(1, 2).flatten(2))
+        return h + self.mlp(self.norm2(h))
+
+
+class Decoder(nn.Module):
+    """A GPT-style decoder returning logits."""
+
+    def __init__(self, layers: int = 8, width: int = 128, heads: int = 4, vocab: int = 512) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(ids)))
+
+
+def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    if name == "gpt":
+        model = Decoder()
+        ids = torch.randint(0, 512, (32, 64))
+        return model, ids, torch.randint(0, 512, (32, 64))
+    import torchvision
+
+    model = torchvision.models.resnet50(num_classes=10)
+    return model, torch.randn(32, 3, 64, 64), torch.randint(0, 10, (32,))
+
+
+def loss_of(name: str):
+    if name == "gpt":
+        return lambda logits, target: nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+    return nn.functional.cross_entropy
+
+
+def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
+    import lightning_antichain as la
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.runtime.process_schedules import process_schedule
+    from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
+    from lightning_antichain.runtime.saved_tensors import HeldMemory, state_storages
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    try:
+        for model_name in args.models.split(","):
+            model, x, y = build(model_name)
+            micro = len(x) // args.chunks
+            graph = capture_call(model, (x[:micro],), {})
+            runs = {}
+            cost = la.profile(model, x[:micro], op_graph=graph, progress=False) if rank == 0 else None
+            for name, virtual in SCHEDULES:
+                schedule = process_schedule(name, virtual)
+                stages_total = schedule.num_stages(ranks)
+                plan_data = [None]
+                if rank == 0:
+                    kind = "1f1b" if name != "gpipe" else "gpipe"  # the DP's memory model; interleaved: a guide
+                    plan_data = [la.partition(cost, stages_total, chunks=args.chunks, schedule=kind).to_dict()]
+                dist.broadcast_object_list(plan_data, src=0)
+                plan = la.Plan.from_dict(plan_data[0])
+                stages = rank_stages(graph, plan, schedule, rank, ranks, torch.device("cpu"))
+                held = HeldMemory(excluded=state_storages(model))
+                run = schedule_runner(schedule, stages, args.chunks, loss_of(model_name))
+                mine = schedule.stages_of(rank, ranks)
+                predicted = sum(plan.stages[k].activation_bytes * plan_held(name, virtual, k, ranks, args.chunks)
+                                for k in mine)
+                runs[name, virtual] = (run, held, mine, stages_total, predicted)
+            times: dict[tuple[str, int], list[float]] = {key: [] for key in runs}
+            for repeat in range(args.repeats + 1):
+                for key, (run, held, mine, total, _) in runs.items():
+                    for p in model.parameters():
+                        p.grad = None
+                    held.reset_peak()
+                    dist.barrier()
+                    started = time.perf_counter()
+                    with held.saving():
+                        kwargs = {}
+                        if 0 in mine:
+                            kwargs["args"] = (x,)
+                        if total - 1 in mine:
+                            kwargs.update(target=y, losses=[])
+                        run.step(*kwargs.pop("args", ()), **kwargs)
+                    elapsed = torch.tensor([time.perf_counter() - started])
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    if repeat:  # the first round warms up
+                        times[key].append(float(elapsed))
+            for key, (_, held, mine, _, predicted) in runs.items():
+                results.put((rank, model_name, key, statistics.median(times[key]), held.peak_bytes, predicted, mine))
+    finally:
+        dist.destroy_process_group()
+
+
+def plan_held(name: str, virtual: int, stage: int, ranks: int, chunks: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once under the schedule: all of them
+    under GPipe, ``K - k`` under 1F1B; for the interleaved and zero-bubble schedules, which keep
+    more in flight, 1F1B's count over the virtual stages (a lower estimate, shown as such)."""
+    if name == "gpipe":
+        return chunks
+    stages = ranks * virtual
+    return min(stages - stage, chunks)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", default="gpt,resnet50")
+    args = parser.parse_args()
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=rank_main, args=(r, args.ranks, port, args, results))
+                 for r in range(args.ranks)]
+    for process in processes:
+        process.start()
+    rows = []
+    expected = args.ranks * len(SCHEDULES) * len(args.models.split(","))
+    while len(rows) < expected:
+        try:
+            rows.append(results.get(timeout=5))
+        except queue.Empty:
+            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if failed:
+                for process in processes:
+                    process.kill()
+                raise SystemExit(f"a rank failed (exit codes {failed}); its error is printed above") from None
+    for process in processes:
+        process.join(timeout=60)
+    print(f"Machine: {machine(1)}; {args.ranks} gloo processes, {args.chunks} micro-batches, "
+          f"median of {args.repeats} interleaved steps\n")
+    print("| model | schedule | virtual stages | step ms | rank | stages | saved at peak MB | predicted MB "
+          "| measured / predicted | peak / GPipe's | K / chunks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    gpipe = {(m, r): peak for r, m, (n, _), _, peak, _, _ in rows if n == "gpipe"}
+    for rank, model_name, (name, virtual), step_s, peak, predicted, mine in sorted(rows, key=lambda r: r[1:3] + r[:1]):
+        of_gpipe = peak / max(gpipe[model_name, rank], 1)
+        print(f"| {model_name} | {name} | {virtual} | {1e3 * step_s:.1f} | {rank} | {mine} | {peak / 1e6:.1f} "
+              f"| {predicted / 1e6:.1f} | {peak / max(predicted, 1):.2f} | {of_gpipe:.2f} "
+              f"| {args.ranks / args.chunks:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
