@@ -83,6 +83,7 @@ def test_the_pipeline_runs_as_many_micro_batches_as_its_plan_by_default():
         la.Pipeline(model, la.partition(cost, 2), chunks=0)
 
 
+@pytest.mark.slow  # 22 s; auto is tested through the library in the default suite
 def test_the_cli_plans_with_auto_and_refuses_it_with_a_saved_profile(tmp_path):
     result = run_main("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32",
                       "--batch-size", "8", "--chunks", "auto", "--quiet", "--profile-cache", str(tmp_path))

@@ -45,6 +45,7 @@ def test_a_user_error_from_the_installed_command_is_status_2_on_stderr():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # 34 s; the command's other tests stay in the default suite
 def test_issue_command_prints_the_plan_as_json(tmp_path):
     output = tmp_path / "plan.json"
     result = run_cli(

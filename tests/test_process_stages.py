@@ -94,7 +94,7 @@ def stage_process(rank: int, port: int, schedule: str, results: mp.Queue, failin
             run.step(target=y)
         else:
             run.step()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}  # by value
         results.put((rank, os.getpid(), [(s.inputs, s.outputs) for s in stages], grads))
     except Exception as exc:
         results.put((rank, os.getpid(), None, f"{type(exc).__name__}: {exc}"))
@@ -120,6 +120,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # every schedule runs in the default suite, over 2 processes (below)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_stages_in_processes_pass_a_skip_through_and_match_plain_gradients(schedule):
     context = mp.get_context("spawn")
@@ -134,7 +135,7 @@ def test_stages_in_processes_pass_a_skip_through_and_match_plain_gradients(sched
         for _ in processes:
             _, pid, io, grads = results.get(timeout=120)
             pids.add(pid)
-            got.update(grads)
+            got.update({n: torch.from_numpy(g) for n, g in grads.items()})
     except queue.Empty:
         pytest.fail("a stage process gave no result within 120 s")
     finally:
@@ -232,7 +233,7 @@ def every_schedule_process(rank: int, port: int, results: mp.Queue) -> None:
                 run.step(target=y, losses=losses)
             else:
                 run.step()
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
             results.put((rank, f"{name}/{virtual}", [s.stage_index for s in stages], grads,
                          [float(v) for v in losses]))
     except Exception as exc:
@@ -261,7 +262,7 @@ def test_every_schedule_runs_the_plan_in_two_processes_with_plain_gradients():
             assert name != "error", grads
             held[name, rank] = stages
             assert not set(grads) & set(got.get(name, {})), f"{name}: a parameter has gradients on both ranks"
-            got.setdefault(name, {}).update(grads)
+            got.setdefault(name, {}).update({n: torch.from_numpy(g) for n, g in grads.items()})
             if step_losses:
                 losses[name] = step_losses
     except queue.Empty:

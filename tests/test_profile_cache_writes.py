@@ -77,6 +77,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 23 s of racing processes
 def test_processes_writing_one_entry_at_once_never_fail_or_read_half_a_file(tmp_path):
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     source = tmp_path / "cost.json"

@@ -43,6 +43,7 @@ def test_two_replicas_of_two_stages_match_one_pipeline_and_plain_training(tmp_pa
     assert replicated_acc == single_acc == plain_acc  # a torchmetrics accuracy over both replicas' samples
 
 
+@pytest.mark.slow  # 47 s; the popen replicas test stays in the default suite
 def test_replicas_of_a_gpt_captured_by_export_agree_on_the_plan_and_match_plain(tmp_path):
     """Rank 0 plans; the other replica captures GPT-2 itself and must get the same operation names."""
     gpt = ("--model", "gpt2")

@@ -135,6 +135,7 @@ def _captured(name: str) -> list[tuple]:
     return [(n.name, n.kind, n.target, n.inputs) for n in graph.nodes]
 
 
+@pytest.mark.slow  # 54 s: every zoo model captured twice
 @pytest.mark.parametrize("slow", [pytest.param(False), pytest.param(True, marks=pytest.mark.slow)])
 def test_every_zoo_model_captures_to_the_same_graph_and_names_twice_in_any_order(slow):
     """A plan names operations: a capture made later, after others (the Pipeline's, another
