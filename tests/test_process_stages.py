@@ -151,23 +151,29 @@ def test_stages_in_processes_pass_a_skip_through_and_match_plain_gradients(sched
         torch.testing.assert_close(got[name], param.grad, rtol=1e-12, atol=1e-13, msg=name)
 
 
-def test_a_stage_that_raises_stops_every_stage_process_within_seconds():
-    """Rank 1 raises in its forward: rank 0 and rank 2, waiting on it, fail too instead of hanging."""
+def run_with_a_failing_rank(how: str) -> tuple[list, dict[int, str]]:
+    """Three stage processes under 1F1B whose rank 1 fails as ``how`` says; the processes (ended)
+    and the errors the others reported. Fails the test if any was still running 30 s later."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    processes = [context.Process(target=stage_process, args=(r, port, "1f1b", results, 1)) for r in range(STAGES)]
+    processes = [context.Process(target=stage_process, args=(r, port, "1f1b", results, 1, how))
+                 for r in range(STAGES)]
     for process in processes:
         process.start()
     errors = {}
-    for _ in processes:
-        rank, _, io, error = results.get(timeout=120)
+    for _ in range(STAGES if how == "raises" else STAGES - 1):  # a dead rank reports nothing
+        rank, _, _, error = results.get(timeout=120)
         errors[rank] = error
-    for process in processes:
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
-            pytest.fail(f"stage process {processes.index(process)} was still waiting 30 s after the others failed")
+    late = stop(processes)
+    if late:
+        pytest.fail(f"stage processes {late} were still waiting 30 s after rank 1 failed")
+    return processes, errors
+
+
+def test_a_stage_that_raises_stops_every_stage_process_within_seconds():
+    """Rank 1 raises in its forward: rank 0 and rank 2, waiting on it, fail too instead of hanging."""
+    processes, errors = run_with_a_failing_rank("raises")
     assert "the user's forward failed on this stage" in errors[1]
     assert all(isinstance(errors[r], str) for r in range(STAGES)), errors  # none finished a step
     assert all(p.exitcode != 0 for p in processes)
@@ -175,25 +181,9 @@ def test_a_stage_that_raises_stops_every_stage_process_within_seconds():
 
 def test_a_stage_process_that_dies_stops_every_other_stage_process_within_seconds():
     """Rank 1 dies without a word (os._exit): ranks 0 and 2 fail on the closed connection, none hangs."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=stage_process, args=(r, port, "1f1b", results, 1, "killed"))
-                 for r in range(STAGES)]
-    for process in processes:
-        process.start()
-    errors = {}
-    for _ in range(STAGES - 1):  # the dead rank reports nothing
-        rank, _, _, error = results.get(timeout=120)
-        errors[rank] = error
-    for process in processes:
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
-            pytest.fail(f"stage process {processes.index(process)} was still waiting 30 s after rank 1 died")
+    processes, errors = run_with_a_failing_rank("killed")
     assert set(errors) == {0, 2} and all(isinstance(e, str) for e in errors.values()), errors
     assert processes[1].exitcode == 9 and all(p.exitcode != 0 for p in processes)
-
 
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h1", 2), ("zbv", 2)]

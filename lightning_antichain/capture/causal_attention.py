@@ -80,8 +80,7 @@ class CausalWhenProven:
 def is_causal_mask(mask: torch.Tensor, queries: int, keys: int) -> bool:
     """Whether attention under ``mask`` is attention with ``is_causal=True``: a boolean mask that
     keeps exactly the lower triangle, or a float mask that adds 0 there and -inf elsewhere."""
-    if mask.shape[-2:] != (queries, keys) and not (mask.dim() >= 2 and mask.shape[-2] in (1, queries)
-                                                   and mask.shape[-1] in (1, keys)):
+    if mask.dim() < 2 or mask.shape[-2] not in (1, queries) or mask.shape[-1] not in (1, keys):
         return False
     keep = torch.ones(queries, keys, dtype=torch.bool, device=mask.device).tril()
     if mask.dtype == torch.bool:

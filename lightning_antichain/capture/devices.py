@@ -68,11 +68,12 @@ def _graph_bodies(graph_module: fx.GraphModule) -> list[fx.GraphModule]:
         found.append(module)
         for node in module.graph.nodes:
             if node.op == "get_attr":
-                owner: Any = module
-                for part in str(node.target).split("."):
-                    owner = getattr(owner, part, None)
-                if isinstance(owner, fx.GraphModule):
-                    pending.append(owner)
+                try:
+                    fetched = module.get_submodule(str(node.target))
+                except AttributeError:  # a parameter, buffer or constant
+                    continue
+                if isinstance(fetched, fx.GraphModule):
+                    pending.append(fetched)
     return found
 
 

@@ -40,7 +40,7 @@ from ..runtime.device import is_accelerator, shares_host, synchronize
 from ..runtime.materialize import has_meta_state
 from ..runtime.op_clock import OpClock
 from ..runtime.plan import Plan, recomputed_micro_batches
-from ..runtime.schedule import Task, Timed, make_schedule
+from ..runtime.schedule import Task, Timed, runs_in_process
 from .cache import DamagedEntry, entry_key, entry_path, read_entry, write_entry
 from .contention import runtime_capacity
 from .prediction_check import span_s
@@ -74,8 +74,8 @@ def applies_to(plan: Plan, graph: OpGraph | None) -> bool:
     make all of it real at once)."""
     cpu_stages = sum(shares_host(s.device) for s in plan.stages)
     on_accelerators = all(is_accelerator(s.device) for s in plan.stages)
-    in_process = not make_schedule(plan.schedule, 1, 1).loss_per_micro_batch  # what the Pipeline runs
-    return (graph is not None and graph.granularity == "ops" and not has_meta_state(graph.module) and in_process
+    return (graph is not None and graph.granularity == "ops" and not has_meta_state(graph.module)
+            and runs_in_process(plan.schedule)
             and ((cpu_stages >= 2 and cpu_stages == plan.num_stages) or on_accelerators))
 
 

@@ -53,7 +53,7 @@ from .output_join import (
 from .plan import Plan, recomputed_micro_batches
 from .randomness import step_seed
 from .saved_tensors import HeldMemory, state_storages
-from .schedule import make_schedule
+from .schedule import make_schedule, runs_in_process
 from .split import PlanMismatchError
 from .worker import WorkerPool, keep_freed_memory
 
@@ -124,7 +124,7 @@ class Pipeline(nn.Module):
         self._devices = [torch.device(d) for d in (devices or [s.device for s in plan.stages])]
         if len(self._devices) != plan.num_stages:
             raise ValueError(f"got {len(self._devices)} devices for a plan of {plan.num_stages} stages")
-        if make_schedule(plan.schedule, 1, 1).loss_per_micro_batch:
+        if not runs_in_process(plan.schedule):
             raise ValueError(f"the plan's schedule {plan.schedule!r} computes the loss per micro-batch, which runs "
                              "with one process per stage; this Pipeline runs the whole batch's loss in one process "
                              "under 'gpipe': set plan.schedule = 'gpipe', or plan again without a schedule")

@@ -91,6 +91,13 @@ def in_flight(schedule: Schedule) -> list[int]:
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
+def runs_in_process(name: str) -> bool:
+    """Whether the in-process runtime runs schedule ``name``: it computes the loss once, on the
+    whole batch's joined output, so a schedule whose loss is per micro-batch needs one process per
+    stage."""
+    return not make_schedule(name, 1, 1).loss_per_micro_batch
+
+
 def make_schedule(name: str, stages: int, chunks: int) -> Schedule:
     """The schedule called ``name`` (see :data:`SCHEDULES`) for ``stages`` and ``chunks``."""
     if name not in SCHEDULES:
