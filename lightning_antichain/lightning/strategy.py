@@ -49,8 +49,11 @@ from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
+from ..runtime.process_schedules import process_schedule
 from .forward_patch import ForwardPatch
 from .planned_pipeline import PlannedPipeline
+from .process_runtime import ProcessRuntime
+from .same_batches import same_order_everywhere
 from .replicas import average_gradients
 
 log = logging.getLogger(__name__)
@@ -117,6 +120,14 @@ class AntichainPipelineStrategy(ParallelStrategy):
         param_init_fn: fills the parameters and buffers a module holds itself, in place, when a
             model built on meta is made real; called once per module, as FSDP1's was. Default: a
             Hugging Face model's own ``_init_weights``, else each module's ``reset_parameters()``.
+        schedule: run one process per device, each holding its stages, under this schedule of
+            ``torch.distributed.pipelining``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``,
+            ``"zb-h1"`` or ``"zbv"``. Lightning (or ``torchrun``, or SLURM) starts the processes
+            as for DDP, and every rank gets the same batches. The step hooks then run once per
+            micro-batch on the last stage's rank (see docs/strategy.md). Default ``None``: one
+            process drives every stage, GPipe's schedule in worker threads.
+        virtual_stages: stages per process for ``"interleaved-1f1b"`` and ``"zb-h1"`` (default 2
+            and 1); ``"zbv"`` holds 2.
     """
 
     strategy_name = "antichain_pipeline"
@@ -147,6 +158,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
         placement: list[int] | None = None,
         empty_init: bool = False,
         param_init_fn: ParamInitFn | None = None,
+        schedule: str | None = None,
+        virtual_stages: int | None = None,
         checkpoint: Literal["never", "except_last", "always"] | None = None,
     ) -> None:
         super().__init__()
@@ -162,6 +175,17 @@ class AntichainPipelineStrategy(ParallelStrategy):
             use_profile_cache=use_profile_cache, calibrate=calibrate, rebalance_rounds=rebalance_rounds,
             cpu_threads=cpu_threads, param_init_fn=param_init_fn,
         )
+        #: one process per device under this schedule, or ``None``: one process, GPipe in threads
+        self.process_schedule = None if schedule is None else process_schedule(schedule, virtual_stages)
+        if self.process_schedule is not None:
+            if stages is not None or placement is not None:
+                raise ValueError("with schedule=, each process holds one device: leave out stages= and placement=")
+            # the plan charges each stage the micro-batches its schedule keeps; calibration times
+            # the in-process runtime, which is not the one that runs
+            self.options = self.options.replace(
+                schedule="gpipe" if self.process_schedule.name == "gpipe" else "1f1b", calibrate=False)
+        elif virtual_stages is not None:
+            raise ValueError("virtual_stages= is for schedule='interleaved-1f1b', 'zb-h1' or 'zbv'")
         self.module_path = module
         if placement is not None and (not placement or any(not isinstance(i, int) or i < 0 for i in placement)):
             raise ValueError(f"placement must list a device index (0, 1, ...) for each stage, got {placement}")
@@ -185,6 +209,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._tasks_before: Counter[tuple[int, int]] = Counter()
         self._waiting_optimizer_states: list[dict[str, Any]] | None = None
         self._leftovers_placed = False
+        self._processes = (None if self.process_schedule is None else
+                           ProcessRuntime(self, self.options, self.process_schedule))
 
     # -- one process, several devices ----------------------------------------------------------
 
@@ -211,7 +237,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @property
     def stages_per_replica(self) -> int:
-        """Devices (stages) in one pipeline: ``stages``, or all the devices of a node."""
+        """Devices in one process's pipeline: ``stages``, or all the devices of a node (one, where
+        each stage is a process)."""
+        if self.process_schedule is not None:
+            return 1
         return self.stages or len(self.parallel_devices or [None])
 
     @property
@@ -221,7 +250,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """More than one pipeline replica: Lightning then shards the data with a DistributedSampler."""
+        """More than one pipeline replica: Lightning then shards the data with a DistributedSampler.
+        Where each stage is a process, the processes are one replica and get the same batches."""
+        return self.multi_process and self.process_schedule is None
+
+    @property
+    def multi_process(self) -> bool:
+        """More than one process: pipeline replicas, or stages as processes."""
         return self.num_nodes * self.num_processes > 1
 
     @property
@@ -242,20 +277,27 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         return self.stage_devices[0]
 
+    def stage_devices_of_ranks(self, num_stages: int) -> list[torch.device]:
+        """Where each of ``num_stages`` stages runs when every stage is a process: its rank's device."""
+        assert self.process_schedule is not None and self.parallel_devices
+        per_node = len(self.parallel_devices)
+        return [self.parallel_devices[self.process_schedule.rank_of(s, self.world_size) % per_node]
+                for s in range(num_stages)]
+
     @property
     @override
     def global_rank(self) -> int:
-        return self.cluster_environment.global_rank() if self.is_distributed and self.cluster_environment else 0
+        return self.cluster_environment.global_rank() if self.multi_process and self.cluster_environment else 0
 
     @property
     @override
     def local_rank(self) -> int:
-        return self.cluster_environment.local_rank() if self.is_distributed and self.cluster_environment else 0
+        return self.cluster_environment.local_rank() if self.multi_process and self.cluster_environment else 0
 
     @property
     @override
     def node_rank(self) -> int:
-        return self.cluster_environment.node_rank() if self.is_distributed and self.cluster_environment else 0
+        return self.cluster_environment.node_rank() if self.multi_process and self.cluster_environment else 0
 
     @property
     @override
@@ -280,11 +322,17 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
+        if self.process_schedule is not None:  # the ranks are one pipeline's stages: one replica
+            return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return dataloader if self._processes is None else same_order_everywhere(dataloader)
+
+    @override
     def _configure_launcher(self) -> None:
-        if not self.is_distributed:
+        if not self.multi_process:
             return  # one pipeline: Lightning runs in this process
         assert self.cluster_environment is not None
         if self.start_method == "popen":
@@ -293,7 +341,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self.start_method)
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None and self.is_distributed:
+        if self.cluster_environment is not None and self.multi_process:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.world_size)
             rank_zero_only.rank = self.global_rank
@@ -321,6 +369,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Average the gradients of the replicas after the closure's backward, before the step;
         after it, refuse a stage that held more than its memory budget."""
+        if self.process_schedule is not None:  # the ranks are stages, each stepping its own parameters
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
         if not (self.is_distributed and _distributed_is_initialized()):
             result = super().optimizer_step(optimizer, closure, model, **kwargs)
             self._planned.check_budgets()
@@ -369,7 +419,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             )
         if self.placement is not None:
             self._share_device_memory()
-        if self.is_distributed:
+        if self.multi_process:
             self.set_world_ranks()
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             _init_dist_connection(self.cluster_environment, backend)
@@ -456,6 +506,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        if self._processes is not None:
+            if trainer.state.fn == TrainerFn.FITTING:
+                state_with_parameters(self.optimizers)
+            steps = self._processes.attach(self.lightning_module, self._describe_target())
+            self._forward_patch.install(self._target(), steps.forward)
+            return
         example = getattr(self.lightning_module, "example_input_array", None)
         if example is not None and self.module_path is None and self.pipeline is None:
             args, kwargs = split_inputs(move_data_to_device(example, self.root_device))
@@ -489,8 +545,45 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._place_leftovers()  # where the stages were placed by this call
         return output
 
+    def _process_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        """A step when every stage is a process (:mod:`.process_runtime`)."""
+        assert self._processes is not None
+        if kwargs:
+            args = (*args, *kwargs.values())
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches if hook == "training_step" else 1
+        with getattr(self.precision_plugin, {"training_step": "train_step_context", "validation_step":
+                                             "val_step_context", "test_step": "test_step_context",
+                                             "predict_step": "predict_step_context"}[hook])():
+            return self._processes.step(hook, self._target(), args, accumulate)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._processes is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the schedule ran the backward of every micro-batch inside the step; Lightning's hooks still run
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._processes.give_gradients()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._processes is not None:
+            return self._process_step("validation_step", args, kwargs)
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._processes is not None:
+            return self._process_step("test_step", args, kwargs)
+        return super().test_step(*args, **kwargs)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._processes is not None:
+            return self._process_step("training_step", args, kwargs)
         step = self.pipeline.last_step if self.pipeline is not None else None
         if self.log_stage_times and step is not None:
             for k, busy in enumerate(step.busy_s):  # the previous step's, backward included

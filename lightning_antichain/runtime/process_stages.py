@@ -6,8 +6,8 @@ crossing the cut before it, the ones it does not read included, and returns ever
 the cut after it, so a skip tensor is passed through each stage it spans. :class:`FlatStage` is
 that stage as a module of tensors, for torch's schedules (GPipe, 1F1B, interleaved, zero-bubble),
 which run it in the process of its rank; :func:`rank_stages` builds and places a rank's stages
-alone, and :func:`schedule_runner` hands them to torch's schedule. The strategy does not use this
-runtime yet.
+alone, and :func:`schedule_runner` hands them to torch's schedule
+(:class:`~.process_pipeline.ProcessPipeline` runs a batch through them).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..capture import OpGraph
 from ..capture.pytrees import flatten
 from .plan import Plan
 from .process_schedules import ProcessSchedule
+from .initialization import Initializer
 from .split import StageModule, place_stages, split_stages
 
 
@@ -73,19 +74,31 @@ class _Sent(torch.autograd.Function):
         return grad
 
 
-def rank_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
-                device: torch.device, group: Any = None) -> list[PipelineStage]:
-    """The stages rank ``rank`` of ``ranks`` holds under ``schedule``, as torch's stages: split from
-    ``graph`` as ``plan`` cuts it, and placed (made real, where the model is on meta) on ``device``,
-    these stages alone."""
+def rank_flat_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
+                     device: torch.device, initializer: Initializer | None = None) -> list[FlatStage]:
+    """The stages rank ``rank`` of ``ranks`` holds under ``schedule``, split from ``graph`` as ``plan``
+    cuts it and placed (made real, where the model is on meta) on ``device``: these stages alone."""
     if plan.num_stages != schedule.num_stages(ranks):
         raise ValueError(f"schedule {schedule.name!r} with {schedule.virtual_stages} stage(s) per rank on {ranks} "
                          f"ranks runs {schedule.num_stages(ranks)} stages; the plan has {plan.num_stages}. Plan for "
                          f"{schedule.num_stages(ranks)} stages.")
     stages = split_stages(graph, plan, [device] * plan.num_stages)
     mine = [stages[i] for i in schedule.stages_of(rank, ranks)]
-    place_stages(mine)
-    return [PipelineStage(FlatStage(stage), stage.index, plan.num_stages, device, group=group) for stage in mine]
+    place_stages(mine, initializer)
+    return [FlatStage(stage) for stage in mine]
+
+
+def torch_stages(flat: list[FlatStage], num_stages: int, device: torch.device, group: Any = None
+                 ) -> list[PipelineStage]:
+    """``flat`` as torch's stages, which learn the shapes crossing each cut on their first step."""
+    return [PipelineStage(stage, stage.stage.index, num_stages, device, group=group) for stage in flat]
+
+
+def rank_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
+                device: torch.device, group: Any = None) -> list[PipelineStage]:
+    """:func:`rank_flat_stages` as torch's stages."""
+    flat = rank_flat_stages(graph, plan, schedule, rank, ranks, device)
+    return torch_stages(flat, plan.num_stages, device, group)
 
 
 def schedule_runner(schedule: ProcessSchedule, stages: list[PipelineStage], chunks: int,

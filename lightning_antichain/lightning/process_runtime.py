@@ -1,0 +1,198 @@
+"""The strategy's runtime when every stage is a process of its own (``schedule=...``).
+
+Each of the ``ranks`` processes holds one device. On the first batch, rank 0 captures, profiles
+and plans as the in-process runtime does, and sends the plan to every rank; each rank captures the
+module itself (the plan names its operations, the same in every process) and builds its own stages
+only (:class:`~lightning_antichain.runtime.process_pipeline.ProcessPipeline`). Every rank gets the
+same batches. A step splits the batch into micro-batches; the user's step hook runs once per
+micro-batch (:mod:`.micro_batch_steps`); the step's loss is the mean of the micro-batches' losses,
+weighted by their samples, and is what every rank returns to Lightning; what the step logs is
+merged and logged by every rank (:mod:`.step_logs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from ..capture import capture_call
+from ..capture.pytrees import flatten
+from ..planner.planning import AUTO
+from ..planner.public import planned_for_call, planning_call
+from ..runtime import microbatch
+from ..runtime.batch_dims import first_micro_batch
+from ..runtime.initialization import Initializer
+from ..runtime.options import PipelineOptions
+from ..runtime.plan import Plan
+from ..runtime.process_pipeline import ProcessPipeline
+from ..runtime.process_schedules import ProcessSchedule
+from .micro_batch_steps import MicroBatchSteps
+from .same_batches import check_same_batch
+from .step_logs import StepLogs, metric_states, replay, set_metric_states, unsynced
+
+TRAINING = "training_step"
+
+
+class Host(Protocol):
+    """What the strategy tells: this rank, every stage's device, and the optimizers."""
+
+    global_rank: int
+    world_size: int
+    root_device: torch.device
+    optimizers: list[Any]
+
+    def stage_devices_of_ranks(self, num_stages: int) -> list[torch.device]: ...
+
+
+class ProcessRuntime:
+    """This rank's share of the pipeline and the steps it runs (see the module's docstring)."""
+
+    def __init__(self, host: Host, options: PipelineOptions, schedule: ProcessSchedule,
+                 plan: Plan | None = None) -> None:
+        self.host = host
+        self.options = options
+        self.schedule = schedule
+        self.plan = plan
+        self.pipeline: ProcessPipeline | None = None
+        self.steps: MicroBatchSteps | None = None
+        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+
+    def attach(self, module: LightningModule, describe: str) -> MicroBatchSteps:
+        """The steps of ``module``, whose forward (or a submodule's) the strategy replaces by the
+        returned object's ``forward``."""
+        if self.steps is None or self.steps.module is not module:
+            self.steps = MicroBatchSteps(module, describe)
+            self.pipeline = None if self.pipeline is None or self.pipeline.graph.module is not module else self.pipeline
+        unsynced(module)
+        return self.steps
+
+    def step(self, hook: str, target: nn.Module, args: tuple, accumulate: int = 1) -> Any:
+        """Run the step ``hook`` (``training_step``, ...) on the batch ``args[0]`` through the
+        pipeline; the step's loss on every rank for training, else ``None``."""
+        assert self.steps is not None, "attach() the LightningModule first"
+        module = self.steps.module
+        batch, rest = args[0], tuple(args[1:])
+        check_same_batch(batch, self.host.root_device)
+        if self.pipeline is None:
+            self._build(hook, target, batch, rest)
+        pipeline, plan = self.pipeline, self.plan
+        assert pipeline is not None and plan is not None
+        micro = microbatch.scatter(batch, plan.chunks)
+        sizes = [microbatch.batch_size(m) or 0 for m in micro]
+        _refuse_uneven(sizes, plan.chunks)
+        total = sum(sizes)
+        calls = [self.steps.call_of(hook, m, rest) for m in micro] if pipeline.holds_first else None
+        logs, losses = StepLogs(), [0.0] * len(micro)
+        train = hook == TRAINING
+
+        def loss(output: Any, m: int) -> torch.Tensor:
+            assert self.steps is not None
+            result = self.steps.result_of(hook, micro[m], rest, output, logs, sizes[m])
+            if not train:
+                return torch.zeros((), device=self.host.root_device)
+            value = _loss_of(result, hook)
+            losses[m] = value.detach().item()
+            return value * (sizes[m] / total / accumulate)
+
+        if train:
+            with torch.enable_grad(), self._gradients_stashed(pipeline.parameters()):
+                pipeline.run(_shape_of(micro), calls, loss, len(micro), train)
+        else:
+            with torch.no_grad():
+                pipeline.run(_shape_of(micro), calls, loss, len(micro), train)
+        mean = sum(v * s for v, s in zip(losses, sizes)) / total
+        sent = [(mean, logs.merged(), metric_states(module))] if pipeline.holds_last else [None]
+        dist.broadcast_object_list(sent, src=pipeline.last_rank())
+        mean, merged, states = sent[0]  # type: ignore[misc]
+        if not pipeline.holds_last:
+            set_metric_states(module, states)
+        replay(module, merged, total, self.host.root_device)
+        return torch.tensor(mean, device=self.host.root_device) if train else None
+
+    @contextmanager
+    def _gradients_stashed(self, params: list[torch.nn.Parameter]) -> Generator[None, None, None]:
+        """The step's gradients wait aside until :meth:`give_gradients`: Lightning clears the
+        gradients between the training step and the backward, and the schedule ran both."""
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+            self._stashed = [(p, p.grad) for p in params if p.grad is not None]
+        finally:
+            for p, grad in zip(params, before):
+                p.grad = grad
+
+    def give_gradients(self) -> None:
+        """Add the last training step's gradients to the parameters' (Lightning's backward)."""
+        stashed, self._stashed = self._stashed, []
+        for p, grad in stashed:
+            p.grad = grad if p.grad is None else p.grad + grad
+
+    def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> None:
+        """Plan on rank 0 (unless a plan was given) and send it to every rank; build this rank's stages."""
+        assert self.steps is not None
+        host = self.host
+        whole = self.steps.call_of(hook, batch, rest)
+        graph = None
+        if self.plan is None:
+            if host.global_rank == 0:
+                planned = self._make_plan(target, whole)
+                graph, plan_data = planned.graph, planned.plan.to_dict()
+            else:
+                plan_data = None
+            sent = [plan_data]
+            dist.broadcast_object_list(sent, src=0)
+            self.plan = Plan.from_dict(sent[0])
+            rank_zero_info(self.plan.table())
+        plan = self.plan
+        first = first_micro_batch(target, *whole, plan.chunks, self.options.batch_dim)
+        if graph is None or not _holds(graph, first):
+            graph = capture_call(target, *first, leaf_modules=self.options.leaf_modules,
+                                 frontends=(plan.frontend or "fx",), batch_dim=self.options.batch_dim)
+        self.pipeline = ProcessPipeline(graph, plan, self.schedule, host.global_rank, host.world_size,
+                                        host.root_device, initializer=Initializer(target, self.options.param_init_fn))
+
+    def _make_plan(self, target: nn.Module, whole: tuple[tuple, dict]) -> Any:
+        options = self.options
+        devices = self.host.stage_devices_of_ranks(self.schedule.num_stages(self.host.world_size))
+        if options.chunks == AUTO:
+            raise ValueError("chunks='auto' does not choose for schedule= yet: give chunks=, e.g. twice the stages")
+        with torch.enable_grad():
+            args, kwargs = planning_call(target, *whole, options)
+            return planned_for_call(target, args, kwargs, devices, options, self.host.optimizers)
+
+
+def _holds(graph: Any, call: tuple[tuple, dict]) -> bool:
+    specialization = graph.specialization
+    return specialization is None or specialization.holds_for(graph.bind(*call))
+
+
+def _shape_of(micro: list[Any]) -> tuple:
+    """What the stages' shapes follow from: the micro-batches' tensor shapes and dtypes."""
+    leaves, _ = flatten(micro[0])
+    return len(micro), tuple((tuple(v.shape), v.dtype) for v in leaves if isinstance(v, torch.Tensor))
+
+
+def _refuse_uneven(sizes: list[int], chunks: int) -> None:
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"a batch of {sum(sizes)} samples splits into micro-batches of {sizes} samples, and with one process per "
+            f"stage every micro-batch of a batch must have one size. Make the batch size a multiple of chunks={chunks}, "
+            "and set drop_last=True in the DataLoader where the last batch is shorter."
+        )
+
+
+def _loss_of(result: Any, hook: str) -> torch.Tensor:
+    loss = result.get("loss") if isinstance(result, dict) else result
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise ValueError(f"{hook} returned {type(result).__name__}; with one process per stage it must return the "
+                         "micro-batch's loss, a scalar tensor (or a dict with one under 'loss')")
+    return loss

@@ -1,0 +1,115 @@
+"""This rank's part of a pipeline that runs one process per stage, and one batch through it.
+
+Every rank holds the plan and its own capture of the module, builds and places its own stages only
+(:func:`~.process_stages.rank_flat_stages`), and hands them to torch's schedule. A batch comes
+as its micro-batches: the rank holding the first stage gives each micro-batch's call of the module
+(its arguments, as the module takes them); the rank holding the last gets each micro-batch's
+output back, as the module returns it, and answers that micro-batch's loss. torch back-propagates
+the sum of those losses, so the caller weights each loss as it wants the step's loss to count it.
+
+torch's stages learn the shapes that cross each cut on their first step and keep them, so a batch
+whose micro-batches differ from the ones seen so far (a last, shorter batch; validation's batches)
+runs on stages of its own, made for that shape (``shape`` in :meth:`ProcessPipeline.run`): every
+rank derives it from the same batch, so they switch together and none waits for a message of
+another shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from ..capture import OpGraph
+from .initialization import Initializer
+from .plan import Plan
+from .process_schedules import ProcessSchedule
+from .process_stages import FlatStage, rank_flat_stages, schedule_runner, torch_stages
+
+#: a micro-batch's loss from its output, as the module returns it, and its index
+MicroBatchLoss = Callable[[Any, int], torch.Tensor]
+
+
+class ProcessPipeline:
+    """Rank ``rank`` of ``ranks``: its stages of ``plan`` under ``schedule``, on ``device``."""
+
+    def __init__(self, graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
+                 device: torch.device, group: Any = None, initializer: Initializer | None = None) -> None:
+        self.graph, self.plan, self.schedule = graph, plan, schedule
+        self.rank, self.ranks, self.device, self.group = rank, ranks, device, group
+        self.stages: list[FlatStage] = rank_flat_stages(graph, plan, schedule, rank, ranks, device, initializer)
+        held = {stage.stage.index: stage.stage for stage in self.stages}
+        first, last = held.get(0), held.get(plan.num_stages - 1)
+        placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
+        self._input_slots = None if first is None else [placeholders.index(name) for name in first.inputs]
+        self._output_names = None if last is None else last.outputs
+        self._runners: dict[Hashable, Any] = {}
+        self._loss: MicroBatchLoss | None = None
+        self._targets: list[torch.Tensor] = []  # one per micro-batch: the loss knows them by identity
+
+    @property
+    def holds_first(self) -> bool:
+        """Whether this rank runs the first stage, which takes the module's arguments."""
+        return self._input_slots is not None
+
+    @property
+    def holds_last(self) -> bool:
+        """Whether this rank runs the last stage, which gives the module's output and the losses."""
+        return self._output_names is not None
+
+    def last_rank(self) -> int:
+        """The rank that holds the last stage."""
+        return self.schedule.rank_of(self.plan.num_stages - 1, self.ranks)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters this rank's stages use, each once."""
+        found: dict[int, torch.nn.Parameter] = {}
+        for stage in self.stages:
+            found.update((id(p), p) for p in stage.stage.parameters())
+        return list(found.values())
+
+    def run(self, shape: Hashable, calls: list[tuple[tuple, dict]] | None, loss: MicroBatchLoss,
+            chunks: int, train: bool) -> None:
+        """One batch of ``chunks`` micro-batches: forward and backward (``train``) or forward only.
+
+        ``calls`` are the micro-batches' calls of the module where this rank holds the first stage
+        (else ``None``); ``loss`` is called on the rank holding the last stage, once per
+        micro-batch, in the order the schedule runs them. ``shape`` names the shape of the
+        micro-batches, the same on every rank (see the module's docstring)."""
+        if self.holds_first and (calls is None or len(calls) != chunks):
+            raise ValueError(f"the rank holding the first stage needs the calls of all {chunks} micro-batches")
+        runner = self._runners.get((train, chunks, shape))
+        if runner is None:
+            stages = torch_stages(self.stages, self.plan.num_stages, self.device, self.group)
+            runner = self._runners[(train, chunks, shape)] = schedule_runner(
+                self.schedule, stages, chunks, self._micro_batch_loss)
+        inputs = {"arg_mbs": [self._first_inputs(*call) for call in calls]} if calls is not None else {}
+        self._targets = [torch.tensor(m) for m in range(chunks)]
+        targets = {"target_mbs": self._targets} if self.holds_last else {}
+        self._loss = loss
+        try:
+            if train:
+                runner.step(**inputs, **targets, return_outputs=False)
+            else:
+                runner.eval(**inputs, **targets)
+        finally:
+            self._loss, self._targets = None, []
+
+    def _first_inputs(self, args: tuple, kwargs: dict) -> tuple:
+        """The first stage's arguments for a call of the module: its values crossing the first cut."""
+        assert self._input_slots is not None
+        values = self.graph.bind(args, kwargs)
+        return tuple(values[i] for i in self._input_slots)
+
+    def _micro_batch_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        assert self._loss is not None and self._output_names is not None and self.graph.signature is not None
+        leaves = output if isinstance(output, tuple) else (output,)
+        micro_batch = next((m for m, t in enumerate(self._targets) if t is target), None)
+        if micro_batch is None:
+            # torch's first step infers the gradients' shapes from a forward and backward of
+            # made-up values: the user's step must not see them
+            return sum((v * 0).sum() for v in leaves if isinstance(v, torch.Tensor) and v.requires_grad) + (
+                torch.zeros((), device=self.device, requires_grad=True))
+        returned = self.graph.signature.assemble(dict(zip(self._output_names, leaves)))
+        return self._loss(returned, micro_batch)

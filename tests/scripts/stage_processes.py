@@ -1,0 +1,103 @@
+"""Fit a float64 model with skips with one process per stage (or plain Lightning); each rank writes JSON.
+
+python stage_processes.py --out DIR --devices 2 --schedule 1f1b   # 2 processes, Lightning's launcher
+python stage_processes.py --out DIR --plain                        # plain Lightning, one device
+
+Each rank writes DIR/rank{r}.json: its process id, the step losses Lightning got from training_step,
+the logged train_loss, the validation loss, and a metric logged from the steps.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_antichain as la
+
+
+class Skips(L.LightningModule):
+    """An MLP whose first activation is read again by its last layer (a skip over every middle cut)."""
+
+    def __init__(self, width: int = 32, depth: int = 6):
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.out = nn.Linear(width, 4)
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+
+    def forward(self, x):
+        first = torch.tanh(self.inp(x))
+        h = first
+        for block in self.blocks:
+            h = torch.tanh(block(h)) + h
+        return self.out(h + first)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("train_loss", loss)
+        self.train_acc(logits.argmax(-1), y)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def data(samples: int = 96, batch_size: int = 16) -> DataLoader:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 16, generator=gen, dtype=torch.float64)
+    y = (x[:, :4] + 0.3 * torch.randn(samples, 4, generator=gen, dtype=torch.float64)).argmax(1)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+class Record(L.Callback):
+    def __init__(self, out: Path):
+        self.out, self.losses, self.logged = out, [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+        self.logged.append(trainer.callback_metrics["train_loss"].item())
+
+    def on_fit_end(self, trainer, module):
+        metrics = trainer.callback_metrics
+        rank = trainer.global_rank
+        (self.out / f"rank{rank}.json").write_text(json.dumps({
+            "pid": os.getpid(), "world_size": trainer.world_size, "losses": self.losses, "logged": self.logged,
+            "train_acc": metrics["train_acc"].item(), "val_loss": metrics["val_loss"].item(),
+        }))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--virtual-stages", type=int, default=None)
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--plain", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
+        schedule=args.schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, precision="64-true", max_epochs=2,
+        limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, callbacks=[Record(Path(args.out))],
+    )
+    trainer.fit(Skips(), data(), data(32))
+
+
+if __name__ == "__main__":
+    main()
