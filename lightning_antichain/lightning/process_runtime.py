@@ -185,8 +185,8 @@ def _refuse_uneven(sizes: list[int], chunks: int) -> None:
     if len(set(sizes)) > 1:
         raise ValueError(
             f"a batch of {sum(sizes)} samples splits into micro-batches of {sizes} samples, and with one process per "
-            f"stage every micro-batch of a batch must have one size. Make the batch size a multiple of chunks={chunks}, "
-            "and set drop_last=True in the DataLoader where the last batch is shorter."
+            "stage every micro-batch of a batch must have one size. Make the batch size a multiple of "
+            f"chunks={chunks}, and set drop_last=True in the DataLoader where the last batch is shorter."
         )
 
 

@@ -53,8 +53,8 @@ from ..runtime.process_schedules import process_schedule
 from .forward_patch import ForwardPatch
 from .planned_pipeline import PlannedPipeline
 from .process_runtime import ProcessRuntime
-from .same_batches import same_order_everywhere
 from .replicas import average_gradients
+from .same_batches import same_order_everywhere
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from torch.distributed.pipelining import PipelineStage
 
 from ..capture import OpGraph
 from ..capture.pytrees import flatten
+from .initialization import Initializer
 from .plan import Plan
 from .process_schedules import ProcessSchedule
-from .initialization import Initializer
 from .split import StageModule, place_stages, split_stages
 
 
