@@ -84,6 +84,8 @@ class ProcessPipeline:
             stages = torch_stages(self.stages, self.plan.num_stages, self.device, self.group)
             runner = self._runners[(train, chunks, shape)] = schedule_runner(
                 self.schedule, stages, chunks, self._micro_batch_loss)
+            if not train and self.schedule.runs_by_table:
+                self.schedule.evaluate_forward_only(runner, self.ranks, chunks)
         inputs = {"arg_mbs": [self._first_inputs(*call) for call in calls]} if calls is not None else {}
         self._targets = [torch.tensor(m) for m in range(chunks)]
         targets = {"target_mbs": self._targets} if self.holds_last else {}

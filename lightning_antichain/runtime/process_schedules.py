@@ -19,7 +19,14 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    _Action,
+    _add_send_recv,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+)
 
 #: name -> torch's class, the virtual stages per rank it takes (None: any count from 1), and the
 #: order of a rank's stages
@@ -57,6 +64,21 @@ class ProcessSchedule:
         if self.shape == "v":
             return [rank, 2 * ranks - 1 - rank]
         return [rank + i * ranks for i in range(self.virtual_stages)]
+
+    @property
+    def runs_by_table(self) -> bool:
+        """Whether torch runs it from a table of actions per rank (ZBV), which its ``eval`` follows
+        backward actions included: such a schedule evaluates by :meth:`evaluate_forward_only`."""
+        return issubclass(self.runs_with, _PipelineScheduleRuntime)
+
+    def evaluate_forward_only(self, runner: _PipelineScheduleRuntime, ranks: int, chunks: int) -> None:
+        """Make ``runner`` (torch's, for this schedule) run forwards only: every micro-batch through
+        a rank's first stage, then through its next, so each stage waits only on stages run before
+        it. torch's table for ZBV holds backward actions, which its ``eval`` would follow."""
+        actions = {rank: [_Action(stage, _ComputationType.FORWARD, m) for stage in sorted(self.stages_of(rank, ranks))
+                          for m in range(chunks)] for rank in range(ranks)}
+        runner.pipeline_order_with_comms = _add_send_recv(
+            actions, stage_to_rank=lambda s: runner.stage_index_to_group_rank[s], num_stages=runner._num_stages)
 
     def rank_of(self, stage: int, ranks: int) -> int:
         """The rank that holds stage ``stage``."""

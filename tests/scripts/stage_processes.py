@@ -4,7 +4,8 @@ python stage_processes.py --out DIR --devices 2 --schedule 1f1b   # 2 processes,
 python stage_processes.py --out DIR --plain                        # plain Lightning, one device
 
 Each rank writes DIR/rank{r}.json: its process id, the step losses Lightning got from training_step,
-the logged train_loss, the validation loss, and a metric logged from the steps.
+the logged train_loss, the validation loss, a metric logged from the steps, the parameters that
+training changed in this process, and every parameter's final value.
 """
 
 import argparse
@@ -66,6 +67,9 @@ class Record(L.Callback):
     def __init__(self, out: Path):
         self.out, self.losses, self.logged = out, [], []
 
+    def on_fit_start(self, trainer, module):
+        self.initial = {n: p.detach().clone() for n, p in module.named_parameters()}
+
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].item())
         self.logged.append(trainer.callback_metrics["train_loss"].item())
@@ -76,6 +80,8 @@ class Record(L.Callback):
         (self.out / f"rank{rank}.json").write_text(json.dumps({
             "pid": os.getpid(), "world_size": trainer.world_size, "losses": self.losses, "logged": self.logged,
             "train_acc": metrics["train_acc"].item(), "val_loss": metrics["val_loss"].item(),
+            "trained": [n for n, p in module.named_parameters() if not torch.equal(p.detach().cpu(), self.initial[n])],
+            "parameters": {n: p.detach().cpu().flatten().tolist() for n, p in module.named_parameters()},
         }))
 
 

@@ -1,0 +1,64 @@
+"""Stages as processes through the real Trainer: Lightning's launcher starts one process per device
+(gloo), and a float64 fit under every schedule equals plain Lightning step for step: the losses
+training_step returns, what it logs, a torchmetrics accuracy, the validation loss, and every
+parameter at the end, taken from the process that trained it. The model's first activation is read
+by its last layer, so a skip crosses every cut between."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "stage_processes.py"
+
+
+def fit(out: Path, *args: str) -> list[dict]:
+    """Run the script; each rank's report, by rank."""
+    out.mkdir(parents=True)
+    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], capture_output=True, text=True,
+                            timeout=600, cwd=out)
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = sorted(out.glob("rank*.json"))
+    return [json.loads(r.read_text()) for r in reports]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> dict:
+    (report,) = fit(tmp_path_factory.mktemp("plain") / "out", "--plain")
+    return report
+
+
+SLOW = pytest.mark.slow  # the 2-process 1F1B run stays in the default suite
+
+
+@pytest.mark.parametrize("devices, schedule", [
+    (2, "1f1b"),
+    pytest.param(2, "gpipe", marks=SLOW),
+    pytest.param(2, "interleaved-1f1b", marks=SLOW),
+    pytest.param(2, "zb-h1", marks=SLOW),
+    pytest.param(2, "zbv", marks=SLOW),
+    pytest.param(4, "1f1b", marks=SLOW),
+    pytest.param(4, "gpipe", marks=SLOW),
+    pytest.param(4, "zb-h1", marks=SLOW),
+    pytest.param(4, "zbv", marks=SLOW),
+])
+def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain, devices, schedule):
+    ranks = fit(tmp_path / "out", "--devices", str(devices), "--schedule", schedule)
+    assert len(ranks) == devices and all(r["world_size"] == devices for r in ranks)
+    pids = {r["pid"] for r in ranks}
+    assert len(pids) == devices and os.getpid() not in pids  # a process per device, none of them this one
+    trained = [set(r["trained"]) for r in ranks]
+    assert set().union(*trained) == set(plain["parameters"])  # every parameter trained by some process ...
+    assert sum(len(t) for t in trained) == len(plain["parameters"])  # ... and by that one only
+    for report, mine in zip(ranks, trained):
+        torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
+        assert report["logged"] == pytest.approx(plain["logged"], rel=1e-6)  # every rank logs the step's value
+        assert report["train_acc"] == plain["train_acc"]  # a metric updated per micro-batch, on every rank
+        assert report["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-6)
+        for name in mine:
+            ours, theirs = torch.tensor(report["parameters"][name]), torch.tensor(plain["parameters"][name])
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-12)
