@@ -62,3 +62,39 @@ def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain
         for name in mine:
             ours, theirs = torch.tensor(report["parameters"][name]), torch.tensor(plain["parameters"][name])
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-12)
+
+
+def losses_after(reports: list[dict]) -> torch.Tensor:
+    return torch.tensor(reports[0]["losses"])
+
+
+def test_a_checkpoint_of_stage_processes_resumes_in_plain_lightning_exactly(tmp_path, plain):
+    """Each stage's weights and optimizer state come from the process that trained them."""
+    ckpt = tmp_path / "stages.ckpt"
+    fit(tmp_path / "a", "--devices", "2", "--schedule", "1f1b", "--max-epochs", "1", "--save", str(ckpt))
+    resumed = fit(tmp_path / "b", "--plain", "--max-epochs", "2", "--resume", str(ckpt))
+    steps = len(plain["losses"]) // 2
+    torch.testing.assert_close(losses_after(resumed), torch.tensor(plain["losses"][steps:]), rtol=1e-6, atol=0)
+    reference = tmp_path / "plain.ckpt"
+    fit(tmp_path / "c", "--plain", "--max-epochs", "1", "--save", str(reference))
+    ours, theirs = (torch.load(p, weights_only=False) for p in (ckpt, reference))
+    torch.testing.assert_close(ours["state_dict"], theirs["state_dict"], rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(ours["optimizer_states"][0]["state"], theirs["optimizer_states"][0]["state"],
+                               rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.slow  # five fits, 4 and 2 processes among them
+def test_a_checkpoint_moves_between_schedules_process_counts_runtimes_and_plain_lightning(tmp_path):
+    """4 processes (1F1B) -> 2 processes (GPipe) -> the in-process runtime -> plain -> 4 processes,
+    one epoch each, with AdamW's state: the losses are an uninterrupted plain run's."""
+    whole = fit(tmp_path / "whole", "--plain", "--max-epochs", "5", "--adam")
+    legs = [("--devices", "4", "--schedule", "1f1b"), ("--devices", "2", "--schedule", "gpipe"),
+            ("--devices", "2", "--schedule", "none"), ("--plain",), ("--devices", "4", "--schedule", "1f1b")]
+    got, previous = [], None
+    for epoch, leg in enumerate(legs, start=1):
+        ckpt = tmp_path / f"epoch{epoch}.ckpt"
+        resume = ("--resume", str(previous)) if previous else ()
+        got += fit(tmp_path / f"leg{epoch}", *leg, "--adam", "--max-epochs", str(epoch), "--save", str(ckpt),
+                   *resume)[0]["losses"]
+        previous = ckpt
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(whole[0]["losses"]), rtol=1e-6, atol=0)

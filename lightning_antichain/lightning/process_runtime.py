@@ -136,6 +136,35 @@ class ProcessRuntime:
         for p, grad in stashed:
             p.grad = grad if p.grad is None else p.grad + grad
 
+    def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The LightningModule's ``state`` (keys of its ``state_dict``) as rank 0 saves it: each
+        stage's tensors from the rank that trains them. Every rank calls it; rank 0's is whole."""
+        if self.pipeline is None or self.steps is None:
+            return state  # no step yet: every rank holds the same values
+        owned = self.pipeline.owned()
+        mine = {key: value.detach().cpu() for key, value in self.steps.module.state_dict(keep_vars=True).items()
+                if isinstance(value, torch.Tensor) and id(value) in owned}
+        parts = _gathered(mine)
+        merged = dict(state)
+        for part in parts:
+            merged.update({key: value for key, value in part.items() if key in merged})
+        return type(state)(merged) if parts else state
+
+    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """``optimizer``'s ``state_dict`` as rank 0 saves it: each parameter's state (momentum,
+        Adam's moments) from the rank that steps it, not the stale copy another rank loaded."""
+        if self.pipeline is None:
+            return state
+        owned = self.pipeline.owned()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        parts = _gathered({i: v for i, v in state["state"].items() if id(params[i]) in owned})
+        if not parts:
+            return state
+        merged = dict(state["state"])
+        for part in parts:
+            merged.update(part)
+        return {**state, "state": dict(sorted(merged.items()))}
+
     def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> None:
         """Plan on rank 0 (unless a plan was given) and send it to every rank; build this rank's stages."""
         assert self.steps is not None
@@ -168,6 +197,13 @@ class ProcessRuntime:
         with torch.enable_grad():
             args, kwargs = planning_call(target, *whole, options)
             return planned_for_call(target, args, kwargs, devices, options, self.host.optimizers)
+
+
+def _gathered(part: Any) -> list[Any]:
+    """Every rank's ``part``, on rank 0; an empty list elsewhere."""
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    return parts or []
 
 
 def _holds(graph: Any, call: tuple[tuple, dict]) -> bool:

@@ -618,11 +618,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The original keys, as CPU tensors: loadable with any device count, or without the strategy."""
         state = super().lightning_module_state_dict()
-        return type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
+        state = type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
+        return state if self._processes is None else self._processes.gathered_state(state)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return map_tensors(lambda t: t.detach().cpu(), super().optimizer_state(optimizer))
+        state = map_tensors(lambda t: t.detach().cpu(), super().optimizer_state(optimizer))
+        return state if self._processes is None else self._processes.gathered_optimizer_state(optimizer, state)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -69,6 +69,14 @@ class ProcessPipeline:
             found.update((id(p), p) for p in stage.stage.parameters())
         return list(found.values())
 
+    def owned(self) -> set[int]:
+        """The ids of the parameters and buffers this rank's stages use: the ones it trains."""
+        found = {id(p) for p in self.parameters()}
+        for stage in self.stages:
+            found |= {id(b) for b in stage.stage.buffers()}
+            found |= {id(b) for m in stage.stage.submodules() for b in m.buffers()}
+        return found
+
     def run(self, shape: Hashable, calls: list[tuple[tuple, dict]] | None, loss: MicroBatchLoss,
             chunks: int, train: bool) -> None:
         """One batch of ``chunks`` micro-batches: forward and backward (``train``) or forward only.

@@ -2,6 +2,7 @@
 
 python stage_processes.py --out DIR --devices 2 --schedule 1f1b   # 2 processes, Lightning's launcher
 python stage_processes.py --out DIR --plain                        # plain Lightning, one device
+python stage_processes.py --out DIR --max-epochs 1 --save a.ckpt   # then --max-epochs 2 --resume a.ckpt
 
 Each rank writes DIR/rank{r}.json: its process id, the step losses Lightning got from training_step,
 the logged train_loss, the validation loss, a metric logged from the steps, the parameters that
@@ -25,8 +26,9 @@ import lightning_antichain as la
 class Skips(L.LightningModule):
     """An MLP whose first activation is read again by its last layer (a skip over every middle cut)."""
 
-    def __init__(self, width: int = 32, depth: int = 6):
+    def __init__(self, width: int = 32, depth: int = 6, adam: bool = False):
         super().__init__()
+        self.adam = adam
         self.inp = nn.Linear(16, width)
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
         self.out = nn.Linear(width, 4)
@@ -53,6 +55,8 @@ class Skips(L.LightningModule):
         self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
     def configure_optimizers(self):
+        if self.adam:
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
@@ -93,16 +97,24 @@ def main() -> None:
     parser.add_argument("--virtual-stages", type=int, default=None)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--max-epochs", type=int, default=2)
+    parser.add_argument("--save", default=None, help="write a checkpoint here at the end")
+    parser.add_argument("--resume", default=None, help="resume from this checkpoint")
+    parser.add_argument("--adam", action="store_true", help="AdamW instead of SGD with momentum")
     args = parser.parse_args()
     torch.manual_seed(0)
+    schedule = None if args.schedule == "none" else args.schedule  # none: the in-process runtime
     strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
-        schedule=args.schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False)
+        schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, precision="64-true", max_epochs=2,
+        accelerator="cpu", devices=args.devices, strategy=strategy, precision="64-true", max_epochs=args.max_epochs,
         limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, callbacks=[Record(Path(args.out))],
     )
-    trainer.fit(Skips(), data(), data(32))
+    module = Skips(adam=args.adam)
+    trainer.fit(module, data(), data(32), ckpt_path=args.resume)
+    if args.save:
+        trainer.save_checkpoint(args.save)
 
 
 if __name__ == "__main__":
