@@ -41,3 +41,22 @@ def test_what_a_schedule_cannot_run_is_refused_with_what_to_do():
         process_schedule("zbv", 3)
     with pytest.raises(ValueError, match="at least 1"):
         process_schedule("interleaved-1f1b", 0)
+
+
+def test_zbv_evaluates_by_forwards_that_only_wait_on_stages_run_before_them():
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    schedule = process_schedule("zbv")
+    assert schedule.runs_by_table and not process_schedule("1f1b").runs_by_table
+
+    class Runner:  # what evaluate_forward_only reads of torch's runner
+        stage_index_to_group_rank = {s: schedule.rank_of(s, 2) for s in range(4)}
+        _num_stages = 4
+
+    runner = Runner()
+    schedule.evaluate_forward_only(runner, 2, 3)
+    computed = {rank: [(a.stage_index, a.microbatch_index) for a in actions
+                       if a.computation_type == _ComputationType.FORWARD]
+                for rank, actions in runner.pipeline_order_with_comms.items()}
+    assert computed == {0: [(0, 0), (0, 1), (0, 2), (3, 0), (3, 1), (3, 2)],
+                        1: [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]}

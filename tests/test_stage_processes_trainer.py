@@ -98,3 +98,18 @@ def test_a_checkpoint_moves_between_schedules_process_counts_runtimes_and_plain_
                    *resume)[0]["losses"]
         previous = ckpt
     torch.testing.assert_close(torch.tensor(got), torch.tensor(whole[0]["losses"]), rtol=1e-6, atol=0)
+
+
+def test_process_mode_options_are_checked_when_given():
+    import lightning_antichain as la
+
+    with pytest.raises(ValueError, match="schedule='bogus' is not one of"):
+        la.AntichainPipelineStrategy(schedule="bogus")
+    with pytest.raises(ValueError, match="leave out stages= and placement="):
+        la.AntichainPipelineStrategy(schedule="1f1b", stages=2)
+    with pytest.raises(ValueError, match="virtual_stages= is for"):
+        la.AntichainPipelineStrategy(virtual_stages=2)
+    with pytest.raises(ValueError, match="holds 1 stage"):
+        la.AntichainPipelineStrategy(schedule="1f1b", virtual_stages=2)
+    strategy = la.AntichainPipelineStrategy(schedule="zb-h1", chunks=8)
+    assert strategy.options.schedule == "1f1b" and strategy.process_schedule.virtual_stages == 2

@@ -49,6 +49,8 @@ class StepLogs:
                     raise ValueError(f"the metric logged as {name!r} is not an attribute of the LightningModule; "
                                      "make it one, so that every rank finds it")
                 value = MetricLogged(paths[id(value)])
+            elif isinstance(value, torch.Tensor):
+                value = value.detach()
             kwargs.pop("batch_size", None)
             self.calls.setdefault(name, []).append((value, samples, kwargs))
 
