@@ -276,3 +276,27 @@ def test_every_schedule_runs_the_plan_in_two_processes_with_plain_gradients():
             for pname, param in model.named_parameters():
                 torch.testing.assert_close(got[key][pname], param.grad, rtol=1e-12, atol=1e-13, msg=f"{key} {pname}")
             assert losses[key] == pytest.approx(micro_losses, rel=1e-12), key
+
+
+def test_a_parameter_tied_across_two_ranks_is_refused_before_anything_is_placed():
+    import lightning_antichain as la
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.runtime.process_schedules import process_schedule
+    from lightning_antichain.runtime.process_stages import rank_flat_stages
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.mid = nn.Embedding(10, 8), nn.Linear(8, 8)
+            self.head = nn.Linear(8, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, tokens):
+            return self.head(torch.tanh(self.mid(self.embed(tokens))))
+
+    model, tokens = Tied(), torch.randint(0, 10, (4, 3))
+    graph = capture_call(model, (tokens,), {})
+    cost = la.profile(model, tokens, op_graph=graph, repeats=1, warmup=0, progress=False, runtime_overhead=False)
+    plan = la.plan_from_balance(cost, [2, len(cost) - 2], chunks=2)  # embed | the rest, head included
+    with pytest.raises(ValueError, match="used by stages on rank 0 and on rank 1"):
+        rank_flat_stages(graph, plan, process_schedule("1f1b"), 0, 2, torch.device("cpu"))

@@ -507,6 +507,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if self._processes is not None:
+            if trainer.gradient_clip_val:
+                raise ValueError(
+                    "gradient_clip_val with schedule= would clip each process's stages by their own gradients' norm, "
+                    "not the whole model's; it is not supported yet. Leave it out, or train without schedule= (one "
+                    "process drives every stage and clips by the whole model's norm)."
+                )
             if trainer.state.fn == TrainerFn.FITTING:
                 state_with_parameters(self.optimizers)
             steps = self._processes.attach(self.lightning_module, self._describe_target())
@@ -579,6 +585,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
         if self._processes is not None:
             return self._process_step("test_step", args, kwargs)
         return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._processes is not None:
+            raise NotImplementedError("predict with schedule= is not supported yet: predict without schedule= (one "
+                                      "process drives every stage), from a checkpoint of this run")
+        return super().predict_step(*args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

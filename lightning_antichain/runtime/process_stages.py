@@ -83,9 +83,25 @@ def rank_flat_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank
                          f"ranks runs {schedule.num_stages(ranks)} stages; the plan has {plan.num_stages}. Plan for "
                          f"{schedule.num_stages(ranks)} stages.")
     stages = split_stages(graph, plan, [device] * plan.num_stages)
+    _refuse_shared_across_ranks(stages, schedule, ranks)
     mine = [stages[i] for i in schedule.stages_of(rank, ranks)]
     place_stages(mine, initializer)
     return [FlatStage(stage) for stage in mine]
+
+
+def _refuse_shared_across_ranks(stages: list[StageModule], schedule: ProcessSchedule, ranks: int) -> None:
+    """A parameter used by stages of two ranks would train as two copies that drift apart."""
+    holder: dict[int, int] = {}
+    for stage in stages:
+        rank = schedule.rank_of(stage.index, ranks)
+        for param in stage.parameters():
+            first = holder.setdefault(id(param), rank)
+            if first != rank:
+                raise ValueError(
+                    f"a parameter of shape {tuple(param.shape)} is used by stages on rank {first} and on rank {rank} "
+                    "(tied weights, such as an input embedding shared with the output layer): with schedule= this is "
+                    "not supported yet. Train without schedule=: one process drives every stage."
+                )
 
 
 def torch_stages(flat: list[FlatStage], num_stages: int, device: torch.device, group: Any = None
