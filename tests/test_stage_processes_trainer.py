@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,42 @@ def test_process_mode_options_are_checked_when_given():
         la.AntichainPipelineStrategy(schedule="1f1b", virtual_stages=2)
     strategy = la.AntichainPipelineStrategy(schedule="zb-h1", chunks=8)
     assert strategy.options.schedule == "1f1b" and strategy.process_schedule.virtual_stages == 2
+
+
+@pytest.mark.parametrize("how, block, failing_rank", [
+    ("training_step", 2, 1),
+    pytest.param("forward", 4, 1, marks=SLOW),
+    pytest.param("backward", 2, 0, marks=SLOW),
+    pytest.param("killed", 4, 1, marks=SLOW),
+])
+def test_a_failing_stage_process_stops_every_process_and_the_checkpoint_before_resumes(
+        tmp_path, plain, how, block, failing_rank):
+    """The fault comes at step 8; a checkpoint was written at step 6, the end of the first epoch
+    (Lightning resumes exactly from an epoch's end). Every process ends, the main one with the
+    failing rank's error where that rank raised one."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "FAIL_HOW": how, "FAIL_AT": "8", "FAIL_BLOCK": str(block)}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--devices", "2", "--schedule", "1f1b",
+                             "--every", "6"], capture_output=True, text=True, timeout=60, cwd=out, env=env)
+    assert result.returncode != 0 and time.monotonic() - started < 60
+    main = "\n".join(line for line in result.stderr.splitlines() if line.startswith("[rank0]:"))
+    if how != "killed":
+        assert f"injected failure in {how if how == 'training_step' else 'a stage' + chr(39) + 's ' + how}" in main
+        if failing_rank != 0:
+            assert f"StageProcessError: the process of another stage failed, rank {failing_rank}" in main
+    assert not _running(str(out))  # no process of this run is left behind
+    resumed = fit(tmp_path / "resumed", "--plain", "--resume", str(out / "epoch=0-step=6.ckpt"))
+    torch.testing.assert_close(losses_after(resumed), torch.tensor(plain["losses"][6:]), rtol=1e-6, atol=0)
+
+
+def _running(marker: str) -> bool:
+    """Whether a process whose command line holds ``marker`` still runs."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False

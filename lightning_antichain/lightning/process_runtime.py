@@ -34,6 +34,7 @@ from ..runtime.plan import Plan
 from ..runtime.process_pipeline import ProcessPipeline
 from ..runtime.process_schedules import ProcessSchedule
 from .micro_batch_steps import MicroBatchSteps
+from .rank_faults import explained
 from .same_batches import check_same_batch
 from .step_logs import StepLogs, metric_states, replay, set_metric_states, unsynced
 
@@ -75,7 +76,17 @@ class ProcessRuntime:
 
     def step(self, hook: str, target: nn.Module, args: tuple, accumulate: int = 1) -> Any:
         """Run the step ``hook`` (``training_step``, ...) on the batch ``args[0]`` through the
-        pipeline; the step's loss on every rank for training, else ``None``."""
+        pipeline; the step's loss on every rank for training, else ``None``. Where another rank
+        failed, its error (:mod:`.rank_faults`)."""
+        try:
+            return self._step(hook, target, args, accumulate)
+        except Exception as error:
+            cause = explained(error, self.host.global_rank)
+            if cause is error:
+                raise
+            raise cause from error
+
+    def _step(self, hook: str, target: nn.Module, args: tuple, accumulate: int) -> Any:
         assert self.steps is not None, "attach() the LightningModule first"
         module = self.steps.module
         batch, rest = args[0], tuple(args[1:])

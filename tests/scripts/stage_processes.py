@@ -3,6 +3,7 @@
 python stage_processes.py --out DIR --devices 2 --schedule 1f1b   # 2 processes, Lightning's launcher
 python stage_processes.py --out DIR --plain                        # plain Lightning, one device
 python stage_processes.py --out DIR --max-epochs 1 --save a.ckpt   # then --max-epochs 2 --resume a.ckpt
+FAIL_HOW=forward FAIL_AT=3 FAIL_BLOCK=4 python stage_processes.py ... --every 2   # a fault at step 3
 
 Each rank writes DIR/rank{r}.json: its process id, the step losses Lightning got from training_step,
 the logged train_loss, the validation loss, a metric logged from the steps, the parameters that
@@ -23,6 +24,36 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_antichain as la
 
 
+class Fault(torch.autograd.Function):
+    """Raises in forward or backward, or ends the process, on the step named by the environment."""
+
+    @staticmethod
+    def forward(ctx, x):
+        if _failing("forward"):
+            raise RuntimeError("injected failure in a stage's forward")
+        if _failing("killed"):
+            os._exit(9)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _failing("backward"):
+            raise RuntimeError("injected failure in a stage's backward")
+        return grad
+
+
+STEP = [0]
+
+
+def _failing(how: str) -> bool:
+    return os.environ.get("FAIL_HOW") == how and STEP[0] == int(os.environ.get("FAIL_AT", -1))
+
+
+class FaultLayer(nn.Module):  # kept whole by capture (a leaf), so the stage holding it runs it
+    def forward(self, x):
+        return Fault.apply(x)
+
+
 class Skips(L.LightningModule):
     """An MLP whose first activation is read again by its last layer (a skip over every middle cut)."""
 
@@ -32,18 +63,26 @@ class Skips(L.LightningModule):
         self.inp = nn.Linear(16, width)
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
         self.out = nn.Linear(width, 4)
+        self.fault = FaultLayer()
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
 
     def forward(self, x):
         first = torch.tanh(self.inp(x))
         h = first
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
             h = torch.tanh(block(h)) + h
+            if i == int(os.environ.get("FAIL_BLOCK", 2)):  # which stage holds the fault follows the plan
+                h = self.fault(h)
         return self.out(h + first)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        STEP[0] = self.global_step
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         logits = self(x)
+        if _failing("training_step"):
+            raise RuntimeError("injected failure in training_step")
         loss = nn.functional.cross_entropy(logits, y)
         self.log("train_loss", loss)
         self.train_acc(logits.argmax(-1), y)
@@ -101,15 +140,19 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="write a checkpoint here at the end")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--adam", action="store_true", help="AdamW instead of SGD with momentum")
+    parser.add_argument("--every", type=int, default=None, help="save a checkpoint in --out every this many steps")
     args = parser.parse_args()
     torch.manual_seed(0)
     schedule = None if args.schedule == "none" else args.schedule  # none: the in-process runtime
     strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
-        schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False)
+        schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False,
+        leaf_modules=["fault"])
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, precision="64-true", max_epochs=args.max_epochs,
         limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, callbacks=[Record(Path(args.out))],
+        enable_model_summary=False, enable_checkpointing=args.every is not None, callbacks=[Record(Path(args.out)), *(
+            [L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.every, save_top_k=-1)]
+            if args.every else [])],
     )
     module = Skips(adam=args.adam)
     trainer.fit(module, data(), data(32), ckpt_path=args.resume)

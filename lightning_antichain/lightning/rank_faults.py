@@ -1,0 +1,63 @@
+"""When one stage's process fails, every process stops with that process's error.
+
+A rank whose step raises ends; the ranks waiting on it then fail in torch.distributed with a lost
+connection, which says nothing of why. So a rank that raises a step's own error (not a lost
+connection) leaves it in the process group's store, which every rank reaches, before it ends; a
+rank that loses a connection looks there for a few seconds and raises the failing rank's error
+instead (:func:`explained`). A rank that dies without raising (killed, out of memory) leaves
+nothing: the others raise the lost connection, as torch reports it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+KEY = "lightning_antichain/failed_rank_error"
+WAIT_S = 5.0
+
+
+class StageProcessError(RuntimeError):
+    """Another stage's process failed; its error, as that process raised it."""
+
+
+def explained(error: Exception, rank: int) -> Exception:
+    """The error this rank should raise for ``error``: its own where it is the step's own failure
+    (left in the store for the others), else the failing rank's, where one left it in time."""
+    store = _store()
+    if store is None:
+        return error
+    if not _lost_connection(error):
+        cause = error
+        while cause.__cause__ is not None:  # torch's stage wraps the user's error in its own
+            cause = cause.__cause__
+        try:
+            store.set(KEY, f"rank {rank}: {type(cause).__name__}: {cause}")
+        except Exception:  # noqa: BLE001 - the store's host may be gone too; the error is raised as it is
+            pass
+        return error
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if store.check([KEY]):
+                return StageProcessError(f"the process of another stage failed, {store.get(KEY).decode()}")
+        except Exception:  # noqa: BLE001 - the store lives in rank 0's process, which may be the one gone
+            return error
+        time.sleep(0.1)
+    return error
+
+
+def _store() -> dist.Store | None:
+    if not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _lost_connection(error: Exception) -> bool:
+    text = str(error)
+    return isinstance(error, dist.DistBackendError) or any(
+        sign in text for sign in ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL"))
