@@ -51,6 +51,7 @@ from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
 from ..runtime.process_schedules import process_schedule
 from .forward_patch import ForwardPatch
+from .global_norm import clip_by_global_norm
 from .planned_pipeline import PlannedPipeline
 from .process_runtime import ProcessRuntime
 from .replicas import average_gradients
@@ -507,12 +508,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         if self._processes is not None:
-            if trainer.gradient_clip_val:
-                raise ValueError(
-                    "gradient_clip_val with schedule= would clip each process's stages by their own gradients' norm, "
-                    "not the whole model's; it is not supported yet. Leave it out, or train without schedule= (one "
-                    "process drives every stage and clips by the whole model's norm)."
-                )
+            plugin = self.precision_plugin
+            plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_by_global_norm(  # type: ignore[method-assign]
+                plugin.main_params(optimizer), clip_val, self.root_device)
             if trainer.state.fn == TrainerFn.FITTING:
                 state_with_parameters(self.optimizers)
             steps = self._processes.attach(self.lightning_module, self._describe_target())
@@ -682,6 +680,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._forward_patch.uninstall()
+        vars(self.precision_plugin).pop("clip_grad_by_norm", None)  # set for stage processes
         if self.pipeline is not None:
             self._tasks_before += self.pipeline.tasks_run
             self._planned.close()  # modules go back to the CPU below; the plan is kept for the next run

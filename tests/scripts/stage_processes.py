@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="write a checkpoint here at the end")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--adam", action="store_true", help="AdamW instead of SGD with momentum")
+    parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--every", type=int, default=None, help="save a checkpoint in --out every this many steps")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -149,6 +150,7 @@ def main() -> None:
         leaf_modules=["fault"])
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, precision="64-true", max_epochs=args.max_epochs,
+        gradient_clip_val=args.clip,
         limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=args.every is not None, callbacks=[Record(Path(args.out)), *(
             [L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.every, save_top_k=-1)]
