@@ -157,3 +157,8 @@ def copy_of_gradients(model, x):
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return grads
+
+
+def test_stages_in_processes_weigh_only_counts_that_split_the_batch_evenly():
+    assert planning.chunk_candidates(24, 2) == [1, 2, 4, 8, 16]
+    assert planning.chunk_candidates(24, 2, even=True) == [2, 4, 8]  # torch's schedules: one per stage at least

@@ -61,6 +61,7 @@ CLIP = ("--clip", "0.3")  # clipping by norm takes the norm over every process's
     pytest.param(4, "gpipe", CLIP, marks=SLOW),
     pytest.param(4, "zb-h1", (), marks=SLOW),
     pytest.param(4, "zbv", (), marks=SLOW),
+    pytest.param(2, "1f1b", ("--chunks", "auto"), marks=SLOW),  # the mean loss is the same for any count
 ])
 def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain_with, devices, schedule, extra):
     plain = plain_with(*extra)
@@ -169,3 +170,25 @@ def _running(marker: str) -> bool:
         except OSError:
             continue
     return False
+
+
+@pytest.mark.slow  # 20 s; the uneven batch's refusal stays in the default suite
+def test_a_shorter_last_batch_runs_on_stages_made_for_its_shape(tmp_path, plain_with):
+    """88 samples: five batches of 16, then one of 8, in four micro-batches of 2."""
+    ranks = fit(tmp_path / "out", "--devices", "2", "--schedule", "1f1b", "--samples", "88")
+    reference = plain_with("--samples", "88")
+    for report in ranks:
+        torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(reference["losses"]), rtol=1e-6,
+                                   atol=0)
+
+
+def test_a_last_batch_that_does_not_split_evenly_stops_every_process_with_a_clear_error(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--devices", "2", "--schedule", "1f1b",
+                             "--samples", "90"], capture_output=True, text=True, timeout=120, cwd=out)
+    assert result.returncode != 0
+    for rank in (0, 1):  # each rank refuses the same batch itself: nobody waits on another
+        assert f"[rank{rank}]: ValueError: a batch of 10 samples splits into micro-batches of [3, 3, 2, 2]" in (
+            result.stderr)
+    assert "drop_last=True" in result.stderr and not _running(str(out))

@@ -24,7 +24,6 @@ from torch import nn
 
 from ..capture import capture_call
 from ..capture.pytrees import flatten
-from ..planner.planning import AUTO
 from ..planner.public import planned_for_call, planning_call
 from ..runtime import microbatch
 from ..runtime.batch_dims import first_micro_batch
@@ -203,8 +202,6 @@ class ProcessRuntime:
     def _make_plan(self, target: nn.Module, whole: tuple[tuple, dict]) -> Any:
         options = self.options
         devices = self.host.stage_devices_of_ranks(self.schedule.num_stages(self.host.world_size))
-        if options.chunks == AUTO:
-            raise ValueError("chunks='auto' does not choose for schedule= yet: give chunks=, e.g. twice the stages")
         with torch.enable_grad():
             args, kwargs = planning_call(target, *whole, options)
             return planned_for_call(target, args, kwargs, devices, options, self.host.optimizers)

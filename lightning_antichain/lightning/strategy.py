@@ -184,7 +184,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
             # the plan charges each stage the micro-batches its schedule keeps; calibration times
             # the in-process runtime, which is not the one that runs
             self.options = self.options.replace(
-                schedule="gpipe" if self.process_schedule.name == "gpipe" else "1f1b", calibrate=False)
+                schedule="gpipe" if self.process_schedule.name == "gpipe" else "1f1b", calibrate=False,
+                even_chunks=True)
         elif virtual_stages is not None:
             raise ValueError("virtual_stages= is for schedule='interleaved-1f1b', 'zb-h1' or 'zbv'")
         self.module_path = module

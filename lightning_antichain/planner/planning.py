@@ -71,11 +71,14 @@ AUTO = "auto"
 """``chunks="auto"``: the micro-batch count with the best predicted step that fits in memory."""
 
 
-def chunk_candidates(batch_size: int, stages: int) -> list[int]:
+def chunk_candidates(batch_size: int, stages: int, even: bool = False) -> list[int]:
     """The counts ``chunks="auto"`` weighs: powers of two up to the batch size, and up to 8 per stage
-    (at least 16), past which a step's overhead per micro-batch outweighs the bubble it saves."""
+    (at least 16), past which a step's overhead per micro-batch outweighs the bubble it saves; with
+    ``even`` (stages in processes, as torch's schedules run them), only those that split the batch
+    into micro-batches of one size and give every stage at least one."""
     limit = min(batch_size, max(16, 8 * stages))
-    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+    return [2**i for i in range(limit.bit_length())
+            if 2**i <= limit and not (even and (batch_size % 2**i or 2**i < stages))]
 
 
 def _in_training(fn: Callable[..., Planned]) -> Callable[..., Planned]:
@@ -216,7 +219,7 @@ def plan_model(
             optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, devices[0])
             chosen, cost, cached_from, key = _choose_chunks(
                 module, args, kwargs, batch_dim, size, len(devices), name or type(module).__name__, optimizer_s,
-                profiled, lambda cost, count, key: measured(cut(cost, count), key, args, kwargs))
+                options.even_chunks, profiled, lambda cost, count, key: measured(cut(cost, count), key, args, kwargs))
             plan = best_measured(cut(cost, chosen.chunks), cost, key, args, kwargs, first=chosen)
             plan.candidates, plan.batch_size = chosen.candidates, chosen.batch_size
             return Planned(plan, graph, cost, cached_from)
@@ -285,7 +288,7 @@ def _cut(cost: nx.DiGraph, devices: list[torch.device], chunks: int, recompute: 
 
 def _choose_chunks(
     module: nn.Module, args: tuple, kwargs: dict, batch_dim: int | Mapping[str, int], size: int, stages: int,
-    name: str, optimizer_s: float,
+    name: str, optimizer_s: float, even: bool,
     profiled: Callable[[tuple, dict, str], tuple[nx.DiGraph, Path | None, str]],
     cut: Callable[[nx.DiGraph, int, str], Plan],
 ) -> tuple[Plan, nx.DiGraph, Path | None, str]:
@@ -295,7 +298,7 @@ def _choose_chunks(
     rows: list[dict[str, Any]] = []
     best: tuple[Plan, nx.DiGraph, Path | None, str] | None = None
     refusal: InfeasiblePlanError | None = None
-    for chunks in chunk_candidates(size, stages):
+    for chunks in chunk_candidates(size, stages, even):
         micro = -(-size // chunks)
         if micro not in costs:
             try:

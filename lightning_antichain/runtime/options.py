@@ -42,7 +42,9 @@ class PipelineOptions:
     Planning: ``balance`` (operations per stage instead of planning), ``method`` (the antichain DP
     or a baseline), ``schedule`` (the order the stages run their tasks in, which sets the predicted
     step and each stage's memory: ``"gpipe"``, the in-process runtime's, or ``"1f1b"``, one
-    process per stage; see :mod:`~lightning_antichain.runtime.schedule`), ``bandwidth_gbps`` and
+    process per stage; see :mod:`~lightning_antichain.runtime.schedule`), ``even_chunks``
+    (``chunks="auto"`` weighs only counts that split the batch evenly and give each stage one
+    at least, as torch's schedules need), ``bandwidth_gbps`` and
     ``memory_gb`` (``None``: from the devices),
     ``optimizer_multiplier`` (optimizer state per parameter byte; ``None``: from the optimizers,
     else 2), ``profile_cache`` and ``use_profile_cache``, ``calibrate`` (time a few steps of CPU
@@ -65,6 +67,7 @@ class PipelineOptions:
     balance: tuple[int, ...] | None = None
     method: str = "antichain"
     schedule: str = "gpipe"
+    even_chunks: bool = False
     bandwidth_gbps: float | None = None
     memory_gb: float | tuple[float | None, ...] | None = None
     optimizer_multiplier: float | None = None

@@ -134,12 +134,13 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--virtual-stages", type=int, default=None)
-    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--chunks", type=lambda v: v if v == "auto" else int(v), default=4)
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--save", default=None, help="write a checkpoint here at the end")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--adam", action="store_true", help="AdamW instead of SGD with momentum")
+    parser.add_argument("--samples", type=int, default=96, help="training samples (16 per batch)")
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--every", type=int, default=None, help="save a checkpoint in --out every this many steps")
     args = parser.parse_args()
@@ -157,7 +158,7 @@ def main() -> None:
             if args.every else [])],
     )
     module = Skips(adam=args.adam)
-    trainer.fit(module, data(), data(32), ckpt_path=args.resume)
+    trainer.fit(module, data(args.samples), data(32), ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
 
