@@ -278,11 +278,11 @@ def test_every_schedule_runs_the_plan_in_two_processes_with_plain_gradients():
             assert losses[key] == pytest.approx(micro_losses, rel=1e-12), key
 
 
-def test_a_parameter_tied_across_two_ranks_is_refused_before_anything_is_placed():
+def test_a_parameter_tied_across_two_ranks_is_found_and_refused_where_nothing_keeps_its_copies_in_step():
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
     from lightning_antichain.runtime.process_schedules import process_schedule
-    from lightning_antichain.runtime.process_stages import rank_flat_stages
+    from lightning_antichain.runtime.process_stages import holders, rank_flat_stages, split_for_ranks
 
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -298,5 +298,8 @@ def test_a_parameter_tied_across_two_ranks_is_refused_before_anything_is_placed(
     graph = capture_call(model, (tokens,), {})
     cost = la.profile(model, tokens, op_graph=graph, repeats=1, warmup=0, progress=False, runtime_overhead=False)
     plan = la.plan_from_balance(cost, [2, len(cost) - 2], chunks=2)  # embed | the rest, head included
-    with pytest.raises(ValueError, match="used by stages on rank 0 and on rank 1"):
-        rank_flat_stages(graph, plan, process_schedule("1f1b"), 0, 2, torch.device("cpu"))
+    schedule = process_schedule("1f1b")
+    found = holders(split_for_ranks(graph, plan, schedule, 2, torch.device("cpu")), schedule, 2)
+    assert found[id(model.embed.weight)] == (0, 1) and found[id(model.mid.weight)] == (1,)
+    with pytest.raises(ValueError, match=r"used by stages on ranks \(0, 1\) \(tied weights\)"):
+        rank_flat_stages(graph, plan, schedule, 0, 2, torch.device("cpu"))

@@ -192,3 +192,31 @@ def test_a_last_batch_that_does_not_split_evenly_stops_every_process_with_a_clea
         assert f"[rank{rank}]: ValueError: a batch of 10 samples splits into micro-batches of [3, 3, 2, 2]" in (
             result.stderr)
     assert "drop_last=True" in result.stderr and not _running(str(out))
+
+
+TIED = "net.transformer.wte.weight"  # GPT-2's input embedding, also its output layer's weight
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=SLOW)])
+def test_gpt2_with_its_embedding_tied_to_its_output_layer_across_the_first_and_last_rank_equals_plain(
+        tmp_path, plain_with, schedule):
+    """Each of the two ranks holds a copy of the tied weight (with ZBV both stages that use it are on
+    rank 0); the copies end equal, to the bit, and equal plain training's weight. The sizes an
+    exported GPT-2 reads once and uses in every layer are read again from the tensors each stage
+    receives, since torch's stages send tensors only."""
+    settings = ("--model", "gpt2", *CLIP)  # the tied weight's gradient counts once in the norm
+    plain = plain_with(*settings)
+    ranks = fit(tmp_path / "out", "--devices", "2", "--schedule", schedule, *settings)
+    trained = [set(r["trained"]) for r in ranks]
+    assert set().union(*trained) == set(plain["parameters"])
+    if schedule == "1f1b":
+        assert trained[0] & trained[1] == {TIED}
+        assert ranks[0]["parameters"][TIED] == ranks[1]["parameters"][TIED]
+    else:
+        assert not trained[0] & trained[1] and TIED in trained[0]
+    for report in ranks:
+        torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
+        assert report["train_acc"] == plain["train_acc"]
+        for name in report["trained"]:
+            torch.testing.assert_close(torch.tensor(report["parameters"][name]),
+                                       torch.tensor(plain["parameters"][name]), rtol=1e-6, atol=1e-12)

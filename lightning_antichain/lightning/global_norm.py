@@ -14,14 +14,18 @@ import torch.distributed as dist
 
 
 def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float, device: torch.device,
-                        group: object = None) -> torch.Tensor:
+                        counted_elsewhere: frozenset[int] | set[int] = frozenset(), group: object = None
+                        ) -> torch.Tensor:
     """Scale the gradients of ``params`` (this process's) so that the norm of every process's
     gradients together is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does for
-    one process; that norm."""
-    grads = [p.grad for p in params if p.grad is not None]
+    one process; that norm. A parameter whose id is in ``counted_elsewhere`` (a tied copy another
+    process counts) is scaled but not counted here."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        squares += grad.detach().double().square().sum().to(device)
+    for param in params:
+        if id(param) not in counted_elsewhere:
+            squares += param.grad.detach().double().square().sum().to(device)
     dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -114,6 +114,7 @@ class ProcessRuntime:
         if train:
             with torch.enable_grad(), self._gradients_stashed(pipeline.parameters()):
                 pipeline.run(_shape_of(micro), calls, loss, len(micro), train)
+                pipeline.tied.sum_gradients()
         else:
             with torch.no_grad():
                 pipeline.run(_shape_of(micro), calls, loss, len(micro), train)
@@ -139,6 +140,10 @@ class ProcessRuntime:
         finally:
             for p, grad in zip(params, before):
                 p.grad = grad
+
+    def counted_elsewhere(self) -> set[int]:
+        """The ids of this rank's tied copies whose gradient another rank counts in a norm."""
+        return set() if self.pipeline is None else self.pipeline.tied.counted_elsewhere()
 
     def give_gradients(self) -> None:
         """Add the last training step's gradients to the parameters' (Lightning's backward)."""

@@ -511,7 +511,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         if self._processes is not None:
             plugin = self.precision_plugin
             plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_by_global_norm(  # type: ignore[method-assign]
-                plugin.main_params(optimizer), clip_val, self.root_device)
+                plugin.main_params(optimizer), clip_val, self.root_device, self._processes.counted_elsewhere())
             if trainer.state.fn == TrainerFn.FITTING:
                 state_with_parameters(self.optimizers)
             steps = self._processes.attach(self.lightning_module, self._describe_target())

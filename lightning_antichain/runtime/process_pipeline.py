@@ -25,7 +25,8 @@ from ..capture import OpGraph
 from .initialization import Initializer
 from .plan import Plan
 from .process_schedules import ProcessSchedule
-from .process_stages import FlatStage, rank_flat_stages, schedule_runner, torch_stages
+from .process_stages import FlatStage, holders, place_rank, schedule_runner, split_for_ranks, torch_stages
+from .tied_parameters import TiedParameters
 
 #: a micro-batch's loss from its output, as the module returns it, and its index
 MicroBatchLoss = Callable[[Any, int], torch.Tensor]
@@ -38,7 +39,12 @@ class ProcessPipeline:
                  device: torch.device, group: Any = None, initializer: Initializer | None = None) -> None:
         self.graph, self.plan, self.schedule = graph, plan, schedule
         self.rank, self.ranks, self.device, self.group = rank, ranks, device, group
-        self.stages: list[FlatStage] = rank_flat_stages(graph, plan, schedule, rank, ranks, device, initializer)
+        every = split_for_ranks(graph, plan, schedule, ranks, device)
+        params = {id(p): p for stage in every for p in stage.parameters()}
+        names = {id(p): name for name, p in graph.module.named_parameters()}
+        self.tied = TiedParameters(holders(every, schedule, ranks), params, names, rank)
+        self.stages: list[FlatStage] = place_rank(every, schedule, rank, ranks, initializer)
+        self.tied.share_values()
         held = {stage.stage.index: stage.stage for stage in self.stages}
         first, last = held.get(0), held.get(plan.num_stages - 1)
         placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]

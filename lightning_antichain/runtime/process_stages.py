@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from ..capture import OpGraph
 from ..capture.pytrees import flatten
+from .cut_sizes import without_sizes
 from .initialization import Initializer
 from .plan import Plan
 from .process_schedules import ProcessSchedule
@@ -46,6 +47,7 @@ class FlatStage(nn.Module):
         if len(values) != len(self.stage.inputs):
             raise CutValueError(f"stage {self.stage.index} takes {len(self.stage.inputs)} values "
                                 f"({', '.join(self.stage.inputs)}), got {len(values)}")
+        values = tuple(_Received.apply(v) if isinstance(v, torch.Tensor) and v.requires_grad else v for v in values)
         leaves, _ = self.stage(*flatten(tuple(values)))
         outside = [(name, type(v).__name__) for name, v in zip(self.stage.outputs, leaves)
                    if not isinstance(v, torch.Tensor)]
@@ -63,45 +65,72 @@ class _Sent(torch.autograd.Function):
     """A value a stage sends on, as a tensor object of its own over the same memory. torch's
     zero-bubble schedules detach a stage's outputs in place once their input gradients are taken;
     that must not reach the tensor itself where its own operations saved it for the weight
-    gradients still to come (a Linear's input, a tanh's output), nor an input passed through."""
+    gradients still to come (a Linear's input, a tanh's output), nor an input passed through. It is
+    contiguous: torch.distributed sends tensors as they lie in memory."""
 
     @staticmethod
     def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
-        return value.detach()
+        return value.detach() if value.is_contiguous() else value.contiguous()  # sent as it lies in memory
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 
-def rank_flat_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
-                     device: torch.device, initializer: Initializer | None = None) -> list[FlatStage]:
-    """The stages rank ``rank`` of ``ranks`` holds under ``schedule``, split from ``graph`` as ``plan``
-    cuts it and placed (made real, where the model is on meta) on ``device``: these stages alone."""
+def split_for_ranks(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, ranks: int,
+                    device: torch.device) -> list[StageModule]:
+    """Every stage of ``plan`` for ``ranks`` ranks under ``schedule``, split from ``graph``, none placed,
+    each reading the sizes it needs from the tensors it receives (:mod:`.cut_sizes`)."""
     if plan.num_stages != schedule.num_stages(ranks):
         raise ValueError(f"schedule {schedule.name!r} with {schedule.virtual_stages} stage(s) per rank on {ranks} "
                          f"ranks runs {schedule.num_stages(ranks)} stages; the plan has {plan.num_stages}. Plan for "
                          f"{schedule.num_stages(ranks)} stages.")
-    stages = split_stages(graph, plan, [device] * plan.num_stages)
-    _refuse_shared_across_ranks(stages, schedule, ranks)
+    return without_sizes(split_stages(graph, plan, [device] * plan.num_stages), graph)
+
+
+def place_rank(stages: list[StageModule], schedule: ProcessSchedule, rank: int, ranks: int,
+               initializer: Initializer | None = None) -> list[FlatStage]:
+    """Rank ``rank``'s stages among ``stages``, placed (made real, where the model is on meta) on
+    their device: these stages alone."""
     mine = [stages[i] for i in schedule.stages_of(rank, ranks)]
     place_stages(mine, initializer)
     return [FlatStage(stage) for stage in mine]
 
 
-def _refuse_shared_across_ranks(stages: list[StageModule], schedule: ProcessSchedule, ranks: int) -> None:
-    """A parameter used by stages of two ranks would train as two copies that drift apart."""
-    holder: dict[int, int] = {}
+def holders(stages: list[StageModule], schedule: ProcessSchedule, ranks: int) -> dict[int, tuple[int, ...]]:
+    """The ranks whose stages use each parameter, by the parameter's id."""
+    found: dict[int, set[int]] = {}
     for stage in stages:
         rank = schedule.rank_of(stage.index, ranks)
         for param in stage.parameters():
-            first = holder.setdefault(id(param), rank)
-            if first != rank:
-                raise ValueError(
-                    f"a parameter of shape {tuple(param.shape)} is used by stages on rank {first} and on rank {rank} "
-                    "(tied weights, such as an input embedding shared with the output layer): with schedule= this is "
-                    "not supported yet. Train without schedule=: one process drives every stage."
-                )
+            found.setdefault(id(param), set()).add(rank)
+    return {key: tuple(sorted(ranks_)) for key, ranks_ in found.items()}
+
+
+class _Received(torch.autograd.Function):
+    """A value a stage receives, whose gradient goes back contiguous: torch.distributed sends
+    tensors as they lie in memory, and the gradient of a view or an expand does not lie in one piece."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def rank_flat_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
+                     device: torch.device, initializer: Initializer | None = None) -> list[FlatStage]:
+    """The stages rank ``rank`` of ``ranks`` holds under ``schedule``, split from ``graph`` as ``plan``
+    cuts it and placed on ``device``. A parameter that stages of two ranks use is refused here:
+    :class:`~.process_pipeline.ProcessPipeline` keeps such copies in step."""
+    stages = split_for_ranks(graph, plan, schedule, ranks, device)
+    shared = [ranks_ for ranks_ in holders(stages, schedule, ranks).values() if len(ranks_) > 1]
+    if shared:
+        raise ValueError(f"a parameter is used by stages on ranks {shared[0]} (tied weights): run the stages with "
+                         "ProcessPipeline, which keeps its copies in step")
+    return place_rank(stages, schedule, rank, ranks, initializer)
 
 
 def torch_stages(flat: list[FlatStage], num_stages: int, device: torch.device, group: Any = None

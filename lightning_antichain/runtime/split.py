@@ -186,7 +186,7 @@ def split_stages(graph: OpGraph, plan: Plan, devices: list[torch.device]) -> lis
         module = share_original_modules(fx.GraphModule(gm, sub, f"Stage{spec.index}"), graph.module)
         retarget_devices(module, graph.capture_device, device)
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-        mutated = frozenset(i for i, p in enumerate(placeholders) if _changed_in_place(module, p))
+        mutated = frozenset(i for i, p in enumerate(placeholders) if changed_in_place(module, p))
         random_nodes = tuple(seed_random_nodes(module))
         stages.append(StageModule(spec.index, module, inputs, outputs, device, mutated, random_nodes=random_nodes))
     return stages
@@ -196,7 +196,7 @@ def _copy(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _changed_in_place(module: fx.GraphModule, value: fx.Node) -> bool:
+def changed_in_place(module: fx.GraphModule, value: fx.Node) -> bool:
     """Whether an operation may change ``value`` in place, directly or through something that may
     return it or a view of it (``nn.Identity``, dropout in eval mode, ``x.view``, indexing)."""
     seen: set[fx.Node] = set()

@@ -99,6 +99,52 @@ class Skips(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+VOCAB = 40
+
+
+class TiedGPT(L.LightningModule):
+    """GPT-2 (captured by torch.export) whose input embedding is its output layer's weight: with
+    two stages, the first and the last rank each hold a copy."""
+
+    def __init__(self, adam: bool = False):
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                         use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        self.net = transformers.GPT2LMHeadModel(config)
+        assert self.net.lm_head.weight is self.net.transformer.wte.weight
+        self.adam = adam
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=VOCAB)
+
+    def forward(self, tokens):
+        return self.net(input_ids=tokens).logits
+
+    def training_step(self, batch, batch_idx):
+        tokens, target = batch
+        logits = self(tokens)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+        self.log("train_loss", loss)
+        self.train_acc(logits.argmax(-1).reshape(-1), target.reshape(-1))
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        tokens, target = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(tokens).reshape(-1, VOCAB), target.reshape(-1)))
+
+    def configure_optimizers(self):
+        if self.adam:
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def tokens(samples: int = 96, batch_size: int = 16) -> DataLoader:
+    gen = torch.Generator().manual_seed(0)
+    sequences = torch.randint(0, VOCAB, (samples, 9), generator=gen)
+    return DataLoader(TensorDataset(sequences[:, :-1], sequences[:, 1:]), batch_size=batch_size)
+
+
 def data(samples: int = 96, batch_size: int = 16) -> DataLoader:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 16, generator=gen, dtype=torch.float64)
@@ -140,6 +186,7 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="write a checkpoint here at the end")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--adam", action="store_true", help="AdamW instead of SGD with momentum")
+    parser.add_argument("--model", choices=["skips", "gpt2"], default="skips")
     parser.add_argument("--samples", type=int, default=96, help="training samples (16 per batch)")
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--every", type=int, default=None, help="save a checkpoint in --out every this many steps")
@@ -157,8 +204,8 @@ def main() -> None:
             [L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.every, save_top_k=-1)]
             if args.every else [])],
     )
-    module = Skips(adam=args.adam)
-    trainer.fit(module, data(args.samples), data(32), ckpt_path=args.resume)
+    module, loader = (TiedGPT(adam=args.adam), tokens) if args.model == "gpt2" else (Skips(adam=args.adam), data)
+    trainer.fit(module, loader(args.samples), loader(32), ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
 
