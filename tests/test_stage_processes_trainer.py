@@ -23,8 +23,12 @@ def fit(out: Path, *args: str) -> list[dict]:
     result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], capture_output=True, text=True,
                             timeout=600, cwd=out)
     assert result.returncode == 0, result.stderr[-4000:]
-    reports = sorted(out.glob("rank*.json"))
-    return [json.loads(r.read_text()) for r in reports]
+    reports = [json.loads(r.read_text()) for r in sorted(out.glob("rank*.json"))]
+    for rank, report in enumerate(reports):
+        predictions = out / f"predictions{rank}.json"
+        if predictions.exists():
+            report["predictions"] = json.loads(predictions.read_text())
+    return reports
 
 
 _PLAIN: dict[tuple[str, ...], dict] = {}
@@ -49,10 +53,11 @@ SLOW = pytest.mark.slow  # the 2-process 1F1B run stays in the default suite
 
 
 CLIP = ("--clip", "0.3")  # clipping by norm takes the norm over every process's gradients
+PREDICT = ("--predict",)  # predictions come back from the last stage, in order, to every rank
 
 
 @pytest.mark.parametrize("devices, schedule, extra", [
-    (2, "1f1b", CLIP),
+    (2, "1f1b", (*CLIP, *PREDICT)),
     pytest.param(2, "gpipe", (), marks=SLOW),
     pytest.param(2, "interleaved-1f1b", (), marks=SLOW),
     pytest.param(2, "zb-h1", CLIP, marks=SLOW),
@@ -60,7 +65,7 @@ CLIP = ("--clip", "0.3")  # clipping by norm takes the norm over every process's
     pytest.param(4, "1f1b", (), marks=SLOW),
     pytest.param(4, "gpipe", CLIP, marks=SLOW),
     pytest.param(4, "zb-h1", (), marks=SLOW),
-    pytest.param(4, "zbv", (), marks=SLOW),
+    pytest.param(4, "zbv", PREDICT, marks=SLOW),
     pytest.param(2, "1f1b", ("--chunks", "auto"), marks=SLOW),  # the mean loss is the same for any count
 ])
 def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain_with, devices, schedule, extra):
@@ -80,6 +85,10 @@ def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain
         for name in mine:
             ours, theirs = torch.tensor(report["parameters"][name]), torch.tensor(plain["parameters"][name])
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-12)
+    if "--predict" in extra:
+        expected = torch.tensor(plain["predictions"])
+        for rank in range(devices):
+            torch.testing.assert_close(torch.tensor(ranks[rank]["predictions"]), expected, rtol=1e-6, atol=1e-12)
 
 
 def losses_after(reports: list[dict]) -> torch.Tensor:
@@ -182,6 +191,7 @@ def test_a_shorter_last_batch_runs_on_stages_made_for_its_shape(tmp_path, plain_
                                    atol=0)
 
 
+@pytest.mark.slow  # an error path, 12 s
 def test_a_last_batch_that_does_not_split_evenly_stops_every_process_with_a_clear_error(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -18,12 +18,13 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from ..capture import capture_call
-from ..capture.pytrees import flatten
+from ..capture.pytrees import flatten, map_tensors
 from ..planner.public import planned_for_call, planning_call
 from ..runtime import microbatch
 from ..runtime.batch_dims import first_micro_batch
@@ -38,6 +39,7 @@ from .same_batches import check_same_batch
 from .step_logs import StepLogs, metric_states, replay, set_metric_states, unsynced
 
 TRAINING = "training_step"
+PREDICTING = "predict_step"
 
 
 class Host(Protocol):
@@ -101,11 +103,13 @@ class ProcessRuntime:
         calls = [self.steps.call_of(hook, m, rest) for m in micro] if pipeline.holds_first else None
         logs, losses = StepLogs(), [0.0] * len(micro)
         train = hook == TRAINING
+        results: list[Any] = [None] * len(micro)
 
         def loss(output: Any, m: int) -> torch.Tensor:
             assert self.steps is not None
             result = self.steps.result_of(hook, micro[m], rest, output, logs, sizes[m])
             if not train:
+                results[m] = map_tensors(lambda t: t.detach().cpu(), result) if hook == PREDICTING else None
                 return torch.zeros((), device=self.host.root_device)
             value = _loss_of(result, hook)
             losses[m] = value.detach().item()
@@ -119,12 +123,14 @@ class ProcessRuntime:
             with torch.no_grad():
                 pipeline.run(_shape_of(micro), calls, loss, len(micro), train)
         mean = sum(v * s for v, s in zip(losses, sizes)) / total
-        sent = [(mean, logs.merged(), metric_states(module))] if pipeline.holds_last else [None]
+        sent = [(mean, logs.merged(), metric_states(module), results)] if pipeline.holds_last else [None]
         dist.broadcast_object_list(sent, src=pipeline.last_rank())
-        mean, merged, states = sent[0]  # type: ignore[misc]
+        mean, merged, states, results = sent[0]  # type: ignore[misc]
         if not pipeline.holds_last:
             set_metric_states(module, states)
         replay(module, merged, total, self.host.root_device)
+        if hook == PREDICTING:
+            return map_tensors(lambda t: t.to(self.host.root_device), joined(results))
         return torch.tensor(mean, device=self.host.root_device) if train else None
 
     @contextmanager
@@ -210,6 +216,17 @@ class ProcessRuntime:
         with torch.enable_grad():
             args, kwargs = planning_call(target, *whole, options)
             return planned_for_call(target, args, kwargs, devices, options, self.host.optimizers)
+
+
+def joined(results: list[Any]) -> Any:
+    """The micro-batches' predictions as one batch's: tensors (in any nesting) joined on their
+    first dim, in micro-batch order; anything else as the list of the micro-batches' results."""
+    leaves = [pytree.tree_flatten(r) for r in results]
+    spec = leaves[0][1]
+    if any(s != spec for _, s in leaves) or not all(
+            isinstance(v, torch.Tensor) and v.ndim > 0 for flat, _ in leaves for v in flat):
+        return results
+    return pytree.tree_unflatten([torch.cat(parts) for parts in zip(*(flat for flat, _ in leaves))], spec)
 
 
 def _gathered(part: Any) -> list[Any]:

@@ -588,8 +588,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._processes is not None:
-            raise NotImplementedError("predict with schedule= is not supported yet: predict without schedule= (one "
-                                      "process drives every stage), from a checkpoint of this run")
+            return self._process_step("predict_step", args, kwargs)
         return super().predict_step(*args, **kwargs)
 
     @override

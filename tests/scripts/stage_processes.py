@@ -93,6 +93,9 @@ class Skips(L.LightningModule):
         x, y = batch
         self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
+    def predict_step(self, batch, batch_idx):
+        return {"probabilities": self(batch[0]).softmax(-1)}
+
     def configure_optimizers(self):
         if self.adam:
             return torch.optim.AdamW(self.parameters(), lr=0.01)
@@ -187,6 +190,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--adam", action="store_true", help="AdamW instead of SGD with momentum")
     parser.add_argument("--model", choices=["skips", "gpt2"], default="skips")
+    parser.add_argument("--predict", action="store_true", help="after fitting, write predictions{rank}.json")
     parser.add_argument("--samples", type=int, default=96, help="training samples (16 per batch)")
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--every", type=int, default=None, help="save a checkpoint in --out every this many steps")
@@ -208,6 +212,10 @@ def main() -> None:
     trainer.fit(module, loader(args.samples), loader(32), ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
+    if args.predict:
+        predictions = trainer.predict(module, loader(32))
+        (Path(args.out) / f"predictions{trainer.global_rank}.json").write_text(json.dumps(
+            [p["probabilities"].cpu().tolist() for p in predictions]))
 
 
 if __name__ == "__main__":
