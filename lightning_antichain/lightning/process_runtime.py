@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -29,10 +30,13 @@ from ..planner.public import planned_for_call, planning_call
 from ..runtime import microbatch
 from ..runtime.batch_dims import first_micro_batch
 from ..runtime.initialization import Initializer
+from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.options import PipelineOptions
 from ..runtime.plan import Plan
 from ..runtime.process_pipeline import ProcessPipeline
 from ..runtime.process_schedules import ProcessSchedule
+from .forward_patch import ForwardPatch
+from .global_norm import clip_by_global_norm
 from .micro_batch_steps import MicroBatchSteps
 from .rank_faults import explained
 from .same_batches import check_same_batch
@@ -43,14 +47,29 @@ PREDICTING = "predict_step"
 
 
 class Host(Protocol):
-    """What the strategy tells: this rank, every stage's device, and the optimizers."""
+    """What the strategy tells: this rank, every stage's device, the module, its optimizers."""
 
     global_rank: int
     world_size: int
     root_device: torch.device
     optimizers: list[Any]
+    lightning_module: Any
+    precision_plugin: Any
 
     def stage_devices_of_ranks(self, num_stages: int) -> list[torch.device]: ...
+
+    def target(self) -> nn.Module: ...
+
+    def describe_target(self) -> str: ...
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None: ...
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None: ...
+
+
+#: the precision plugin's context for each step hook
+_CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step_context",
+             "test_step": "test_step_context", "predict_step": "predict_step_context"}
 
 
 class ProcessRuntime:
@@ -64,28 +83,62 @@ class ProcessRuntime:
         self.plan = plan
         self.pipeline: ProcessPipeline | None = None
         self.steps: MicroBatchSteps | None = None
+        self._forward_patch = ForwardPatch()
         self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
 
-    def attach(self, module: LightningModule, describe: str) -> MicroBatchSteps:
-        """The steps of ``module``, whose forward (or a submodule's) the strategy replaces by the
-        returned object's ``forward``."""
+    def setup(self, trainer: Any) -> None:
+        """Make the module's forward answer inside the steps, and clipping by norm take every
+        rank's gradients."""
+        host = self.host
+        module = host.lightning_module
         if self.steps is None or self.steps.module is not module:
-            self.steps = MicroBatchSteps(module, describe)
-            self.pipeline = None if self.pipeline is None or self.pipeline.graph.module is not module else self.pipeline
+            self.steps = MicroBatchSteps(module, host.describe_target())
+            self.pipeline = None if self.pipeline is None or self.pipeline.graph.module is not host.target() else (
+                self.pipeline)
         unsynced(module)
-        return self.steps
+        plugin = host.precision_plugin
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_by_global_norm(  # type: ignore[method-assign]
+            plugin.main_params(optimizer), clip_val, host.root_device, self.counted_elsewhere())
+        if trainer.state.fn == TrainerFn.FITTING:
+            state_with_parameters(host.optimizers)
+        self._forward_patch.install(host.target(), self.steps.forward)
 
-    def step(self, hook: str, target: nn.Module, args: tuple, accumulate: int = 1) -> Any:
+    def step(self, hook: str, args: tuple, kwargs: dict) -> Any:
         """Run the step ``hook`` (``training_step``, ...) on the batch ``args[0]`` through the
-        pipeline; the step's loss on every rank for training, else ``None``. Where another rank
-        failed, its error (:mod:`.rank_faults`)."""
-        try:
-            return self._step(hook, target, args, accumulate)
-        except Exception as error:
-            cause = explained(error, self.host.global_rank)
-            if cause is error:
-                raise
-            raise cause from error
+        pipeline: the step's loss on every rank for training, the batch's predictions for
+        prediction, else ``None``. Where another rank failed, its error (:mod:`.rank_faults`)."""
+        host = self.host
+        args = (*args, *kwargs.values())
+        accumulate = host.lightning_module.trainer.accumulate_grad_batches if hook == TRAINING else 1
+        with getattr(host.precision_plugin, _CONTEXTS[hook])():
+            try:
+                return self._step(hook, host.target(), args, accumulate)
+            except Exception as error:
+                cause = explained(error, host.global_rank)
+                if cause is error:
+                    raise
+                raise cause from error
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The schedule ran every micro-batch's backward inside the step: Lightning's hooks run,
+        and the step's gradients join the parameters'."""
+        host = self.host
+        host.pre_backward(closure_loss)
+        closure_loss = host.precision_plugin.pre_backward(closure_loss, host.lightning_module)
+        self.give_gradients()
+        closure_loss = host.precision_plugin.post_backward(closure_loss, host.lightning_module)
+        host.post_backward(closure_loss)
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        return Strategy.optimizer_step(self.host, optimizer, closure, model, **kwargs)  # each rank its parameters
+
+    def stages_placed(self) -> None:
+        """Nothing to do: each rank places its own stages."""
+
+    def teardown(self) -> None:
+        self._forward_patch.uninstall()
+        vars(self.host.precision_plugin).pop("clip_grad_by_norm", None)
 
     def _step(self, hook: str, target: nn.Module, args: tuple, accumulate: int) -> Any:
         assert self.steps is not None, "attach() the LightningModule first"

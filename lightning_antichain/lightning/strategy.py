@@ -2,12 +2,14 @@
 
     trainer = Trainer(strategy=AntichainPipelineStrategy(chunks=8), devices=4)  # or chunks="auto", the default
 
-One process drives one pipeline over all the devices Lightning assigns. The strategy profiles the
-module to pipeline (the LightningModule's own ``forward`` unless ``module=`` names a submodule),
-plans its stages, and from setup to teardown makes that module's forward the pipelined one. The
-user's step, loss, logging, torchmetrics, optimizers, clipping, accumulation and checkpointing
-stay exactly as without the strategy: outputs come back on the root device, gradients land in the
-original parameters, and checkpoints hold the original keys as CPU tensors.
+The strategy profiles the module to pipeline (the LightningModule's own ``forward`` unless
+``module=`` names a submodule), plans its stages, and hands the steps to one of two runtimes with
+one interface (set up, run a step, backward, optimizer step, give state, tear down): by default
+one process drives one pipeline over all the devices Lightning assigns
+(:mod:`.in_process_runtime`); with ``schedule=`` each device is a process holding its own stages
+(:mod:`.process_runtime`). Here stay what both share: devices and ranks, the launcher, placing
+the model, and checkpoints with the original keys as CPU tensors. The user's step, loss, logging,
+torchmetrics, optimizers, clipping, accumulation and checkpointing stay as without the strategy.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -31,15 +32,12 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
 from ..capture.pytrees import map_tensors
-from ..capture.signature import split_inputs
 from ..planner.planning import default_memory_gb
 from ..runtime.cpu_threads import stage_threads
 from ..runtime.empty_init import init_empty_weights
@@ -50,11 +48,9 @@ from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
 from ..runtime.process_schedules import process_schedule
-from .forward_patch import ForwardPatch
-from .global_norm import clip_by_global_norm
+from .in_process_runtime import InProcessRuntime
 from .planned_pipeline import PlannedPipeline
 from .process_runtime import ProcessRuntime
-from .replicas import average_gradients
 from .same_batches import same_order_everywhere
 
 log = logging.getLogger(__name__)
@@ -204,15 +200,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._num_nodes = 1
         #: the plan and the Pipeline of the module pipelined, made on its first batch
         self._planned = PlannedPipeline(self, self.options, plan)
-        self._calls = 0
-        self._checked_first_step = False
-        self._in_training_step = False
-        self._forward_patch = ForwardPatch()
-        self._tasks_before: Counter[tuple[int, int]] = Counter()
         self._waiting_optimizer_states: list[dict[str, Any]] | None = None
-        self._leftovers_placed = False
-        self._processes = (None if self.process_schedule is None else
-                           ProcessRuntime(self, self.options, self.process_schedule))
+        #: what runs the steps: one process driving every stage, or this rank's stages as a process
+        self._runtime: InProcessRuntime | ProcessRuntime = (
+            InProcessRuntime(self, self._planned, log_stage_times) if self.process_schedule is None
+            else ProcessRuntime(self, self.options, self.process_schedule))
 
     # -- one process, several devices ----------------------------------------------------------
 
@@ -235,7 +227,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
         """Micro-batch tasks this strategy's pipelines ran, by stage and worker thread (see
         :attr:`Pipeline.tasks_run`), over every ``fit``/``validate``/``test``/``predict`` so far."""
         current = self.pipeline.tasks_run if self.pipeline is not None else Counter()
-        return self._tasks_before + current
+        before = self._runtime.tasks_before if isinstance(self._runtime, InProcessRuntime) else Counter()
+        return before + current
 
     @property
     def stages_per_replica(self) -> int:
@@ -330,7 +323,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return dataloader if self._processes is None else same_order_everywhere(dataloader)
+        return dataloader if self.process_schedule is None else same_order_everywhere(dataloader)
 
     @override
     def _configure_launcher(self) -> None:
@@ -369,24 +362,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Average the gradients of the replicas after the closure's backward, before the step;
-        after it, refuse a stage that held more than its memory budget."""
-        if self.process_schedule is not None:  # the ranks are stages, each stepping its own parameters
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        if not (self.is_distributed and _distributed_is_initialized()):
-            result = super().optimizer_step(optimizer, closure, model, **kwargs)
-            self._planned.check_budgets()
-            return result
-
-        def closure_then_average() -> Any:
-            result = closure()
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            average_gradients(params, self.root_device, self.world_size)
-            return result
-
-        result = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-        self._planned.check_budgets()
-        return result
+        return self._runtime.optimizer_step(optimizer, closure, model, **kwargs)
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -480,7 +456,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
                 "metrics, say) outside the meta context: empty_init and Trainer.init_module(empty_init=True) are for "
                 "the network; create metrics in __init__ and the network in configure_model()."
             )
-        target = self._target()
+        target = self.target()
         staying = {id(t) for t in [*target.parameters(), *target.buffers()]}
         staying |= {id(p.grad) for p in target.parameters() if p.grad is not None}
         module._apply(lambda t: t if t.is_meta or id(t) in staying else t.to(self.root_device))
@@ -488,49 +464,14 @@ class AntichainPipelineStrategy(ParallelStrategy):
         inside = {id(m) for m in target.modules()}
         outside = [m for m in module.modules() if id(m) not in inside]
         materialize(outside, self.root_device, "reset", Initializer(module, self.options.param_init_fn))
-        self._leftovers_placed = False
-
-    def _place_leftovers(self) -> None:
-        """Once the stages are placed: the pipelined module's tensors that no stage uses (a loss
-        module, metrics, an unused branch) go to the root device, where the step runs."""
-        pipeline = self.pipeline
-        if self._leftovers_placed or pipeline is None or not pipeline.stages:
-            return
-        self._leftovers_placed = True
-        staged: set[int] = set()
-        for stage in pipeline.stages:
-            tensors = [*stage.parameters(), *stage.buffers(), *(b for m in stage.submodules() for b in m.buffers())]
-            staged |= {id(t) for t in tensors} | {id(t.grad) for t in tensors if t.grad is not None}
-        module = self.lightning_module
-        assert module is not None
-        module._apply(lambda t: t if t.is_meta or id(t) in staged else t.to(self.root_device))
 
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        if self._processes is not None:
-            plugin = self.precision_plugin
-            plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_by_global_norm(  # type: ignore[method-assign]
-                plugin.main_params(optimizer), clip_val, self.root_device, self._processes.counted_elsewhere())
-            if trainer.state.fn == TrainerFn.FITTING:
-                state_with_parameters(self.optimizers)
-            steps = self._processes.attach(self.lightning_module, self._describe_target())
-            self._forward_patch.install(self._target(), steps.forward)
-            return
-        example = getattr(self.lightning_module, "example_input_array", None)
-        if example is not None and self.module_path is None and self.pipeline is None:
-            args, kwargs = split_inputs(move_data_to_device(example, self.root_device))
-            self._planned.build(self._target(), args, kwargs)
-            assert self.pipeline is not None
-            # Lightning's model summary runs the example in eval mode with hooks on every layer,
-            # which tracing would run on traced values
-            with torch.inference_mode(False), torch.no_grad():
-                self.pipeline.prepare(*args, training=False, **kwargs)
-        if trainer.state.fn == TrainerFn.FITTING:
-            state_with_parameters(self.optimizers)  # Lightning put it all on the root device
-        self._forward_patch.install(self._target(), self._pipelined_forward)
+        self._runtime.setup(trainer)
 
-    def _target(self) -> nn.Module:
+    def target(self) -> nn.Module:
+        """The module pipelined: the LightningModule, or its submodule ``module=``."""
         module = self.lightning_module
         assert module is not None
         if self.module_path is None:
@@ -544,83 +485,27 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._calls += 1
-        output = self._planned.forward(self._target(), args, kwargs, training_step=self._in_training_step)
-        self._place_leftovers()  # where the stages were placed by this call
-        return output
-
-    def _process_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
-        """A step when every stage is a process (:mod:`.process_runtime`)."""
-        assert self._processes is not None
-        if kwargs:
-            args = (*args, *kwargs.values())
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches if hook == "training_step" else 1
-        with getattr(self.precision_plugin, {"training_step": "train_step_context", "validation_step":
-                                             "val_step_context", "test_step": "test_step_context",
-                                             "predict_step": "predict_step_context"}[hook])():
-            return self._processes.step(hook, self._target(), args, accumulate)
-
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self._processes is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # the schedule ran the backward of every micro-batch inside the step; Lightning's hooks still run
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._processes.give_gradients()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        return self._runtime.step("training_step", args, kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self._processes is not None:
-            return self._process_step("validation_step", args, kwargs)
-        return super().validation_step(*args, **kwargs)
+        return self._runtime.step("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self._processes is not None:
-            return self._process_step("test_step", args, kwargs)
-        return super().test_step(*args, **kwargs)
+        return self._runtime.step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._processes is not None:
-            return self._process_step("predict_step", args, kwargs)
-        return super().predict_step(*args, **kwargs)
+        return self._runtime.step("predict_step", args, kwargs)
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self._processes is not None:
-            return self._process_step("training_step", args, kwargs)
-        step = self.pipeline.last_step if self.pipeline is not None else None
-        if self.log_stage_times and step is not None:
-            for k, busy in enumerate(step.busy_s):  # the previous step's, backward included
-                self.lightning_module.log(f"pipeline/stage{k}_busy_ms", 1e3 * busy, on_step=True, on_epoch=False)
-        check = self._planned.prediction_check
-        if check is not None and step is not None:
-            stale = check.observe(step.timed)  # the previous step's
-            if stale:
-                rank_zero_warn(stale)
-        calls = self._calls
-        self._in_training_step = True
-        try:
-            output = super().training_step(*args, **kwargs)
-        finally:
-            self._in_training_step = False
-        if not self._checked_first_step:
-            self._checked_first_step = True
-            if self._calls == calls:
-                raise RuntimeError(
-                    f"training_step never called the pipelined module ({self._describe_target()}), so nothing "
-                    "was pipelined. Call it in training_step (e.g. self(x)), or set "
-                    "AntichainPipelineStrategy(module='name') to the submodule your step calls."
-                )
-        return output
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._runtime.backward(closure_loss, optimizer, *args, **kwargs)
 
-    def _describe_target(self) -> str:
+    def describe_target(self) -> str:
         return f"{type(self.lightning_module).__name__}.forward" if self.module_path is None else self.module_path
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -630,12 +515,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
         """The original keys, as CPU tensors: loadable with any device count, or without the strategy."""
         state = super().lightning_module_state_dict()
         state = type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
-        return state if self._processes is None else self._processes.gathered_state(state)
+        return self._runtime.gathered_state(state)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         state = map_tensors(lambda t: t.detach().cpu(), super().optimizer_state(optimizer))
-        return state if self._processes is None else self._processes.gathered_optimizer_state(optimizer, state)
+        return self._runtime.gathered_optimizer_state(optimizer, state)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -659,7 +544,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def stages_placed(self) -> None:
         """Each stage is real on its device: optimizer state goes beside its parameters (loaded
         now, if a checkpoint's waited for the stages)."""
-        self._place_leftovers()
+        self._runtime.stages_placed()
         states, self._waiting_optimizer_states = self._waiting_optimizer_states, None
         for optimizer, state in zip(self.optimizers, states or ()):
             optimizer.load_state_dict(state)
@@ -679,11 +564,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._forward_patch.uninstall()
-        vars(self.precision_plugin).pop("clip_grad_by_norm", None)  # set for stage processes
-        if self.pipeline is not None:
-            self._tasks_before += self.pipeline.tasks_run
-            self._planned.close()  # modules go back to the CPU below; the plan is kept for the next run
+        self._runtime.teardown()
         for optimizer in self.optimizers:
             _optimizer_to_device(optimizer, torch.device("cpu"))
         module = self._lightning_module
