@@ -7,8 +7,11 @@ and runs torch's schedule. Steps of the schedules take turns, and each time is t
 repeats of the slowest rank's step. The memory is what autograd saves during a step on each rank
 (:class:`~lightning_antichain.runtime.saved_tensors.HeldMemory`; torch's own copies of the stage
 outputs are not in it), against the plan's activations per micro-batch times the micro-batches
-the schedule holds on the rank's stages. The in-process runtime and Lightning are not in this
-table yet.
+the schedule holds on the rank's stages. In the same rounds, rank 0 runs two baselines while the
+other ranks wait: the in-process runtime (``la.Pipeline`` on the GPipe plan, one worker thread of
+one intra-op thread per stage) and the plain module (``min(ranks, cores)`` intra-op threads). The
+second table gives each runtime's step against the plan's prediction (GPipe and 1F1B, whose
+timelines the planner simulates) and the plain module's step over it.
 
     python benchmarks/processes_cpu.py --ranks 2 --chunks 8
 """
@@ -100,6 +103,7 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
             micro = len(x) // args.chunks
             graph = capture_call(model, (x[:micro],), {})
             runs = {}
+            predicted_step: dict[tuple[str, int], float | None] = {}
             cost = la.profile(model, x[:micro], op_graph=graph, progress=False) if rank == 0 else None
             for name, virtual in SCHEDULES:
                 schedule = process_schedule(name, virtual)
@@ -110,6 +114,9 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                     plan_data = [la.partition(cost, stages_total, chunks=args.chunks, schedule=kind).to_dict()]
                 dist.broadcast_object_list(plan_data, src=0)
                 plan = la.Plan.from_dict(plan_data[0])
+                predicted_step[name, virtual] = plan.predicted_step_s if name in ("gpipe", "1f1b") else None
+                if name == "gpipe":
+                    gpipe_plan = plan
                 stages = rank_stages(graph, plan, schedule, rank, ranks, torch.device("cpu"))
                 held = HeldMemory(excluded=state_storages(model))
                 run = schedule_runner(schedule, stages, args.chunks, loss_of(model_name))
@@ -117,7 +124,10 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                 predicted = sum(plan.stages[k].activation_bytes * plan_held(name, virtual, k, ranks, args.chunks)
                                 for k in mine)
                 runs[name, virtual] = (run, held, mine, stages_total, predicted)
+            baselines = baseline_steps(model, graph, gpipe_plan, x, y, loss_of(model_name), ranks, args.chunks) if (
+                rank == 0) else {}
             times: dict[tuple[str, int], list[float]] = {key: [] for key in runs}
+            times.update({key: [] for key in BASELINES})
             for repeat in range(args.repeats + 1):
                 for key, (run, held, mine, total, _) in runs.items():
                     for p in model.parameters():
@@ -136,10 +146,56 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     if repeat:  # the first round warms up
                         times[key].append(float(elapsed))
+                for key in BASELINES:  # rank 0 runs them while the others wait
+                    dist.barrier()
+                    if rank == 0:
+                        elapsed_s = baselines[key]()
+                        if repeat:
+                            times[key].append(elapsed_s)
+                    dist.barrier()
             for key, (_, held, mine, _, predicted) in runs.items():
-                results.put((rank, model_name, key, statistics.median(times[key]), held.peak_bytes, predicted, mine))
+                results.put((rank, model_name, key, statistics.median(times[key]), held.peak_bytes, predicted, mine,
+                             predicted_step[key]))
+            if rank == 0:
+                for key in BASELINES:
+                    results.put((rank, model_name, key, statistics.median(times[key]), 0, 0, [],
+                                 gpipe_plan.predicted_step_s if key == IN_PROCESS else None))
     finally:
         dist.destroy_process_group()
+
+
+IN_PROCESS, PLAIN = ("in-process (threads)", 1), ("plain", 1)
+BASELINES = (IN_PROCESS, PLAIN)
+
+
+def baseline_steps(model: nn.Module, graph, plan, x: torch.Tensor, y: torch.Tensor, loss, ranks: int,
+                   chunks: int) -> dict[tuple[str, int], object]:
+    """Rank 0's baselines, each a function timing one step: the in-process runtime on ``plan`` (one
+    worker thread per stage, one intra-op thread each) and the plain module."""
+    import lightning_antichain as la
+
+    pipeline = la.Pipeline(model, plan, chunks=chunks, graph=graph, devices=["cpu"] * plan.num_stages, cpu_threads=1)
+
+    def in_process() -> float:
+        for p in model.parameters():
+            p.grad = None
+        started = time.perf_counter()
+        loss(pipeline(x), y).backward()
+        return time.perf_counter() - started
+
+    def plain() -> float:
+        for p in model.parameters():
+            p.grad = None
+        threads = torch.get_num_threads()
+        torch.set_num_threads(min(ranks, os.cpu_count() or 1))
+        try:
+            started = time.perf_counter()
+            loss(model(x), y).backward()
+            return time.perf_counter() - started
+        finally:
+            torch.set_num_threads(threads)
+
+    return {IN_PROCESS: in_process, PLAIN: plain}
 
 
 def plan_held(name: str, virtual: int, stage: int, ranks: int, chunks: int) -> int:
@@ -173,7 +229,7 @@ def main() -> None:
     for process in processes:
         process.start()
     rows = []
-    expected = args.ranks * len(SCHEDULES) * len(args.models.split(","))
+    expected = (args.ranks * len(SCHEDULES) + len(BASELINES)) * len(args.models.split(","))
     while len(rows) < expected:
         try:
             rows.append(results.get(timeout=5))
@@ -190,12 +246,25 @@ def main() -> None:
     print("| model | schedule | virtual stages | step ms | rank | stages | saved at peak MB | predicted MB "
           "| measured / predicted | peak / GPipe's | K / chunks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    gpipe = {(m, r): peak for r, m, (n, _), _, peak, _, _ in rows if n == "gpipe"}
-    for rank, model_name, (name, virtual), step_s, peak, predicted, mine in sorted(rows, key=lambda r: r[1:3] + r[:1]):
+    gpipe = {(m, r): peak for r, m, (n, _), _, peak, _, _, _ in rows if n == "gpipe"}
+    schedules = [r for r in rows if (r[2][0], r[2][1]) not in BASELINES]
+    for rank, model_name, (name, virtual), step_s, peak, predicted, mine, _ in sorted(
+            schedules, key=lambda r: r[1:3] + r[:1]):
         of_gpipe = peak / max(gpipe[model_name, rank], 1)
         print(f"| {model_name} | {name} | {virtual} | {1e3 * step_s:.1f} | {rank} | {mine} | {peak / 1e6:.1f} "
               f"| {predicted / 1e6:.1f} | {peak / max(predicted, 1):.2f} | {of_gpipe:.2f} "
               f"| {args.ranks / args.chunks:.2f} |")
+    print("\n| model | runtime | step ms | predicted ms | measured / predicted | plain / this |")
+    print("|---|---|---|---|---|---|")
+    steps = {(r[1], r[2]): (r[3], r[7]) for r in rows if r[0] == 0}
+    for model_name in args.models.split(","):
+        plain_s = steps[model_name, PLAIN][0]
+        for key in [*(k for k in SCHEDULES), IN_PROCESS, PLAIN]:
+            step_s, predicted_s = steps[model_name, key]
+            label = key[0] if key[1] == 1 or key in BASELINES else f"{key[0]} (v={key[1]})"
+            ratio = f"{step_s / predicted_s:.2f}" if predicted_s else "-"
+            shown = f"{1e3 * predicted_s:.1f}" if predicted_s else "-"
+            print(f"| {model_name} | {label} | {1e3 * step_s:.1f} | {shown} | {ratio} | {plain_s / step_s:.2f} |")
 
 
 if __name__ == "__main__":
