@@ -32,6 +32,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
@@ -175,6 +176,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
         #: one process per device under this schedule, or ``None``: one process, GPipe in threads
         self.process_schedule = None if schedule is None else process_schedule(schedule, virtual_stages)
         if self.process_schedule is not None:
+            if self.process_schedule.name in ("zb-h1", "zbv"):
+                rank_zero_warn(
+                    f"schedule={self.process_schedule.name!r}: torch 2.14's zero-bubble schedules keep saved tensors "
+                    "on the last stage from one step to the next, so its memory grows every step "
+                    "(benchmarks/zero_bubble_leak.py, docs/benchmarks.md). For long runs use '1f1b' or "
+                    "'interleaved-1f1b'.")
             if stages is not None or placement is not None:
                 raise ValueError("with schedule=, each process holds one device: leave out stages= and placement=")
             # the plan charges each stage the micro-batches its schedule keeps; calibration times
