@@ -404,3 +404,28 @@ def test_plans_on_the_gpu_are_calibrated_on_the_stage_streams_and_leave_the_mode
     for name, value in model.state_dict().items():  # on the CPU still, where the plan's capture saw them
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
         assert value.device == before[name].device
+
+
+def test_stages_as_processes_on_the_gpus_equal_plain_lightning(tmp_path, gpu_device):
+    """One process per GPU (NCCL) under 1F1B, or on a one-GPU machine one process holding two
+    virtual stages (interleaved 1F1B): float64 losses equal plain Lightning's on the same GPU."""
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent / "scripts" / "stage_processes.py"
+    accelerator = "cpu" if gpu_device.type == "cpu" else "gpu"
+    count = torch.cuda.device_count() if accelerator == "gpu" else 1
+    layout = ["--devices", str(count), "--schedule", "1f1b"] if count > 1 else [
+        "--devices", "1", "--schedule", "interleaved-1f1b"]
+
+    def fit(name: str, *args: str) -> list[float]:
+        out = tmp_path / name
+        out.mkdir()
+        done = subprocess.run([sys.executable, str(script), "--out", str(out), "--accelerator", accelerator, *args],
+                              capture_output=True, text=True, timeout=600, cwd=out)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return [json.loads(p.read_text())["losses"] for p in sorted(out.glob("rank*.json"))]
+
+    (plain,) = fit("plain", "--plain")
+    for losses in fit("stages", *layout):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-6, atol=0)

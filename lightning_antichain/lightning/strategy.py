@@ -404,7 +404,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             )
         if self.placement is not None:
             self._share_device_memory()
-        if self.multi_process:
+        if self.multi_process or self.process_schedule is not None:  # stages as processes talk even alone
             self.set_world_ranks()
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             _init_dist_connection(self.cluster_environment, backend)

@@ -181,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--virtual-stages", type=int, default=None)
     parser.add_argument("--chunks", type=lambda v: v if v == "auto" else int(v), default=4)
@@ -201,7 +202,8 @@ def main() -> None:
         schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False,
         leaf_modules=["fault"])
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, precision="64-true", max_epochs=args.max_epochs,
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="64-true",
+        max_epochs=args.max_epochs,
         gradient_clip_val=args.clip,
         limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=args.every is not None, callbacks=[Record(Path(args.out)), *(
