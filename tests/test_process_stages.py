@@ -303,3 +303,32 @@ def test_a_parameter_tied_across_two_ranks_is_found_and_refused_where_nothing_ke
     assert found[id(model.embed.weight)] == (0, 1) and found[id(model.mid.weight)] == (1,)
     with pytest.raises(ValueError, match=r"used by stages on ranks \(0, 1\) \(tied weights\)"):
         rank_flat_stages(graph, plan, schedule, 0, 2, torch.device("cpu"))
+
+
+def test_a_stage_that_recomputes_keeps_only_its_inputs_for_backward_and_gives_the_same_gradients():
+    import lightning_antichain as la
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.runtime.process_stages import FlatStage
+    from lightning_antichain.runtime.saved_tensors import HeldMemory, state_storages
+    from lightning_antichain.runtime.split import split_stages
+
+    model = build()
+    x, _ = batch()
+    graph = capture_call(model, (x,), {})
+    cost = la.profile(model, x, op_graph=graph, repeats=1, warmup=0, progress=False, runtime_overhead=False)
+    plan = la.plan_from_balance(cost, [9], chunks=1)
+    (stage,) = split_stages(graph, plan, [torch.device("cpu")])
+    results = []
+    for recompute in (False, True):
+        model.zero_grad()
+        held = HeldMemory(excluded=state_storages(model))
+        inputs = x.clone().requires_grad_()
+        with held.saving():
+            out = FlatStage(stage, recompute)(inputs)
+        out.square().sum().backward()
+        results.append((held.peak_bytes, [p.grad.clone() for p in model.parameters()], inputs.grad))
+    (kept, grads, input_grad), (kept_recomputing, grads_recomputing, input_grad_recomputing) = results
+    assert kept_recomputing <= x.numel() * x.element_size() < kept  # its input alone
+    for a, b in zip(grads, grads_recomputing):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(input_grad, input_grad_recomputing, rtol=0, atol=0)

@@ -230,3 +230,27 @@ def test_gpt2_with_its_embedding_tied_to_its_output_layer_across_the_first_and_l
         for name in report["trained"]:
             torch.testing.assert_close(torch.tensor(report["parameters"][name]),
                                        torch.tensor(plain["parameters"][name]), rtol=1e-6, atol=1e-12)
+
+
+def test_batchnorm_normalises_per_micro_batch_as_the_in_process_runtime_does(tmp_path, plain_with):
+    """BatchNorm sees one micro-batch at a time in both runtimes (documented in docs/strategy.md),
+    so a step differs from plain training's, and equals the in-process runtime's: losses, and the
+    validation loss computed with the running statistics both update per micro-batch."""
+    model = ("--model", "batchnorm")
+    ranks = fit(tmp_path / "processes", "--devices", "2", "--schedule", "1f1b", *model)
+    (in_process,) = fit(tmp_path / "threads", "--devices", "2", "--schedule", "none", *model)
+    plain = plain_with(*model)
+    assert ranks[0]["losses"][1] != pytest.approx(plain["losses"][1], rel=1e-3)  # statistics of 4, not 16 samples
+    for report in ranks:
+        torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(in_process["losses"]), rtol=1e-6,
+                                   atol=0)
+        assert report["val_loss"] == pytest.approx(in_process["val_loss"], rel=1e-6)
+
+
+@pytest.mark.slow  # 25 s
+def test_gradient_accumulation_and_recomputation_under_stage_processes_equal_plain(tmp_path, plain_with):
+    plain = plain_with("--accumulate", "2")
+    for report in fit(tmp_path / "out", "--devices", "2", "--schedule", "zb-h1", "--accumulate", "2",
+                      "--recompute", "always"):
+        torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
+        assert report["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-6)

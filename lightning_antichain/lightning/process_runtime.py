@@ -97,6 +97,12 @@ class ProcessRuntime:
                 self.pipeline)
         unsynced(module)
         plugin = host.precision_plugin
+        if getattr(plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"precision={plugin.precision!r} scales the loss before Lightning's backward, but with schedule= the "
+                "backward runs inside the step, unscaled. Use precision='bf16-mixed' (no loss scaling), or train "
+                "without schedule=."
+            )
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_by_global_norm(  # type: ignore[method-assign]
             plugin.main_params(optimizer), clip_val, host.root_device, self.counted_elsewhere())
         if trainer.state.fn == TrainerFn.FITTING:
@@ -261,7 +267,8 @@ class ProcessRuntime:
             graph = capture_call(target, *first, leaf_modules=self.options.leaf_modules,
                                  frontends=(plan.frontend or "fx",), batch_dim=self.options.batch_dim)
         self.pipeline = ProcessPipeline(graph, plan, self.schedule, host.global_rank, host.world_size,
-                                        host.root_device, initializer=Initializer(target, self.options.param_init_fn))
+                                        host.root_device, initializer=Initializer(target, self.options.param_init_fn),
+                                        recompute=self.options.recompute == "always")
 
     def _make_plan(self, target: nn.Module, whole: tuple[tuple, dict]) -> Any:
         options = self.options

@@ -184,6 +184,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
                     "'interleaved-1f1b'.")
             if stages is not None or placement is not None:
                 raise ValueError("with schedule=, each process holds one device: leave out stages= and placement=")
+            if recompute == "except_last":
+                raise ValueError("recompute='except_last' is the in-process runtime's; with schedule= use 'always' "
+                                 "(every stage keeps only its inputs) or 'never'")
             # the plan charges each stage the micro-batches its schedule keeps; calibration times
             # the in-process runtime, which is not the one that runs
             self.options = self.options.replace(

@@ -33,17 +33,19 @@ MicroBatchLoss = Callable[[Any, int], torch.Tensor]
 
 
 class ProcessPipeline:
-    """Rank ``rank`` of ``ranks``: its stages of ``plan`` under ``schedule``, on ``device``."""
+    """Rank ``rank`` of ``ranks``: its stages of ``plan`` under ``schedule``, on ``device``
+    (``recompute``: every stage keeps only its inputs and runs its forward again in backward)."""
 
     def __init__(self, graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
-                 device: torch.device, group: Any = None, initializer: Initializer | None = None) -> None:
+                 device: torch.device, group: Any = None, initializer: Initializer | None = None,
+                 recompute: bool = False) -> None:
         self.graph, self.plan, self.schedule = graph, plan, schedule
         self.rank, self.ranks, self.device, self.group = rank, ranks, device, group
         every = split_for_ranks(graph, plan, schedule, ranks, device)
         params = {id(p): p for stage in every for p in stage.parameters()}
         names = {id(p): name for name, p in graph.module.named_parameters()}
         self.tied = TiedParameters(holders(every, schedule, ranks), params, names, rank)
-        self.stages: list[FlatStage] = place_rank(every, schedule, rank, ranks, initializer)
+        self.stages: list[FlatStage] = place_rank(every, schedule, rank, ranks, initializer, recompute)
         self.tied.share_values()
         held = {stage.stage.index: stage.stage for stage in self.stages}
         first, last = held.get(0), held.get(plan.num_stages - 1)

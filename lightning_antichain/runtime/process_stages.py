@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.utils.checkpoint import checkpoint
 
 from ..capture import OpGraph
 from ..capture.pytrees import flatten
@@ -38,17 +39,21 @@ class FlatStage(nn.Module):
     of ``stage.outputs`` (one tensor alone where there is one). Its parameters are the stage's own
     modules' (registered here, so torch's stage and optimizers see them)."""
 
-    def __init__(self, stage: StageModule) -> None:
+    def __init__(self, stage: StageModule, recompute: bool = False) -> None:
         super().__init__()
         self.stage = stage
         self.graph = stage.module  # registers the stage's modules and parameters
+        self.recompute = recompute
 
     def forward(self, *values: torch.Tensor) -> Any:
         if len(values) != len(self.stage.inputs):
             raise CutValueError(f"stage {self.stage.index} takes {len(self.stage.inputs)} values "
                                 f"({', '.join(self.stage.inputs)}), got {len(values)}")
         values = tuple(_Received.apply(v) if isinstance(v, torch.Tensor) and v.requires_grad else v for v in values)
-        leaves, _ = self.stage(*flatten(tuple(values)))
+        if self.recompute and torch.is_grad_enabled():  # keep the inputs only; run the forward again in backward
+            leaves = list(checkpoint(self._leaves, *values, use_reentrant=False))
+        else:
+            leaves = self._leaves(*values)
         outside = [(name, type(v).__name__) for name, v in zip(self.stage.outputs, leaves)
                    if not isinstance(v, torch.Tensor)]
         if outside or len(leaves) != len(self.stage.outputs):
@@ -59,6 +64,9 @@ class FlatStage(nn.Module):
             )
         leaves = [_Sent.apply(v) for v in leaves]
         return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+    def _leaves(self, *values: torch.Tensor) -> list[Any]:
+        return self.stage(*flatten(tuple(values)))[0]
 
 
 class _Sent(torch.autograd.Function):
@@ -89,12 +97,12 @@ def split_for_ranks(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, ranks
 
 
 def place_rank(stages: list[StageModule], schedule: ProcessSchedule, rank: int, ranks: int,
-               initializer: Initializer | None = None) -> list[FlatStage]:
+               initializer: Initializer | None = None, recompute: bool = False) -> list[FlatStage]:
     """Rank ``rank``'s stages among ``stages``, placed (made real, where the model is on meta) on
-    their device: these stages alone."""
+    their device: these stages alone; with ``recompute``, each keeping only its inputs for backward."""
     mine = [stages[i] for i in schedule.stages_of(rank, ranks)]
     place_stages(mine, initializer)
-    return [FlatStage(stage) for stage in mine]
+    return [FlatStage(stage, recompute) for stage in mine]
 
 
 def holders(stages: list[StageModule], schedule: ProcessSchedule, ranks: int) -> dict[int, tuple[int, ...]]:

@@ -57,17 +57,18 @@ class FaultLayer(nn.Module):  # kept whole by capture (a leaf), so the stage hol
 class Skips(L.LightningModule):
     """An MLP whose first activation is read again by its last layer (a skip over every middle cut)."""
 
-    def __init__(self, width: int = 32, depth: int = 6, adam: bool = False):
+    def __init__(self, width: int = 32, depth: int = 6, adam: bool = False, batchnorm: bool = False):
         super().__init__()
         self.adam = adam
         self.inp = nn.Linear(16, width)
+        self.norm = nn.BatchNorm1d(width) if batchnorm else nn.Identity()
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
         self.out = nn.Linear(width, 4)
         self.fault = FaultLayer()
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
 
     def forward(self, x):
-        first = torch.tanh(self.inp(x))
+        first = torch.tanh(self.norm(self.inp(x)))
         h = first
         for i, block in enumerate(self.blocks):
             h = torch.tanh(block(h)) + h
@@ -190,7 +191,9 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="write a checkpoint here at the end")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--adam", action="store_true", help="AdamW instead of SGD with momentum")
-    parser.add_argument("--model", choices=["skips", "gpt2"], default="skips")
+    parser.add_argument("--model", choices=["skips", "batchnorm", "gpt2"], default="skips")
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--recompute", default="never")
     parser.add_argument("--predict", action="store_true", help="after fitting, write predictions{rank}.json")
     parser.add_argument("--samples", type=int, default=96, help="training samples (16 per batch)")
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
@@ -200,17 +203,18 @@ def main() -> None:
     schedule = None if args.schedule == "none" else args.schedule  # none: the in-process runtime
     strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
         schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False,
-        leaf_modules=["fault"])
+        leaf_modules=["fault"], recompute=args.recompute)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="64-true",
-        max_epochs=args.max_epochs,
+        max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip,
         limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=args.every is not None, callbacks=[Record(Path(args.out)), *(
             [L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.every, save_top_k=-1)]
             if args.every else [])],
     )
-    module, loader = (TiedGPT(adam=args.adam), tokens) if args.model == "gpt2" else (Skips(adam=args.adam), data)
+    module, loader = (TiedGPT(adam=args.adam), tokens) if args.model == "gpt2" else (
+        Skips(adam=args.adam, batchnorm=args.model == "batchnorm"), data)
     trainer.fit(module, loader(args.samples), loader(32), ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
