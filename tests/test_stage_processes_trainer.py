@@ -17,6 +17,11 @@ import torch
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "stage_processes.py"
 
 
+def f64(values) -> torch.Tensor:
+    """Reported values (JSON lists of Python floats) as float64, which they were computed in."""
+    return torch.tensor(values, dtype=torch.float64)
+
+
 def fit(out: Path, *args: str) -> list[dict]:
     """Run the script; each rank's report, by rank."""
     out.mkdir(parents=True)
@@ -78,21 +83,21 @@ def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain
     assert set().union(*trained) == set(plain["parameters"])  # every parameter trained by some process ...
     assert sum(len(t) for t in trained) == len(plain["parameters"])  # ... and by that one only
     for report, mine in zip(ranks, trained):
-        torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
         assert report["logged"] == pytest.approx(plain["logged"], rel=1e-6)  # every rank logs the step's value
         assert report["train_acc"] == plain["train_acc"]  # a metric updated per micro-batch, on every rank
         assert report["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-6)
         for name in mine:
-            ours, theirs = torch.tensor(report["parameters"][name]), torch.tensor(plain["parameters"][name])
+            ours, theirs = f64(report["parameters"][name]), f64(plain["parameters"][name])
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-12)
     if "--predict" in extra:
-        expected = torch.tensor(plain["predictions"])
+        expected = f64(plain["predictions"])
         for rank in range(devices):
-            torch.testing.assert_close(torch.tensor(ranks[rank]["predictions"]), expected, rtol=1e-6, atol=1e-12)
+            torch.testing.assert_close(f64(ranks[rank]["predictions"]), expected, rtol=1e-6, atol=1e-12)
 
 
 def losses_after(reports: list[dict]) -> torch.Tensor:
-    return torch.tensor(reports[0]["losses"])
+    return f64(reports[0]["losses"])
 
 
 def test_a_checkpoint_of_stage_processes_resumes_in_plain_lightning_exactly(tmp_path, plain):
@@ -101,7 +106,7 @@ def test_a_checkpoint_of_stage_processes_resumes_in_plain_lightning_exactly(tmp_
     fit(tmp_path / "a", "--devices", "2", "--schedule", "1f1b", "--max-epochs", "1", "--save", str(ckpt))
     resumed = fit(tmp_path / "b", "--plain", "--max-epochs", "2", "--resume", str(ckpt))
     steps = len(plain["losses"]) // 2
-    torch.testing.assert_close(losses_after(resumed), torch.tensor(plain["losses"][steps:]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(losses_after(resumed), f64(plain["losses"][steps:]), rtol=1e-6, atol=0)
     reference = tmp_path / "plain.ckpt"
     fit(tmp_path / "c", "--plain", "--max-epochs", "1", "--save", str(reference))
     ours, theirs = (torch.load(p, weights_only=False) for p in (ckpt, reference))
@@ -124,7 +129,7 @@ def test_a_checkpoint_moves_between_schedules_process_counts_runtimes_and_plain_
         got += fit(tmp_path / f"leg{epoch}", *leg, "--adam", "--max-epochs", str(epoch), "--save", str(ckpt),
                    *resume)[0]["losses"]
         previous = ckpt
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(whole[0]["losses"]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(f64(got), f64(whole[0]["losses"]), rtol=1e-6, atol=0)
 
 
 def test_process_mode_options_are_checked_when_given():
@@ -167,7 +172,7 @@ def test_a_failing_stage_process_stops_every_process_and_the_checkpoint_before_r
             assert f"StageProcessError: the process of another stage failed, rank {failing_rank}" in main
     assert not _running(str(out))  # no process of this run is left behind
     resumed = fit(tmp_path / "resumed", "--plain", "--resume", str(out / "epoch=0-step=6.ckpt"))
-    torch.testing.assert_close(losses_after(resumed), torch.tensor(plain["losses"][6:]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(losses_after(resumed), f64(plain["losses"][6:]), rtol=1e-6, atol=0)
 
 
 def _running(marker: str) -> bool:
@@ -187,7 +192,7 @@ def test_a_shorter_last_batch_runs_on_stages_made_for_its_shape(tmp_path, plain_
     ranks = fit(tmp_path / "out", "--devices", "2", "--schedule", "1f1b", "--samples", "88")
     reference = plain_with("--samples", "88")
     for report in ranks:
-        torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(reference["losses"]), rtol=1e-6,
+        torch.testing.assert_close(f64(report["losses"]), f64(reference["losses"]), rtol=1e-6,
                                    atol=0)
 
 
@@ -225,11 +230,11 @@ def test_gpt2_with_its_embedding_tied_to_its_output_layer_across_the_first_and_l
     else:
         assert not trained[0] & trained[1] and TIED in trained[0]
     for report in ranks:
-        torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
         assert report["train_acc"] == plain["train_acc"]
         for name in report["trained"]:
-            torch.testing.assert_close(torch.tensor(report["parameters"][name]),
-                                       torch.tensor(plain["parameters"][name]), rtol=1e-6, atol=1e-12)
+            torch.testing.assert_close(f64(report["parameters"][name]),
+                                       f64(plain["parameters"][name]), rtol=1e-6, atol=1e-12)
 
 
 def test_batchnorm_normalises_per_micro_batch_as_the_in_process_runtime_does(tmp_path, plain_with):
@@ -242,7 +247,7 @@ def test_batchnorm_normalises_per_micro_batch_as_the_in_process_runtime_does(tmp
     plain = plain_with(*model)
     assert ranks[0]["losses"][1] != pytest.approx(plain["losses"][1], rel=1e-3)  # statistics of 4, not 16 samples
     for report in ranks:
-        torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(in_process["losses"]), rtol=1e-6,
+        torch.testing.assert_close(f64(report["losses"]), f64(in_process["losses"]), rtol=1e-6,
                                    atol=0)
         assert report["val_loss"] == pytest.approx(in_process["val_loss"], rel=1e-6)
 
@@ -252,5 +257,25 @@ def test_gradient_accumulation_and_recomputation_under_stage_processes_equal_pla
     plain = plain_with("--accumulate", "2")
     for report in fit(tmp_path / "out", "--devices", "2", "--schedule", "zb-h1", "--accumulate", "2",
                       "--recompute", "always"):
-        torch.testing.assert_close(torch.tensor(report["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
         assert report["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-6)
+
+
+def test_gpt2_built_on_meta_is_made_real_stage_by_stage_each_rank_its_own_and_trains_as_plain(tmp_path, plain_with):
+    """Built in configure_model() on the meta device (empty_init) and loaded from the plain model's
+    initial weights, as a pretrained checkpoint goes in: each rank makes only its own stages'
+    parameters real, trains as plain Lightning does, and the checkpoint gathers every weight."""
+    settings = ("--model", "gpt2", *CLIP)
+    plain = plain_with(*settings)
+    ckpt = tmp_path / "meta.ckpt"
+    ranks = fit(tmp_path / "out", "--devices", "2", "--schedule", "1f1b", "--meta", "--save", str(ckpt), *settings)
+    real = [set(r["parameters"]) for r in ranks]
+    assert real[0] != set(plain["parameters"]) != real[1] and real[0] | real[1] == set(plain["parameters"])
+    saved = torch.load(ckpt, weights_only=False)["state_dict"]
+    for report in ranks:
+        torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
+        for name, values in report["parameters"].items():
+            torch.testing.assert_close(f64(values), f64(plain["parameters"][name]), rtol=1e-6,
+                                       atol=1e-12)
+            torch.testing.assert_close(saved[name].flatten(), f64(values), rtol=0, atol=0)
+    assert not any(v.is_meta for v in saved.values())

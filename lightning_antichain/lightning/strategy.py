@@ -524,7 +524,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The original keys, as CPU tensors: loadable with any device count, or without the strategy."""
         state = super().lightning_module_state_dict()
-        state = type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
+        state = type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) and not v.is_meta else v)
+                            for k, v in state.items())  # on meta: another rank's stage, gathered from it
         return self._runtime.gathered_state(state)
 
     @override

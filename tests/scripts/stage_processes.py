@@ -110,15 +110,29 @@ class TiedGPT(L.LightningModule):
     """GPT-2 (captured by torch.export) whose input embedding is its output layer's weight: with
     two stages, the first and the last rank each hold a copy."""
 
-    def __init__(self, adam: bool = False):
+    def __init__(self, adam: bool = False, meta: bool = False):
         super().__init__()
+        self.net = self.build()
+        assert self.net.lm_head.weight is self.net.transformer.wte.weight
+        self.adam = adam
+        #: with --meta: the net is built again in configure_model, on the meta device, and these
+        #: weights go in as a pretrained checkpoint's would, each rank reading its stages' only
+        self.initial = {k: v.double() for k, v in self.net.state_dict().items()} if meta else None
+        if meta:
+            self.net = None
+
+    @staticmethod
+    def build():
         import transformers
 
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=2,
                                          use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        self.net = transformers.GPT2LMHeadModel(config)
-        assert self.net.lm_head.weight is self.net.transformer.wte.weight
-        self.adam = adam
+        return transformers.GPT2LMHeadModel(config)
+
+    def configure_model(self):
+        if self.net is None:
+            self.net = self.build()
+            la.load_state_dict(self.net, self.initial)
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=VOCAB)
 
     def forward(self, tokens):
@@ -161,7 +175,8 @@ class Record(L.Callback):
         self.out, self.losses, self.logged = out, [], []
 
     def on_fit_start(self, trainer, module):
-        self.initial = {n: p.detach().clone() for n, p in module.named_parameters()}
+        self.initial = {n: p.detach().clone() if p.is_meta else p.detach().cpu().clone()
+                        for n, p in module.named_parameters()}
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].item())
@@ -173,8 +188,11 @@ class Record(L.Callback):
         (self.out / f"rank{rank}.json").write_text(json.dumps({
             "pid": os.getpid(), "world_size": trainer.world_size, "losses": self.losses, "logged": self.logged,
             "train_acc": metrics["train_acc"].item(), "val_loss": metrics["val_loss"].item(),
-            "trained": [n for n, p in module.named_parameters() if not torch.equal(p.detach().cpu(), self.initial[n])],
-            "parameters": {n: p.detach().cpu().flatten().tolist() for n, p in module.named_parameters()},
+            "trained": [n for n, p in module.named_parameters()
+                        if not p.is_meta and (self.initial[n].is_meta or not torch.equal(p.detach().cpu(),
+                                                                                            self.initial[n]))],
+            "parameters": {n: p.detach().cpu().flatten().tolist() for n, p in module.named_parameters()
+                           if not p.is_meta},  # a model built on meta is real only where this rank's stages are
         }))
 
 
@@ -192,6 +210,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--adam", action="store_true", help="AdamW instead of SGD with momentum")
     parser.add_argument("--model", choices=["skips", "batchnorm", "gpt2"], default="skips")
+    parser.add_argument("--meta", action="store_true", help="GPT-2 built on meta in configure_model, then loaded")
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--recompute", default="never")
     parser.add_argument("--predict", action="store_true", help="after fitting, write predictions{rank}.json")
@@ -203,7 +222,7 @@ def main() -> None:
     schedule = None if args.schedule == "none" else args.schedule  # none: the in-process runtime
     strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
         schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False,
-        leaf_modules=["fault"], recompute=args.recompute)
+        leaf_modules=["fault"], recompute=args.recompute, empty_init=args.meta)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="64-true",
         max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
@@ -213,7 +232,7 @@ def main() -> None:
             [L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.every, save_top_k=-1)]
             if args.every else [])],
     )
-    module, loader = (TiedGPT(adam=args.adam), tokens) if args.model == "gpt2" else (
+    module, loader = (TiedGPT(adam=args.adam, meta=args.meta), tokens) if args.model == "gpt2" else (
         Skips(adam=args.adam, batchnorm=args.model == "batchnorm"), data)
     trainer.fit(module, loader(args.samples), loader(32), ckpt_path=args.resume)
     if args.save:
