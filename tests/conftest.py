@@ -81,3 +81,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         detail = ", ".join(f"{k} ({v})" for k, v in sorted(results.items()))
         terminalreporter.write_line(f"model zoo: {passed} of {len(results)} through {path}")
         terminalreporter.write_line(f"  {detail}")
+    ran = [r for key in ("passed", "failed") for r in terminalreporter.stats.get(key, [])
+           if r.when == "call" and "processes" in r.keywords]
+    if ran:
+        failed = sum(1 for r in ran if r.failed)
+        terminalreporter.write_line(f"multi-process tests (-m processes): {len(ran) - failed} of {len(ran)} passed")

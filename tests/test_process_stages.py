@@ -120,6 +120,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.processes
 @pytest.mark.slow  # every schedule runs in the default suite, over 2 processes (below)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_stages_in_processes_pass_a_skip_through_and_match_plain_gradients(schedule):
@@ -171,6 +172,7 @@ def run_with_a_failing_rank(how: str) -> tuple[list, dict[int, str]]:
     return processes, errors
 
 
+@pytest.mark.processes
 def test_a_stage_that_raises_stops_every_stage_process_within_seconds():
     """Rank 1 raises in its forward: rank 0 and rank 2, waiting on it, fail too instead of hanging."""
     processes, errors = run_with_a_failing_rank("raises")
@@ -179,6 +181,7 @@ def test_a_stage_that_raises_stops_every_stage_process_within_seconds():
     assert all(p.exitcode != 0 for p in processes)
 
 
+@pytest.mark.processes
 def test_a_stage_process_that_dies_stops_every_other_stage_process_within_seconds():
     """Rank 1 dies without a word (os._exit): ranks 0 and 2 fail on the closed connection, none hangs."""
     processes, errors = run_with_a_failing_rank("killed")
@@ -233,6 +236,7 @@ def every_schedule_process(rank: int, port: int, results: mp.Queue) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.processes
 def test_every_schedule_runs_the_plan_in_two_processes_with_plain_gradients():
     """GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZBV from torch, on the split's stages: each rank holds
     the stages its schedule gives it (round robin, or a V for ZBV), a skip tensor passes through

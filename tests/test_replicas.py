@@ -10,6 +10,8 @@ import pytest
 import torch
 from pipelined import assert_pipelined
 
+pytestmark = pytest.mark.processes  # every test starts the script in real processes
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "replicas.py"
 
 

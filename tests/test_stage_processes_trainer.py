@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.processes  # the script in real processes (an options check aside)
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "stage_processes.py"
 
 
