@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ..capture import capture_call
@@ -276,6 +276,25 @@ class ProcessRuntime:
         with torch.enable_grad():
             args, kwargs = planning_call(target, *whole, options)
             return planned_for_call(target, args, kwargs, devices, options, self.host.optimizers)
+
+
+def options_for_processes(options: PipelineOptions, schedule: ProcessSchedule, stages: int | None,
+                          placement: list[int] | None) -> PipelineOptions:
+    """``options`` for stages as processes under ``schedule``: the plan charges each stage the
+    micro-batches the schedule keeps, and is not calibrated (calibration times the in-process
+    runtime); a clear error for what this runtime does not take."""
+    if schedule.name in ("zb-h1", "zbv"):
+        rank_zero_warn(f"schedule={schedule.name!r}: torch 2.14's zero-bubble schedules keep saved tensors on the last "
+                       "stage from one step to the next, so its memory grows every step "
+                       "(benchmarks/zero_bubble_leak.py, docs/benchmarks.md). For long runs use '1f1b' or "
+                       "'interleaved-1f1b'.")
+    if stages is not None or placement is not None:
+        raise ValueError("with schedule=, each process holds one device: leave out stages= and placement=")
+    if options.recompute == "except_last":
+        raise ValueError("recompute='except_last' is the in-process runtime's; with schedule= use 'always' (every "
+                         "stage keeps only its inputs) or 'never'")
+    return options.replace(schedule="gpipe" if schedule.name == "gpipe" else "1f1b", calibrate=False,
+                           even_chunks=True)
 
 
 def joined(results: list[Any]) -> Any:

@@ -32,7 +32,6 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
@@ -51,7 +50,7 @@ from ..runtime.plan import Plan
 from ..runtime.process_schedules import process_schedule
 from .in_process_runtime import InProcessRuntime
 from .planned_pipeline import PlannedPipeline
-from .process_runtime import ProcessRuntime
+from .process_runtime import ProcessRuntime, options_for_processes
 from .same_batches import same_order_everywhere
 
 log = logging.getLogger(__name__)
@@ -176,22 +175,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         #: one process per device under this schedule, or ``None``: one process, GPipe in threads
         self.process_schedule = None if schedule is None else process_schedule(schedule, virtual_stages)
         if self.process_schedule is not None:
-            if self.process_schedule.name in ("zb-h1", "zbv"):
-                rank_zero_warn(
-                    f"schedule={self.process_schedule.name!r}: torch 2.14's zero-bubble schedules keep saved tensors "
-                    "on the last stage from one step to the next, so its memory grows every step "
-                    "(benchmarks/zero_bubble_leak.py, docs/benchmarks.md). For long runs use '1f1b' or "
-                    "'interleaved-1f1b'.")
-            if stages is not None or placement is not None:
-                raise ValueError("with schedule=, each process holds one device: leave out stages= and placement=")
-            if recompute == "except_last":
-                raise ValueError("recompute='except_last' is the in-process runtime's; with schedule= use 'always' "
-                                 "(every stage keeps only its inputs) or 'never'")
-            # the plan charges each stage the micro-batches its schedule keeps; calibration times
-            # the in-process runtime, which is not the one that runs
-            self.options = self.options.replace(
-                schedule="gpipe" if self.process_schedule.name == "gpipe" else "1f1b", calibrate=False,
-                even_chunks=True)
+            self.options = options_for_processes(self.options, self.process_schedule, stages, placement)
         elif virtual_stages is not None:
             raise ValueError("virtual_stages= is for schedule='interleaved-1f1b', 'zb-h1' or 'zbv'")
         self.module_path = module
