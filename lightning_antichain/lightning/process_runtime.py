@@ -75,12 +75,11 @@ _CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step
 class ProcessRuntime:
     """This rank's share of the pipeline and the steps it runs (see the module's docstring)."""
 
-    def __init__(self, host: Host, options: PipelineOptions, schedule: ProcessSchedule,
-                 plan: Plan | None = None) -> None:
+    def __init__(self, host: Host, options: PipelineOptions, schedule: ProcessSchedule) -> None:
         self.host = host
         self.options = options
         self.schedule = schedule
-        self.plan = plan
+        self.plan: Plan | None = None
         self.pipeline: ProcessPipeline | None = None
         self.steps: MicroBatchSteps | None = None
         self._forward_patch = ForwardPatch()
@@ -147,7 +146,7 @@ class ProcessRuntime:
         vars(self.host.precision_plugin).pop("clip_grad_by_norm", None)
 
     def _step(self, hook: str, target: nn.Module, args: tuple, accumulate: int) -> Any:
-        assert self.steps is not None, "attach() the LightningModule first"
+        assert self.steps is not None, "setup() first"
         module = self.steps.module
         batch, rest = args[0], tuple(args[1:])
         check_same_batch(batch, self.host.root_device)
@@ -160,7 +159,8 @@ class ProcessRuntime:
         _refuse_uneven(sizes, plan.chunks)
         total = sum(sizes)
         calls = [self.steps.call_of(hook, m, rest) for m in micro] if pipeline.holds_first else None
-        logs, losses = StepLogs(), [0.0] * len(micro)
+        logs = StepLogs()
+        losses: list[torch.Tensor] = []  # weighted as the schedule back-propagates them, read once after
         train = hook == TRAINING
         results: list[Any] = [None] * len(micro)
 
@@ -170,9 +170,9 @@ class ProcessRuntime:
             if not train:
                 results[m] = map_tensors(lambda t: t.detach().cpu(), result) if hook == PREDICTING else None
                 return torch.zeros((), device=self.host.root_device)
-            value = _loss_of(result, hook)
-            losses[m] = value.detach().item()
-            return value * (sizes[m] / total / accumulate)
+            weighted = _loss_of(result, hook) * (sizes[m] / total)
+            losses.append(weighted.detach())
+            return weighted / accumulate
 
         if train:
             with torch.enable_grad(), self._gradients_stashed(pipeline.parameters()):
@@ -181,7 +181,7 @@ class ProcessRuntime:
         else:
             with torch.no_grad():
                 pipeline.run(_shape_of(micro), calls, loss, len(micro), train)
-        mean = sum(v * s for v, s in zip(losses, sizes)) / total
+        mean = float(torch.stack(losses).sum()) if losses else 0.0
         sent = [(mean, logs.merged(), metric_states(module), results)] if pipeline.holds_last else [None]
         dist.broadcast_object_list(sent, src=pipeline.last_rank())
         mean, merged, states, results = sent[0]  # type: ignore[misc]

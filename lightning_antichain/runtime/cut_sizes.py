@@ -26,13 +26,9 @@ def without_sizes(stages: list[StageModule], graph: OpGraph) -> list[StageModule
     values = {n.name: n.meta.get("val") for n in graph.graph_module.graph.nodes}
     last = len(stages) - 1
     readable = [_readable(stage, values) for stage in stages]
-    dropped = [set(found) for found in readable]
-    result = []
-    for k, stage in enumerate(stages):
-        # a stage stops sending a size that the next one reads itself; the last sends the model's outputs
-        sent_on = dropped[k + 1] if k < last else set()
-        result.append(_rewritten(stage, readable[k], sent_on))
-    return result
+    # a stage stops sending a size that the next one reads itself; the last sends the model's outputs
+    return [_rewritten(stage, readable[k], set(readable[k + 1]) if k < last else set())
+            for k, stage in enumerate(stages)]
 
 
 def _readable(stage: StageModule, values: dict[str, Any]) -> dict[str, tuple[str, int] | int]:
@@ -74,7 +70,10 @@ def _rewritten(stage: StageModule, readable: dict[str, tuple[str, int] | int], n
             else:
                 tensor, dim = source
                 replacement = graph.call_function(torch.ops.aten.sym_size.int, (placeholders[tensor], dim))
-        node.replace_all_uses_with(replacement) if isinstance(replacement, fx.Node) else _inline(node, replacement)
+        if isinstance(replacement, fx.Node):
+            node.replace_all_uses_with(replacement)
+        else:
+            _inline(node, replacement)
         graph.erase_node(node)
     output = graph.output_node()
     kept = [(name, value) for name, value in zip(stage.outputs, output.args[0]) if name not in not_sent]

@@ -72,10 +72,7 @@ class ProcessPipeline:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameters this rank's stages use, each once."""
-        found: dict[int, torch.nn.Parameter] = {}
-        for stage in self.stages:
-            found.update((id(p), p) for p in stage.stage.parameters())
-        return list(found.values())
+        return list({id(p): p for stage in self.stages for p in stage.stage.parameters()}.values())
 
     def owned(self) -> set[int]:
         """The ids of the parameters and buffers this rank's stages use: the ones it trains."""
@@ -91,14 +88,14 @@ class ProcessPipeline:
 
         ``calls`` are the micro-batches' calls of the module where this rank holds the first stage
         (else ``None``); ``loss`` is called on the rank holding the last stage, once per
-        micro-batch, in the order the schedule runs them. ``shape`` names the shape of the
-        micro-batches, the same on every rank (see the module's docstring)."""
+        micro-batch, in the order the schedule runs them. ``shape`` names the count and shape of
+        the micro-batches, the same on every rank (see the module's docstring)."""
         if self.holds_first and (calls is None or len(calls) != chunks):
             raise ValueError(f"the rank holding the first stage needs the calls of all {chunks} micro-batches")
-        runner = self._runners.get((train, chunks, shape))
+        runner = self._runners.get((train, shape))
         if runner is None:
             stages = torch_stages(self.stages, self.plan.num_stages, self.device, self.group)
-            runner = self._runners[(train, chunks, shape)] = schedule_runner(
+            runner = self._runners[(train, shape)] = schedule_runner(
                 self.schedule, stages, chunks, self._micro_batch_loss)
             if not train and self.schedule.runs_by_table:
                 self.schedule.evaluate_forward_only(runner, self.ranks, chunks)
