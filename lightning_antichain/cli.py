@@ -2,6 +2,7 @@
 
     lightning-antichain plan torchvision.models.resnet50 --model-kwargs '{"num_classes": 10}' \\
         --stages 4 --input-shape 3,32,32 --batch-size 32 --chunks 4 --json
+    lightning-antichain consolidate checkpoints/epoch=0-step=6.ckpt   # shards -> one file for plain Lightning
 
 Progress and the table go to stderr and stdout respectively; with ``--json`` stdout holds exactly
 one JSON object, so the output can be piped.
@@ -17,11 +18,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .capture import UntraceableModelError
 from .planner.cost_graph import load_cost_graph, save_cost_graph
 from .planner.cost_model import InfeasiblePlanError
 from .planner.partition import METHODS
 from .runtime.options import PipelineOptions
+from .runtime.sharded_checkpoint import META_FILE, ShardedCheckpoint, is_sharded_checkpoint
 
 DEFAULTS = PipelineOptions()
 """The settings the strategy starts from; the command line starts from the same."""
@@ -99,7 +103,25 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", help="draw the stage loads and the predicted timeline to this PNG (needs matplotlib)")
     plan.add_argument("--quiet", action="store_true", help="no progress on stderr")
     plan.set_defaults(run=_plan)
+    consolidate = commands.add_parser(
+        "consolidate", help="write a checkpoint directory of stage shards as one .ckpt that plain Lightning loads")
+    consolidate.add_argument("checkpoint", help="the directory a run with schedule= saved (e.g. epoch=0-step=6.ckpt)")
+    consolidate.add_argument("--output", help="the file to write (default: the directory's name + .consolidated)")
+    consolidate.set_defaults(run=_consolidate)
     return parser
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    source = Path(args.checkpoint)
+    if not is_sharded_checkpoint(source):
+        raise ValueError(f"{source} is not a directory of checkpoint shards (with {META_FILE} and .metadata); a "
+                         "checkpoint file needs no consolidating")
+    output = Path(args.output) if args.output else source.with_suffix(source.suffix + ".consolidated")
+    if output.exists():
+        raise ValueError(f"{output} exists: give another --output, or move it away")
+    torch.save(ShardedCheckpoint(source).whole(), output)
+    print(output)
+    return 0
 
 
 def _stage_devices(device: str, stages: int) -> list[str]:

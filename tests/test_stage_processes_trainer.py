@@ -103,18 +103,46 @@ def losses_after(reports: list[dict]) -> torch.Tensor:
 
 
 def test_a_checkpoint_of_stage_processes_resumes_in_plain_lightning_exactly(tmp_path, plain):
-    """Each stage's weights and optimizer state come from the process that trained them."""
+    """Each rank writes its own stages' weights and optimizer state as torch.distributed.checkpoint
+    shards, under the plain module's names; the one-line consolidation gives plain Lightning a file
+    it resumes from exactly, equal to plain training's checkpoint."""
     ckpt = tmp_path / "stages.ckpt"
-    fit(tmp_path / "a", "--devices", "2", "--schedule", "1f1b", "--max-epochs", "1", "--save", str(ckpt))
-    resumed = fit(tmp_path / "b", "--plain", "--max-epochs", "2", "--resume", str(ckpt))
+    (first, second) = fit(tmp_path / "a", "--devices", "2", "--schedule", "1f1b", "--max-epochs", "1", "--save",
+                          str(ckpt))
+    assert ckpt.is_dir()
+    writers = shard_writers(ckpt)
+    for rank, report in enumerate((first, second)):
+        for name in report["trained"]:
+            assert writers[f"state_dict.{name}"] == rank  # from the process that trained it, and only there
+    one_file = tmp_path / "consolidated.ckpt"
+    done = subprocess.run([sys.executable, "-m", "lightning_antichain", "consolidate", str(ckpt), "--output",
+                           str(one_file)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    resumed = fit(tmp_path / "b", "--plain", "--max-epochs", "2", "--resume", str(one_file))
     steps = len(plain["losses"]) // 2
     torch.testing.assert_close(losses_after(resumed), f64(plain["losses"][steps:]), rtol=1e-6, atol=0)
     reference = tmp_path / "plain.ckpt"
     fit(tmp_path / "c", "--plain", "--max-epochs", "1", "--save", str(reference))
-    ours, theirs = (torch.load(p, weights_only=False) for p in (ckpt, reference))
+    ours, theirs = (torch.load(p, weights_only=False) for p in (one_file, reference))
     torch.testing.assert_close(ours["state_dict"], theirs["state_dict"], rtol=1e-6, atol=1e-12)
-    torch.testing.assert_close(ours["optimizer_states"][0]["state"], theirs["optimizer_states"][0]["state"],
-                               rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(ours["optimizer_states"], theirs["optimizer_states"], rtol=1e-6, atol=1e-12)
+
+
+def shard_writers(directory: Path) -> dict[str, int]:
+    """Which rank wrote each tensor of a torch.distributed.checkpoint directory (its file ``__R_0.distcp``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(directory).read_metadata().storage_data
+    return {index.fqn: int(info.relative_path.split("_")[2]) for index, info in storage.items()}
+
+
+def consolidated(directory: Path) -> Path:
+    """The checkpoint at ``directory`` as one file, by the documented command (run in this process)."""
+    from lightning_antichain.cli import main
+
+    output = directory.with_suffix(".consolidated")
+    assert main(["consolidate", str(directory), "--output", str(output)]) == 0
+    return output
 
 
 @pytest.mark.slow  # five fits, 4 and 2 processes among them
@@ -132,6 +160,19 @@ def test_a_checkpoint_moves_between_schedules_process_counts_runtimes_and_plain_
                    *resume)[0]["losses"]
         previous = ckpt
     torch.testing.assert_close(f64(got), f64(whole[0]["losses"]), rtol=1e-6, atol=0)
+
+
+def test_a_balance_given_by_hand_cuts_the_stages_of_one_process_with_virtual_stages(tmp_path, plain):
+    """``balance=`` (and ``plan=``) drive the stages as in the in-process runtime: one process alone
+    holds two virtual stages of 10 and 14 operations, and trains as plain Lightning; the checkpoint
+    carries the plan."""
+    ckpt = tmp_path / "one.ckpt"
+    (report,) = fit(tmp_path / "out", "--devices", "1", "--schedule", "interleaved-1f1b", "--virtual-stages", "2",
+                    "--balance", "10,14", "--save", str(ckpt))
+    assert report["stage_ops"] == [1 + 10, 14]  # the first stage holds the model's input too
+    torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
+    saved = torch.load(ckpt / "meta.pt", weights_only=True)
+    assert [len(stage["nodes"]) for stage in saved["antichain_pipeline"]["plan"]["stages"]] == [1 + 10, 14]
 
 
 def test_process_mode_options_are_checked_when_given():
@@ -173,7 +214,7 @@ def test_a_failing_stage_process_stops_every_process_and_the_checkpoint_before_r
         if failing_rank != 0:
             assert f"StageProcessError: the process of another stage failed, rank {failing_rank}" in main
     assert not _running(str(out))  # no process of this run is left behind
-    resumed = fit(tmp_path / "resumed", "--plain", "--resume", str(out / "epoch=0-step=6.ckpt"))
+    resumed = fit(tmp_path / "resumed", "--plain", "--resume", str(consolidated(out / "epoch=0-step=6.ckpt")))
     torch.testing.assert_close(losses_after(resumed), f64(plain["losses"][6:]), rtol=1e-6, atol=0)
 
 
@@ -266,11 +307,13 @@ def test_gradient_accumulation_and_recomputation_under_stage_processes_equal_pla
 def test_gpt2_built_on_meta_is_made_real_stage_by_stage_each_rank_its_own_and_trains_as_plain(tmp_path, plain_with):
     """Built in configure_model() on the meta device (empty_init) and loaded from the plain model's
     initial weights, as a pretrained checkpoint goes in: each rank makes only its own stages'
-    parameters real, trains as plain Lightning does, and the checkpoint gathers every weight."""
+    parameters real, trains as plain Lightning does, and the one-file checkpoint gathers every
+    weight from the rank that holds it."""
     settings = ("--model", "gpt2", *CLIP)
     plain = plain_with(*settings)
     ckpt = tmp_path / "meta.ckpt"
-    ranks = fit(tmp_path / "out", "--devices", "2", "--schedule", "1f1b", "--meta", "--save", str(ckpt), *settings)
+    ranks = fit(tmp_path / "out", "--devices", "2", "--schedule", "1f1b", "--meta", "--save", str(ckpt), "--one-file",
+                *settings)
     real = [set(r["parameters"]) for r in ranks]
     assert real[0] != set(plain["parameters"]) != real[1] and real[0] | real[1] == set(plain["parameters"])
     saved = torch.load(ckpt, weights_only=False)["state_dict"]

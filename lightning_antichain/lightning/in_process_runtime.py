@@ -23,6 +23,7 @@ from torch import nn
 from ..capture.signature import split_inputs
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.pipeline import Pipeline
+from ..runtime.plan import Plan
 from .forward_patch import ForwardPatch
 from .planned_pipeline import PlannedPipeline
 from .replicas import average_gradients
@@ -58,6 +59,14 @@ class InProcessRuntime:
         self._checked_first_step = False
         self._in_training_step = False
         self._leftovers_placed = False
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.planned.plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self.planned.plan = plan
 
     @property
     def pipeline(self) -> Pipeline | None:
@@ -141,6 +150,15 @@ class InProcessRuntime:
 
     def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         return state
+
+    def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return state
+
+    def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        return state
+
+    def stepped(self, optimizer: Any) -> set[int] | None:
+        return None  # every parameter
 
     def stages_placed(self) -> None:
         """Once the stages are placed: the pipelined module's tensors that no stage uses (a loss

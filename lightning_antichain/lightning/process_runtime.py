@@ -66,6 +66,8 @@ class Host(Protocol):
 
     def post_backward(self, closure_loss: torch.Tensor) -> None: ...
 
+    def stages_placed(self) -> None: ...
+
 
 #: the precision plugin's context for each step hook
 _CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step_context",
@@ -245,6 +247,38 @@ class ProcessRuntime:
             merged.update(part)
         return {**state, "state": dict(sorted(merged.items()))}
 
+    def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of ``state`` (keys of the LightningModule's ``state_dict``) in a
+        checkpoint of shards: what its stages train, and on rank 0 also what no stage holds."""
+        if self.pipeline is None or self.steps is None:
+            return state if self.host.global_rank == 0 else type(state)()
+        owned = self.pipeline.owned()
+        mine = {key for key, value in self.steps.module.state_dict(keep_vars=True).items()
+                if isinstance(value, torch.Tensor) and id(value) in owned}
+        staged = set().union(*_everyone(mine))
+        first = self.host.global_rank == 0
+        return type(state)((k, v) for k, v in state.items() if k in mine or (first and k not in staged))
+
+    def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of ``optimizer``'s ``state_dict`` in a checkpoint of shards: the
+        state of the parameters it steps, on rank 0 also of those no stage holds."""
+        if self.pipeline is None:
+            return state if self.host.global_rank == 0 else {**state, "state": {}}
+        mine = self.stepped(optimizer)
+        assert mine is not None
+        staged = set().union(*_everyone(mine))
+        first = self.host.global_rank == 0
+        return {**state, "state": {i: v for i, v in state["state"].items()
+                                   if i in mine or (first and i not in staged)}}
+
+    def stepped(self, optimizer: Any) -> set[int] | None:
+        """The indices in ``optimizer``'s ``state_dict`` of the parameters this rank steps."""
+        if self.pipeline is None:
+            return None
+        owned = self.pipeline.owned()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return {i for i, p in enumerate(params) if id(p) in owned}
+
     def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> None:
         """Plan on rank 0 (unless a plan was given) and send it to every rank; build this rank's stages."""
         assert self.steps is not None
@@ -269,6 +303,7 @@ class ProcessRuntime:
         self.pipeline = ProcessPipeline(graph, plan, self.schedule, host.global_rank, host.world_size,
                                         host.root_device, initializer=Initializer(target, self.options.param_init_fn),
                                         recompute=self.options.recompute == "always")
+        host.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
 
     def _make_plan(self, target: nn.Module, whole: tuple[tuple, dict]) -> Any:
         options = self.options
@@ -313,6 +348,13 @@ def _gathered(part: Any) -> list[Any]:
     parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(part, parts, dst=0)
     return parts or []
+
+
+def _everyone(part: Any) -> list[Any]:
+    """Every rank's ``part``, on every rank."""
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return parts
 
 
 def _holds(graph: Any, call: tuple[tuple, dict]) -> bool:

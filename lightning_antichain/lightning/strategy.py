@@ -37,13 +37,11 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
-from ..capture.pytrees import map_tensors
 from ..planner.planning import default_memory_gb
 from ..runtime.cpu_threads import stage_threads
 from ..runtime.empty_init import init_empty_weights
 from ..runtime.initialization import Initializer, ParamInitFn
-from ..runtime.materialize import has_meta_state, load_state_dict, materialize, meta_attributes
-from ..runtime.optimizer_state import state_with_parameters
+from ..runtime.materialize import has_meta_state, materialize, meta_attributes
 from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
@@ -52,6 +50,7 @@ from .in_process_runtime import InProcessRuntime
 from .planned_pipeline import PlannedPipeline
 from .process_runtime import ProcessRuntime, options_for_processes
 from .same_batches import same_order_everywhere
+from .strategy_checkpoints import StrategyCheckpoints
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +124,12 @@ class AntichainPipelineStrategy(ParallelStrategy):
             process drives every stage, GPipe's schedule in worker threads.
         virtual_stages: stages per process for ``"interleaved-1f1b"`` and ``"zb-h1"`` (default 2
             and 1); ``"zbv"`` holds 2.
+        save_distributed_checkpoint: save a checkpoint as a directory of
+            ``torch.distributed.checkpoint`` shards, each rank writing its own stages' weights and
+            optimizer state, as Lightning's ``ModelParallelStrategy`` does; ``False``: one file,
+            gathered on rank 0. Default: shards with ``schedule=``, one file without. Either loads
+            into any stage count, schedule or runtime; ``lightning-antichain consolidate DIR`` makes
+            shards one file for plain Lightning.
     """
 
     strategy_name = "antichain_pipeline"
@@ -157,6 +162,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         param_init_fn: ParamInitFn | None = None,
         schedule: str | None = None,
         virtual_stages: int | None = None,
+        save_distributed_checkpoint: bool | None = None,
         checkpoint: Literal["never", "except_last", "always"] | None = None,
     ) -> None:
         super().__init__()
@@ -194,11 +200,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self._num_nodes = 1
         #: the plan and the Pipeline of the module pipelined, made on its first batch
         self._planned = PlannedPipeline(self, self.options, plan)
-        self._waiting_optimizer_states: list[dict[str, Any]] | None = None
         #: what runs the steps: one process driving every stage, or this rank's stages as a process
         self._runtime: InProcessRuntime | ProcessRuntime = (
             InProcessRuntime(self, self._planned, log_stage_times) if self.process_schedule is None
             else ProcessRuntime(self, self.options, self.process_schedule))
+        #: checkpoints of the plain module's keys: one file, or shards from every rank
+        self.checkpoints = StrategyCheckpoints(self._runtime, self.process_schedule is not None if (
+            save_distributed_checkpoint is None) else save_distributed_checkpoint)
 
     # -- one process, several devices ----------------------------------------------------------
 
@@ -210,11 +218,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @property
     def plan(self) -> Plan | None:
         """The plan the pipeline runs (``None`` before the first batch, unless ``plan=`` gave one)."""
-        return self._planned.plan
+        return self._runtime.plan
 
     @plan.setter
     def plan(self, plan: Plan | None) -> None:
-        self._planned.plan = plan
+        self._runtime.plan = plan
 
     @property
     def tasks_run(self) -> Counter[tuple[int, int]]:
@@ -380,8 +388,15 @@ class AntichainPipelineStrategy(ParallelStrategy):
             self.options = self._planned.options = self.options.replace(
                 cpu_threads=stage_threads(self.parallel_devices))
         stages = self._requested_stages()
-        if stages is not None and stages != len(self.stage_devices):
-            what = "the plan" if self.plan_path else "the balance"
+        what = "the plan" if self.plan_path else "the balance"
+        if stages is not None and self.process_schedule is not None:
+            schedule, ranks = self.process_schedule, self.num_nodes * self.num_processes
+            if stages != schedule.num_stages(ranks):
+                raise ValueError(
+                    f"{what} has {stages} stages but {ranks} processes under schedule={schedule.name!r} hold "
+                    f"{schedule.num_stages(ranks)} ({schedule.virtual_stages} each); start "
+                    f"{stages / schedule.virtual_stages:g} processes (devices=), or plan for {ranks}")
+        elif stages is not None and stages != len(self.stage_devices):
             if self.placement is not None:
                 raise ValueError(f"{what} has {stages} stages but placement={self.placement} has "
                                  f"{len(self.placement)}; give one device index per stage")
@@ -507,46 +522,35 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The original keys, as CPU tensors: loadable with any device count, or without the strategy."""
-        state = super().lightning_module_state_dict()
-        state = type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) and not v.is_meta else v)
-                            for k, v in state.items())  # on meta: another rank's stage, gathered from it
-        return self._runtime.gathered_state(state)
+        return self.checkpoints.model_state(super().lightning_module_state_dict())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        state = map_tensors(lambda t: t.detach().cpu(), super().optimizer_state(optimizer))
-        return self._runtime.gathered_optimizer_state(optimizer, state)
+        return self.checkpoints.optimizer_state(self.optimizers, optimizer, super().optimizer_state(optimizer))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        return self.checkpoints.read(path) or super().load_checkpoint(path, weights_only=weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Load the weights; those of a model still on meta wait to go straight into their stages."""
         assert self.lightning_module is not None
-        load_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        self.checkpoints.load_model(self.lightning_module, checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        # torch puts each state tensor on its parameter's device; Lightning's default would then
-        # move all of it to the root device. Parameters still on meta have no device yet: their
-        # optimizer state is loaded once the stages are placed.
-        states = checkpoint["optimizer_states"]
-        if any(p.is_meta for optimizer in self.optimizers for g in optimizer.param_groups for p in g["params"]):
-            self._waiting_optimizer_states = states
-            return
-        for optimizer, state in zip(self.optimizers, states):
-            optimizer.load_state_dict(state)
-        state_with_parameters(self.optimizers)
+        self.checkpoints.load_optimizers(self.optimizers, checkpoint["optimizer_states"])
 
     def stages_placed(self) -> None:
-        """Each stage is real on its device: optimizer state goes beside its parameters (loaded
-        now, if a checkpoint's waited for the stages)."""
+        """Each stage is real on its device (called by the runtime)."""
         self._runtime.stages_placed()
-        states, self._waiting_optimizer_states = self._waiting_optimizer_states, None
-        for optimizer, state in zip(self.optimizers, states or ()):
-            optimizer.load_state_dict(state)
-        state_with_parameters(self.optimizers)
+        self.checkpoints.stages_placed(self.optimizers)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """One file from rank 0, or (``save_distributed_checkpoint``) a directory of shards, each
+        rank writing its share."""
         if self.plan is not None:
             checkpoint[CHECKPOINT_KEY] = {
                 "chunks": self.plan.chunks,
@@ -555,7 +559,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
                 "replicas": self.world_size,
                 "plan": self.plan.to_dict(),
             }
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))
+        if not self.checkpoints.saved_as_shards(checkpoint, path, storage_options):
+            super().save_checkpoint(checkpoint, path, storage_options)
 
     @override
     def teardown(self) -> None:

@@ -2,7 +2,8 @@
 
 People bring weights as a ``torch.save`` file (``.pt``, ``.bin``, ``.pth``, ``.ckpt``), a
 safetensors file, or a directory of safetensors (or ``.bin``) shards with an index file
-(``model.safetensors.index.json``), as Hugging Face saves a large model. Every format is read
+(``model.safetensors.index.json``), as Hugging Face saves a large model, or a directory of
+``torch.distributed.checkpoint`` shards, as a run with one process per stage saves. Every format is read
 lazily: the files are memory-mapped, and a tensor is read from disk only when its stage makes it
 real on its own device (:mod:`.materialize`), so no device and no host ever holds the whole model.
 """
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from .materialize import IncompatibleKeys, Read, load_lazily
+from .sharded_checkpoint import ShardedCheckpoint
 
 Entries = dict[str, tuple[tuple[int, ...], Read]]
 
@@ -29,8 +31,9 @@ def load_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) -> 
     """Load the weights at ``path`` into ``model``, lazily where ``model`` is on meta.
 
     ``path`` is a ``torch.save`` file of a state dict (or of a Lightning checkpoint, whose
-    ``state_dict`` is taken), a ``.safetensors`` file, or a directory holding one of them or
-    shards with an index (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``).
+    ``state_dict`` is taken), a ``.safetensors`` file, or a directory holding one of them,
+    shards with an index (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``),
+    or ``torch.distributed.checkpoint`` shards (a checkpoint saved with ``schedule=``).
     Returns the missing and unexpected keys, as ``Module.load_state_dict`` does; ``strict`` refuses
     either. A tied weight counts as loaded when any of its names is in the file (Hugging Face
     saves ``lm_head.weight`` tied to the embedding under one name only), and stays tied. Values are
@@ -55,6 +58,8 @@ def checkpoint_entries(path: Path) -> Entries:
 
 
 def _directory_entries(directory: Path) -> Entries:
+    if (directory / ".metadata").is_file():  # torch.distributed.checkpoint shards, as process-mode runs save
+        return ShardedCheckpoint(directory).state_dict().entries()
     for name in INDEX_NAMES:
         index = directory / name
         if index.exists():

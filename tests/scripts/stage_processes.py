@@ -193,6 +193,8 @@ class Record(L.Callback):
                                                                                             self.initial[n]))],
             "parameters": {n: p.detach().cpu().flatten().tolist() for n, p in module.named_parameters()
                            if not p.is_meta},  # a model built on meta is real only where this rank's stages are
+            "stage_ops": [len(stage.nodes) for stage in getattr(trainer.strategy, "plan", None).stages]
+            if getattr(trainer.strategy, "plan", None) else None,
         }))
 
 
@@ -208,6 +210,9 @@ def main() -> None:
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--save", default=None, help="write a checkpoint here at the end")
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
+    parser.add_argument("--balance", type=lambda v: [int(n) for n in v.split(",")], default=None,
+                        help="operations per stage, instead of planning")
+    parser.add_argument("--one-file", action="store_true", help="save_distributed_checkpoint=False: one gathered file")
     parser.add_argument("--adam", action="store_true", help="AdamW instead of SGD with momentum")
     parser.add_argument("--model", choices=["skips", "batchnorm", "gpt2"], default="skips")
     parser.add_argument("--meta", action="store_true", help="GPT-2 built on meta in configure_model, then loaded")
@@ -222,7 +227,8 @@ def main() -> None:
     schedule = None if args.schedule == "none" else args.schedule  # none: the in-process runtime
     strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
         schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False,
-        leaf_modules=["fault"], recompute=args.recompute, empty_init=args.meta)
+        leaf_modules=["fault"], recompute=args.recompute, empty_init=args.meta,
+        save_distributed_checkpoint=False if args.one_file else None, balance=args.balance)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="64-true",
         max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,

@@ -1,0 +1,125 @@
+"""How the strategy saves and loads Lightning checkpoints: the plain module's names as CPU tensors,
+as one file gathered on rank 0 or as a directory of shards each rank writes its part of
+(:mod:`~lightning_antichain.runtime.sharded_checkpoint`).
+
+Loading waits where it must: weights for a model still on meta go straight into their stages when
+those are made real, and optimizer state is loaded once the stages are placed, when each rank
+knows which parameters it steps (from shards it reads only theirs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..capture.pytrees import map_tensors
+from ..runtime.materialize import load_lazily, load_state_dict
+from ..runtime.optimizer_state import state_with_parameters
+from ..runtime.sharded_checkpoint import (
+    META_FILE,
+    ShardedCheckpoint,
+    ShardedOptimizerStates,
+    ShardedStateDict,
+    is_sharded_checkpoint,
+    remove_sharded,
+    save_sharded,
+)
+
+OptimizerStates = list[dict[str, Any]] | ShardedOptimizerStates
+
+
+class StateShares(Protocol):
+    """What a runtime tells about the state each rank holds (both runtimes have it)."""
+
+    def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]: ...
+    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]: ...
+    def own_state(self, state: dict[str, Any]) -> dict[str, Any]: ...
+    def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]: ...
+    def stepped(self, optimizer: Any) -> set[int] | None: ...
+
+
+class StrategyCheckpoints:
+    """The strategy's checkpoint hooks, kept apart from its devices and steps."""
+
+    def __init__(self, runtime: StateShares, sharded: bool) -> None:
+        self.runtime = runtime
+        #: whether a checkpoint is saved as a directory of shards, one share per rank
+        self.sharded = sharded
+        self._waiting: OptimizerStates | None = None
+
+    def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What this rank saves of the LightningModule's ``state``: CPU tensors, all of them (one
+        file, on rank 0) or its share (shards)."""
+        state = type(state)((k, v.detach().cpu() if isinstance(v, torch.Tensor) and not v.is_meta else v)
+                            for k, v in state.items())  # on meta: another rank's stage, saved by that rank
+        return self.runtime.own_state(state) if self.sharded else self.runtime.gathered_state(state)
+
+    def optimizer_state(self, optimizers: list[Any], optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """What this rank saves of ``optimizer``'s ``state``; what was loaded, if no step has
+        placed the stages to take it yet."""
+        if self._waiting is not None:
+            i = optimizers.index(optimizer)
+            return self._waiting.read(i) if isinstance(self._waiting, ShardedOptimizerStates) else self._waiting[i]
+        state = map_tensors(lambda t: t.detach().cpu(), state)
+        return (self.runtime.own_optimizer_state(optimizer, state) if self.sharded
+                else self.runtime.gathered_optimizer_state(optimizer, state))
+
+    def saved_as_shards(self, checkpoint: dict[str, Any], path: Path, storage_options: Any = None) -> bool:
+        """Save ``checkpoint`` at ``path`` as shards from every rank, if so set; otherwise clear
+        the way for one file (the strategy's ``CheckpointIO`` writes it) and say so."""
+        if not self.sharded:
+            remove_sharded(path)
+            return False
+        if storage_options is not None:
+            raise TypeError("storage_options= is not taken for a checkpoint of shards; set "
+                            "save_distributed_checkpoint=False to save one file through the CheckpointIO")
+        save_sharded(checkpoint, path)
+        return True
+
+    @staticmethod
+    def read(path: Path) -> dict[str, Any] | None:
+        """The checkpoint at ``path`` if it is a directory of shards, its tensors read when asked
+        for; ``None`` for a file."""
+        if not is_sharded_checkpoint(path):
+            return None
+        shards = ShardedCheckpoint(path)
+        checkpoint: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        checkpoint["state_dict"] = shards.state_dict()
+        if len(shards.optimizer_states()):
+            checkpoint["optimizer_states"] = shards.optimizer_states()
+        return checkpoint
+
+    @staticmethod
+    def load_model(module: nn.Module, state: Any, strict: bool) -> None:
+        """Load the weights; those of a model still on meta wait to go straight into their stages."""
+        if isinstance(state, ShardedStateDict):
+            load_lazily(module, state.entries(), strict=strict)
+        else:
+            load_state_dict(module, state, strict=strict)
+
+    def load_optimizers(self, optimizers: list[Any], states: OptimizerStates) -> None:
+        """Load ``states`` now, or once the stages are placed (:meth:`stages_placed`): for
+        parameters still on meta, which have no device yet, and from shards."""
+        # torch puts each state tensor on its parameter's device; Lightning's default would then
+        # move all of it to the root device
+        if isinstance(states, ShardedOptimizerStates) or any(
+                p.is_meta for optimizer in optimizers for g in optimizer.param_groups for p in g["params"]):
+            self._waiting = states
+            return
+        for optimizer, state in zip(optimizers, states):
+            optimizer.load_state_dict(state)
+        state_with_parameters(optimizers)
+
+    def stages_placed(self, optimizers: list[Any]) -> None:
+        """Each stage is real on its device: optimizer state goes beside its parameters (from
+        shards, only the state of the parameters this rank steps)."""
+        states, self._waiting = self._waiting, None
+        for i, optimizer in enumerate(optimizers if states is not None else ()):
+            assert states is not None
+            state = (states.read(i, self.runtime.stepped(optimizer)) if isinstance(states, ShardedOptimizerStates)
+                     else states[i])
+            optimizer.load_state_dict(state)
+        state_with_parameters(optimizers)

@@ -1,0 +1,83 @@
+"""Checkpoints as torch.distributed.checkpoint shards, read back by name: the format alone, and the
+in-process runtime saving and resuming through it. Shards written by several processes are tested
+in test_stage_processes_trainer.py."""
+
+import torch
+from lit_models import TinyClassifier, loader, trainer
+from torch import nn
+
+import lightning_antichain as la
+from lightning_antichain.cli import main as command
+from lightning_antichain.runtime.materialize import materialize
+from lightning_antichain.runtime.sharded_checkpoint import ShardedCheckpoint, is_sharded_checkpoint, save_sharded
+
+
+def test_a_lightning_checkpoint_comes_back_whole_from_its_shards_and_per_parameter(tmp_path):
+    momentum = {3: {"exp_avg": torch.randn(4), "step": torch.tensor(7.0)}, 11: {"exp_avg": torch.randn(2, 2),
+                                                                                "step": torch.tensor(7.0)}}
+    checkpoint = {
+        "state_dict": {"net.0.weight": torch.randn(3, 2), "net.0.bias": torch.randn(3)},
+        "optimizer_states": [{"state": momentum, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99),
+                                                                   "params": [3, 11]}]}],
+        "epoch": 2, "global_step": 12, "callbacks": {"ModelCheckpoint": {"best": None}},
+    }
+    path = tmp_path / "ckpt"
+    save_sharded(checkpoint, path)
+    assert is_sharded_checkpoint(path) and not is_sharded_checkpoint(tmp_path)
+    shards = ShardedCheckpoint(path)
+    whole = shards.whole()
+    assert whole.keys() == checkpoint.keys() and whole["epoch"] == 2
+    torch.testing.assert_close(whole["state_dict"], checkpoint["state_dict"], rtol=0, atol=0)
+    torch.testing.assert_close(whole["optimizer_states"], checkpoint["optimizer_states"], rtol=0, atol=0)
+    assert list(whole["optimizer_states"][0]["state"]) == [3, 11]  # indices, as torch's optimizers key them
+    only = shards.optimizer_states().read(0, {11})
+    assert list(only["state"]) == [11] and only["param_groups"] == checkpoint["optimizer_states"][0]["param_groups"]
+
+
+def test_the_in_process_runtime_saves_shards_and_resumes_from_them_on_other_devices(tmp_path):
+    steps = 5  # one epoch: 80 samples in batches of 16
+    torch.manual_seed(0)
+    uninterrupted = TinyClassifier()
+    trainer(devices=1, max_epochs=2).fit(uninterrupted, loader(80))
+
+    torch.manual_seed(0)
+    first = TinyClassifier()
+    t = trainer(devices=4, strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False,
+                                                                 save_distributed_checkpoint=True), max_epochs=1)
+    t.fit(first, loader(80))
+    path = tmp_path / "four.ckpt"
+    t.save_checkpoint(path)
+    assert is_sharded_checkpoint(path)
+
+    resumed = TinyClassifier()
+    torch.manual_seed(0)
+    trainer(devices=2, strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False),
+            max_epochs=2).fit(resumed, loader(80), ckpt_path=path)
+    torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(uninterrupted.losses[steps:]), rtol=1e-5,
+                               atol=0)
+
+    one_file = tmp_path / "one.ckpt"
+    assert command(["consolidate", str(path), "--output", str(one_file)]) == 0
+    plain = TinyClassifier.load_from_checkpoint(one_file)  # plain Lightning, no strategy
+    for (name, ours), theirs in zip(first.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
+
+
+def test_shards_load_by_name_into_a_model_on_meta_when_its_tensors_are_made_real(tmp_path):
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    path = tmp_path / "shards"
+    save_sharded({"state_dict": saved.state_dict()}, path)
+    with la.init_empty_weights():
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    la.load_checkpoint(model, path)
+    assert all(p.is_meta for p in model.parameters())  # nothing read yet
+    materialize([model[2]], torch.device("cpu"))  # one stage's layer
+    torch.testing.assert_close(model[2].weight, saved[2].weight, rtol=0, atol=0)
+    assert model[0].weight.is_meta
+
+
+def test_consolidating_a_file_or_nothing_says_what_to_give(tmp_path, capsys):
+    (tmp_path / "a.ckpt").write_bytes(b"")
+    assert command(["consolidate", str(tmp_path / "a.ckpt")]) == 2
+    assert "not a directory of checkpoint shards" in capsys.readouterr().err
