@@ -429,3 +429,33 @@ def test_stages_as_processes_on_the_gpus_equal_plain_lightning(tmp_path, gpu_dev
     (plain,) = fit("plain", "--plain")
     for losses in fit("stages", *layout):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["gpu,gpu", "gpu,cpu"])
+def test_a_weight_tied_across_devices_is_read_through_a_leaf_on_each_and_trains_as_plain(gpu_device, layout):
+    """The embedding is also the output layer's weight: the first stage reads it where it lives,
+    the last through a copy on its own device (the GPU as a second device of its own, or the CPU
+    beside it). Both gradients reach the parameter on the backward's own streams, and after an
+    SGD step the copy takes the new values: two steps equal the plain module's in float64."""
+    from models import TiedEmbedding
+
+    torch.manual_seed(0)
+    model = TiedEmbedding().double()
+    tokens = torch.randint(0, 40, (12, 7))
+    cost = la.profile(model, tokens[:3], repeats=1, warmup=0, progress=False, runtime_overhead=False)
+    devices = [gpu_device if kind == "gpu" else torch.device("cpu") for kind in layout.split(",")]
+    plan = la.partition(cost, 2, chunks=4, devices=[str(d) for d in devices])
+    plain = copy.deepcopy(model).to(devices[0])
+    with la.Pipeline(model, plan, chunks=4, devices=devices, device_slots=(0, 1)) as pipe:
+        for step in range(2):
+            for net, run in ((plain, plain), (model, pipe)):
+                net.zero_grad(set_to_none=True)
+                out = run(tokens.to(devices[0]))
+                (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype, device=out.device)).sum().backward()
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                torch.testing.assert_close(p.grad.cpu(), q.grad.cpu(), rtol=1e-9, atol=1e-12, msg=f"{step} {name}")
+            for net in (plain, model):
+                with torch.no_grad():
+                    for p in net.parameters():
+                        p -= 0.1 * p.grad
+        assert len(pipe.tied) == 1 and model.head.weight is model.embed.weight

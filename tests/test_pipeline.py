@@ -311,7 +311,12 @@ def test_deferred_batch_norm_stores_whole_batch_statistics(momentum):
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-def test_tied_parameters_shared_by_first_and_last_stage(stages):
+@pytest.mark.parametrize("own_devices", [False, True])
+def test_tied_parameters_shared_by_first_and_last_stage(stages, own_devices):
+    """The embedding is also the output layer's weight, read by the first and the last stage. On
+    one device the stages share it; on devices of their own (``device_slots``: what CPU devices
+    stand for, and what GPUs are) each device reads a leaf of its own, and the gradients of both
+    reach the parameter: two steps of SGD equal plain training's, and the copy follows the step."""
     from models import TiedEmbedding
 
     torch.manual_seed(0)
@@ -322,16 +327,29 @@ def test_tied_parameters_shared_by_first_and_last_stage(stages):
     stage_of = plan.stage_of()
     assert stage_of["embed"] == 0 and stage_of["head"] == stages - 1  # the tie really spans stages
     model.double()
-    loss_of(model(tokens)).backward()
-    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    with la.Pipeline(model, plan, chunks=4) as pipe:
-        loss_of(pipe(tokens)).backward()
-    for n, p in model.named_parameters():
-        assert max_relative_error(p.grad, reference[n]) <= 1e-9, n
-    with pytest.raises(ValueError, match="tied parameters across devices"):
-        la.Pipeline(model, plan, chunks=4, devices=["cpu"] * (stages - 1) + ["meta"])
-    assert model.head.weight.device.type == "cpu"  # refused before anything moved
+    plain = copy.deepcopy(model)
+    slots = tuple(range(stages)) if own_devices else None
+    with la.Pipeline(model, plan, chunks=4, device_slots=slots) as pipe:
+        for step in range(2):
+            for net, run in ((plain, plain), (model, pipe)):
+                net.zero_grad(set_to_none=True)
+                loss_of(run(tokens)).backward()
+            for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+                assert max_relative_error(p.grad, q.grad) <= 1e-9, (step, n)
+            for net in (plain, model):
+                with torch.no_grad():
+                    for p in net.parameters():
+                        p -= 0.1 * p.grad
+        assert len(pipe.tied) == (1 if own_devices else 0)
+        assert model.head.weight is model.embed.weight  # the user's model stays tied
+        leaves = pipe.tied.leaves()
+        assert len(leaves) == (2 if own_devices else 0)
+        assert all(leaf.grad is None for leaf in leaves)  # every gradient went to the parameter
+    if own_devices:  # the last stage's leaf is a copy: it took the second step's values before the third forward
+        assert not torch.equal(leaves[-1], model.embed.weight)
+        pipe(tokens)
+        assert torch.equal(leaves[-1], model.embed.weight) and leaves[-1].data_ptr() != model.embed.weight.data_ptr()
+        assert leaves[0].data_ptr() == model.embed.weight.data_ptr()  # on the parameter's own device: no copy
 
 
 def test_a_task_that_raises_reaches_the_caller_and_leaves_its_worker_serving():

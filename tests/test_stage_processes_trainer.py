@@ -255,16 +255,24 @@ def test_a_last_batch_that_does_not_split_evenly_stops_every_process_with_a_clea
 TIED = "net.transformer.wte.weight"  # GPT-2's input embedding, also its output layer's weight
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=SLOW)])
+@pytest.mark.parametrize("schedule", ["1f1b", "none", pytest.param("zbv", marks=SLOW)])
 def test_gpt2_with_its_embedding_tied_to_its_output_layer_across_the_first_and_last_rank_equals_plain(
         tmp_path, plain_with, schedule):
     """Each of the two ranks holds a copy of the tied weight (with ZBV both stages that use it are on
     rank 0); the copies end equal, to the bit, and equal plain training's weight. The sizes an
     exported GPT-2 reads once and uses in every layer are read again from the tensors each stage
-    receives, since torch's stages send tensors only."""
+    receives, since torch's stages send tensors only. In one process (``none``), each of the two
+    devices reads its own leaf of the weight, and both gradients reach it."""
     settings = ("--model", "gpt2", *CLIP)  # the tied weight's gradient counts once in the norm
     plain = plain_with(*settings)
     ranks = fit(tmp_path / "out", "--devices", "2", "--schedule", schedule, *settings)
+    if schedule == "none":
+        (report,) = ranks
+        assert report["tied_across_devices"] == 1
+        torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
+        for name, values in plain["parameters"].items():
+            torch.testing.assert_close(f64(report["parameters"][name]), f64(values), rtol=1e-6, atol=1e-12)
+        return
     trained = [set(r["trained"]) for r in ranks]
     assert set().union(*trained) == set(plain["parameters"])
     if schedule == "1f1b":

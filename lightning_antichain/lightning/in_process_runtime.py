@@ -171,6 +171,7 @@ class InProcessRuntime:
         for stage in pipeline.stages:
             tensors = [*stage.parameters(), *stage.buffers(), *(b for m in stage.submodules() for b in m.buffers())]
             staged |= {id(t) for t in tensors} | {id(t.grad) for t in tensors if t.grad is not None}
+        staged |= {id(p) for p in pipeline.tied.parameters()}  # each stays where its first stage reads it
         root = self.host.root_device
         self.host.lightning_module._apply(lambda t: t if t.is_meta or id(t) in staged else t.to(root))
 

@@ -406,6 +406,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
             )
         if self.placement is not None:
             self._share_device_memory()
+        if self.process_schedule is None:  # CPU devices are one torch device: name each stage's
+            self.options = self._planned.options = self.options.replace(device_slots=tuple(
+                self.placement or range(self.stages_per_replica)))
         if self.multi_process or self.process_schedule is not None:  # stages as processes talk even alone
             self.set_world_ranks()
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)

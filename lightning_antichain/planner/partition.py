@@ -43,7 +43,7 @@ def partition(
     bandwidth_gbps: float | None = None,
     optimizer_multiplier: float = 2.0,
     max_states: int = DEFAULT_MAX_STATES,
-    colocate_tied: bool | None = None,
+    colocate_tied: bool = False,
     recompute: str = "never",
     checkpoint: str | None = None,
     schedule: str = "gpipe",
@@ -55,8 +55,9 @@ def partition(
     speed and memory. ``bandwidth_gbps`` is the link between stages in GB/s; ``None`` means
     transfers are free. ``chunks`` is the number of micro-batches per step; the cost graph's times
     are per micro-batch. ``colocate_tied`` keeps operations that use the same parameter (tied
-    weights) in one stage; by default it does so when the stages are on different devices, since
-    a parameter lives on one device. ``recompute`` is the runtime's recompute mode, which sets the
+    weights) in one stage; by default they may be cut apart, since both runtimes give each device
+    that uses such a parameter its own copy and sum the copies' gradients.
+    ``recompute`` is the runtime's recompute mode, which sets the
     activations a stage holds (see :meth:`CostModel.memory_bytes`). ``schedule`` names the order
     the stages run their tasks in (:data:`~lightning_antichain.runtime.schedule.SCHEDULES`): it
     sets the predicted step and how many micro-batches each stage holds (``"1f1b"``: ``K - k`` on
@@ -86,8 +87,6 @@ def partition(
     num_states = len(free) + 1
     if method == "antichain":
         space = build_state_space(graph, max_states)
-        if colocate_tied is None:
-            colocate_tied = len({s.name for s in specs}) > 1
         groups = tied_groups(graph) if colocate_tied else []
         for group in groups + [set(g) for g in graph.graph.get("together", [])]:
             space.forbidden = space.forbidden | space.splits(group)
@@ -97,8 +96,8 @@ def partition(
             if groups:
                 names = "; ".join(", ".join(sorted(map(str, g))) for g in groups)
                 raise InfeasiblePlanError(
-                    f"{exc}. Tied parameters must stay in one stage when stages are on different devices, and "
-                    f"these operations share parameters: {names}. Use fewer stages, or untie the weights."
+                    f"{exc}. With colocate_tied=True, tied parameters stay in one stage, and these operations "
+                    f"share parameters: {names}. Use fewer stages, or let the tie be cut (colocate_tied=False)."
                 ) from exc
             raise
         stage_nodes = stage_nodes_of_chain(space, chain)

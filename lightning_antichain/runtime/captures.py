@@ -25,11 +25,13 @@ from ..capture.devices import on_module_device
 from ..capture.isolation import training_flags, training_flags_set
 from . import microbatch
 from .batch_dims import first_micro_batch, placeholder_batch_dims
+from .device import StageStreams
 from .initialization import Initializer, ParamInitFn
 from .materialize import has_meta_state, materialize
 from .plan import Plan
 from .projection import project_plan
 from .split import PlanMismatchError, StageModule, place_stages, split_stages
+from .tied_copies import TiedCopies
 
 
 class Captures:
@@ -37,11 +39,16 @@ class Captures:
     (and, where the graph captured first does not hold for a call, by what that call specialised)."""
 
     def __init__(self, module: nn.Module, plan: Plan, devices: Sequence[torch.device], chunks: int,
-                 batch_dim: Any, leaf_modules: tuple, param_init_fn: ParamInitFn | None = None) -> None:
+                 batch_dim: Any, leaf_modules: tuple, param_init_fn: ParamInitFn | None = None,
+                 slots: Sequence[Hashable] | None = None) -> None:
         self.module = module
         self.initializer = Initializer(module, param_init_fn)
         self.plan = plan
         self._devices = list(devices)
+        self._slots = None if slots is None else list(slots)
+        #: the leaves, one per device, of parameters used on several devices, shared by every capture
+        self.tied = TiedCopies()
+        self._streams: dict[int, StageStreams] = {}
         self.chunks = chunks
         self.batch_dim = batch_dim
         self.leaf_modules = leaf_modules
@@ -84,11 +91,18 @@ class Captures:
         assert graph.specialization is not None and graph.signature is not None
         return graph.specialization.recapture(*graph.signature.unbind(values))
 
+    def _place(self, stages: list[StageModule], initializer: Initializer | None = None) -> None:
+        """Place ``stages``, each on the streams every capture's stage of its index uses: what a
+        stage queues there (a tied parameter's gradient) is ordered whichever capture runs."""
+        for stage in stages:
+            stage.streams = self._streams.setdefault(stage.index, stage.streams)
+        place_stages(stages, initializer, self._slots, self.tied)
+
     def use(self, graph: OpGraph, call: tuple[tuple, dict] | None) -> Runnable:
         """Cut the stages out of ``graph`` (by the plan, or by the plan carried over to this graph
         where its operations differ) and place them on their devices."""
         plan, stages = self._split(graph, call)
-        place_stages(stages, self.initializer)
+        self._place(stages, self.initializer)
         if has_meta_state(self.module):  # what no stage uses is made real on the first stage's device
             materialize(self.module.modules(), self._devices[0], "reset", self.initializer)
         placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
@@ -180,7 +194,7 @@ class Captures:
                 f"got a different graph: {exc}"
             ) from exc
         stages = split_stages(graph, plan, self._devices)
-        place_stages(stages)
+        self._place(stages)
         return stages
 
 

@@ -237,6 +237,22 @@ def autograd_thread_device(grads: Iterable[Any]) -> torch.device | None:
     return None
 
 
+def add_gradient(total: torch.Tensor | None, grad: torch.Tensor, home: StageStreams) -> torch.Tensor:
+    """``total + grad`` (``grad`` where ``total`` is ``None``) on the ``home`` stage's device and
+    compute stream, after the work that made ``grad`` (the calling thread's current stream): a
+    tied parameter's gradient, collected from its copies on other devices where it lives."""
+    if home.compute is None:
+        grad = grad.to(home.device)
+        return grad if total is None else total + grad
+    if is_accelerator(grad.device):
+        home.compute.wait_stream(torch.cuda.current_stream(grad.device))
+    with torch.cuda.stream(home.compute):
+        moved = grad.to(home.device, non_blocking=True)
+        if moved is grad:  # made on another stream of this device, read on the home stage's
+            grad.record_stream(home.compute)
+        return moved if total is None else total + moved
+
+
 def ship(values: Sequence[Any], source: StageStreams, target: StageStreams) -> tuple[tuple[Any, ...], Any]:
     """Detached copies of ``values`` on the target stage's device, and the event its compute must
     wait for (``None``: ready now). Called by the source stage's worker, inside :func:`computing`."""

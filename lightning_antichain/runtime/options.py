@@ -34,7 +34,10 @@ class PipelineOptions:
     once per batch), ``share_cpu_allocator`` (malloc keeps freed memory for CPU stages), ``cpu_threads`` (intra-op
     threads of each CPU stage, which planning also profiles with; ``None``: the cores shared evenly
     among the CPU stages) and
-    ``measure_activations`` (count what each stage keeps for backward), and ``param_init_fn``
+    ``measure_activations`` (count what each stage keeps for backward), ``device_slots`` (which
+    device each stage runs on, where stages on one torch device still stand for different ones,
+    as CPU devices do: a parameter used on several gets a leaf on each; ``None``: the torch
+    devices), and ``param_init_fn``
     (fills a module's new tensors when a model built on meta is made real, instead of Hugging
     Face's ``_init_weights`` or the module's ``reset_parameters()``; see
     :mod:`~lightning_antichain.runtime.initialization`).
@@ -64,6 +67,7 @@ class PipelineOptions:
     cpu_threads: int | None = None
     measure_activations: bool = False
     param_init_fn: Callable[[Any], None] | None = None
+    device_slots: tuple[int, ...] | None = None
     balance: tuple[int, ...] | None = None
     method: str = "antichain"
     schedule: str = "gpipe"

@@ -55,6 +55,7 @@ from .randomness import step_seed
 from .saved_tensors import HeldMemory, state_storages
 from .schedule import make_schedule, runs_in_process
 from .split import PlanMismatchError
+from .tied_copies import TiedCopies
 from .worker import WorkerPool, keep_freed_memory
 
 
@@ -124,13 +125,15 @@ class Pipeline(nn.Module):
         self._devices = [torch.device(d) for d in (devices or [s.device for s in plan.stages])]
         if len(self._devices) != plan.num_stages:
             raise ValueError(f"got {len(self._devices)} devices for a plan of {plan.num_stages} stages")
+        if options.device_slots is not None and len(options.device_slots) != plan.num_stages:
+            raise ValueError(f"got {len(options.device_slots)} device_slots for a plan of {plan.num_stages} stages")
         if not runs_in_process(plan.schedule):
             raise ValueError(f"the plan's schedule {plan.schedule!r} computes the loss per micro-batch, which runs "
                              "with one process per stage; this Pipeline runs the whole batch's loss in one process "
                              "under 'gpipe': set plan.schedule = 'gpipe', or plan again without a schedule")
         #: every capture of the module made ready to run
         self._captures = Captures(module, plan, self._devices, chunks, batch_dim, self.leaf_modules,
-                                  options.param_init_fn)
+                                  options.param_init_fn, options.device_slots)
         self._run: Runnable | None = None  # the one the last call ran
         if share_cpu_allocator and any(shares_host(d) for d in self._devices):
             keep_freed_memory()
@@ -193,6 +196,11 @@ class Pipeline(nn.Module):
         return list(self._devices)
 
     @property
+    def tied(self) -> TiedCopies:
+        """The parameters used on several devices, read there through a leaf per device."""
+        return self._captures.tied
+
+    @property
     def tasks_run(self) -> Counter[tuple[int, int]]:
         """Micro-batch tasks (a forward or a backward of one stage) run since the pipeline was made,
         by stage and by the identity of the worker thread that ran them."""
@@ -221,6 +229,7 @@ class Pipeline(nn.Module):
             raise
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
+        self._captures.tied.refresh()  # copies of a parameter used on several devices take its values
         args, kwargs = with_items_in_batch(self.module, args, kwargs)
         if self.check_batch:
             refuse_per_sample_lists(self.module, args, kwargs, self.batch_dim)

@@ -13,6 +13,7 @@ being shipped between stages.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -33,6 +34,7 @@ from .materialize import materialize
 from .op_clock import OpClock, clocked_module, watching
 from .plan import Plan
 from .randomness import seed_random_nodes
+from .tied_copies import TiedCopies, module_with_leaves
 
 
 class PlanMismatchError(ValueError):
@@ -218,29 +220,85 @@ def _value(env: dict[str, fx.Node], name: str) -> fx.Node:
     return env[name]
 
 
-def place_stages(stages: list[StageModule], initializer: Initializer | None = None) -> None:
+def place_stages(stages: list[StageModule], initializer: Initializer | None = None,
+                 slots: Sequence[Hashable] | None = None, tied: TiedCopies | None = None) -> None:
     """Move each stage's submodules and the tensors it fetches to its device.
 
-    A parameter used by stages on two different devices (tied weights, such as a shared embedding
-    and output layer) is refused before anything moves; on one device, stages may share it. Meta
-    tensors are made real on their stage's device, initialised as ``initializer`` says.
+    ``slots`` names each stage's device (stages with one name share it; default: their torch
+    device). A parameter used by stages on different devices (tied weights, such as a shared
+    embedding and output layer) is read through a leaf per device from ``tied``
+    (:mod:`.tied_copies`), which sums their gradients into it; without ``tied`` it is refused
+    before anything moves. Meta tensors are made real on their stage's device, initialised as
+    ``initializer`` says.
     """
-    owner: dict[int, StageModule] = {}
-    for stage in stages:
+    names = list(slots) if slots is not None else [stage.device for stage in stages]
+    users: dict[int, list[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for i, stage in enumerate(stages):
         for param in stage.parameters():
-            first = owner.setdefault(id(param), stage)
-            if first.device != stage.device:
-                raise ValueError(
-                    f"a parameter of shape {tuple(param.shape)} is used by stage {first.index} ({first.device}) and "
-                    f"stage {stage.index} ({stage.device}): tied parameters across devices are not supported yet. "
-                    "Put both uses on one device (a fixed balance, or fewer stages)."
-                )
+            users.setdefault(id(param), []).append(i)
+            params[id(param)] = param
+    crossing = [key for key, using in users.items() if len({names[i] for i in using}) > 1]
+    if crossing and tied is None:
+        first, *rest = users[crossing[0]]
+        other = next(i for i in rest if names[i] != names[first])
+        raise ValueError(
+            f"a parameter of shape {tuple(params[crossing[0]].shape)} is used by stage {first} "
+            f"({stages[first].device}) and stage {other} ({stages[other].device}): tied parameters across devices "
+            "need a leaf per device; put both uses on one device (a fixed balance, or fewer stages)."
+        )
     for stage in stages:
         _materialize(stage, initializer)
+    for key in crossing:  # each lives where its first stage runs, which reads it without a copy
+        _move_in_place(params[key], stages[users[key][0]].device)
+    for i, stage in enumerate(stages):
+        assert tied is not None or not crossing
+        mine = {key: tied.leaf(params[key], names[i], stage.device, stages[users[key][0]].streams,
+                               at_home=names[i] == names[users[key][0]]) for key in crossing if i in users[key]}
+        if mine:
+            _read_leaves(stage, mine)
+    for stage in stages:
         for module in stage.submodules():
             module.to(stage.device)
         for tensor in [*stage.parameters(), *stage.buffers()]:
             _move_in_place(tensor, stage.device)
+
+
+def _read_leaves(stage: StageModule, leaves: dict[int, nn.Parameter]) -> None:
+    """Make ``stage`` read each parameter keyed in ``leaves`` through its leaf: fetched directly,
+    or inside a module it calls (called as a copy of that module holding the leaf)."""
+    root = stage.module
+    copies: dict[int, str] = {}
+
+    def fresh(kind: str) -> str:
+        n = 0
+        while hasattr(root, f"_tied_{kind}{n}"):
+            n += 1
+        return f"_tied_{kind}{n}"
+
+    def module_copy(module: nn.Module) -> str:
+        if id(module) not in copies:
+            copies[id(module)] = fresh("module")
+            root.add_submodule(copies[id(module)], module_with_leaves(module, leaves))
+        return copies[id(module)]
+
+    for node in root.graph.nodes:
+        if node.op == "get_attr":
+            value = _attr(root, node.target)
+            if isinstance(value, nn.Parameter) and id(value) in leaves:
+                name = fresh("leaf")
+                root.register_parameter(name, leaves[id(value)])
+                node.target = name
+            elif isinstance(value, nn.Module) and not isinstance(value, fx.GraphModule) and any(
+                    id(p) in leaves for p in value.parameters()):
+                node.target = module_copy(value)
+        elif node.op == "call_module":
+            module = root.get_submodule(node.target)
+            if any(id(p) in leaves for p in module.parameters()):
+                node.target = module_copy(module)
+    root.recompile()
+    for cached in ("called_modules", "trainable", "clocked_module"):
+        stage.__dict__.pop(cached, None)
 
 
 def _materialize(stage: StageModule, initializer: Initializer | None) -> None:

@@ -172,7 +172,7 @@ def data(samples: int = 96, batch_size: int = 16) -> DataLoader:
 
 class Record(L.Callback):
     def __init__(self, out: Path):
-        self.out, self.losses, self.logged = out, [], []
+        self.out, self.losses, self.logged, self.tied = out, [], [], None
 
     def on_fit_start(self, trainer, module):
         self.initial = {n: p.detach().clone() if p.is_meta else p.detach().cpu().clone()
@@ -181,6 +181,8 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].item())
         self.logged.append(trainer.callback_metrics["train_loss"].item())
+        pipeline = getattr(trainer.strategy, "pipeline", None)  # the in-process runtime's, with a leaf per device
+        self.tied = None if pipeline is None else len(pipeline.tied)
 
     def on_fit_end(self, trainer, module):
         metrics = trainer.callback_metrics
@@ -195,6 +197,7 @@ class Record(L.Callback):
                            if not p.is_meta},  # a model built on meta is real only where this rank's stages are
             "stage_ops": [len(stage.nodes) for stage in getattr(trainer.strategy, "plan", None).stages]
             if getattr(trainer.strategy, "plan", None) else None,
+            "tied_across_devices": self.tied,
         }))
 
 
