@@ -75,9 +75,9 @@ def test_a_model_built_in_configure_model_is_never_whole_before_its_stages_and_t
     peaks: list[int] = []
     place = captures.place_stages
 
-    def placing(stages, initializer):  # the counter's peak up to the moment the stages are placed
+    def placing(stages, *args):  # the counter's peak up to the moment the stages are placed
         peaks.append(live.peak["cpu"])
-        place(stages, initializer)
+        place(stages, *args)
 
     monkeypatch.setattr(captures, "place_stages", placing)
     model = Deep()
