@@ -23,7 +23,7 @@ from pipelined import assert_pipelined
 from torch import nn
 
 import lightning_antichain as la
-from lightning_antichain.runtime.device import ship, stage_streams
+from lightning_antichain.device import ship, stage_streams
 
 pytestmark = pytest.mark.gpu
 
@@ -323,7 +323,7 @@ def test_operations_are_timed_in_context_on_each_stage_stream(gpu_device, convne
     """The op clock (runtime/op_clock.py) on a GPU stage marks its compute stream with events: each
     operation is timed, outputs and gradients are those of the plain module, and a pass's times
     fit in its task's time on the device."""
-    from lightning_antichain.runtime.device import seconds_between
+    from lightning_antichain.device import seconds_between
     from lightning_antichain.runtime.op_clock import OpClock
 
     batch = torch.randn(10, 3, 8, 8, dtype=torch.float64)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..runtime.device import rng_forked
+from ..device import rng_forked
 from .assignments import Assignment, assignments_of, recording_assignments
 from .errors import FrontendRefused, first_line, location_of, user_frame
 from .isolation import buffers_restored, side_effects_undone

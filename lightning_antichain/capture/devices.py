@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..runtime.device import is_meta, same_device
+from ..device import is_meta, same_device
 
 
 def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | None,

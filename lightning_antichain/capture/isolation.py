@@ -18,7 +18,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 from torch import nn
 
-from ..runtime.device import rng_forked
+from ..device import rng_forked
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -4,7 +4,8 @@ A value crossing a stage boundary can be any nesting of tuples, lists, dicts, na
 dataclasses (``split`` returns a tuple; Hugging Face blocks return ``ModelOutput`` dataclasses).
 The runtime ships, detaches and differentiates its tensor leaves one by one and rebuilds the value
 on the other side. Dataclasses that pytree does not know yet are registered on first sight, so
-their tensor fields are never passed across as one opaque object.
+their tensor fields are never passed across as one opaque object: pytree's own walk registers
+them as it meets them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ _refused: set[type] = set()
 
 def flatten(value: Any) -> tuple[list[Any], pytree.TreeSpec]:
     """The leaves of ``value`` and the spec that rebuilds it."""
-    _register_dataclasses(value)
-    return pytree.tree_flatten(value)
+    return pytree.tree_flatten(value, is_leaf=_register_dataclass)
 
 
 def unflatten(leaves: list[Any], spec: pytree.TreeSpec) -> Any:
@@ -40,19 +40,14 @@ def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
     return (v for v in flatten(value)[0] if isinstance(v, torch.Tensor))
 
 
-def _register_dataclasses(value: Any) -> None:
-    kind = type(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        if kind not in pytree.SUPPORTED_NODES and kind not in _refused:
-            try:
-                pytree.register_dataclass(kind)
-            except (TypeError, ValueError):  # e.g. fields with init=False: leave it a leaf
-                _refused.add(kind)
-        for f in dataclasses.fields(value):
-            _register_dataclasses(getattr(value, f.name, None))
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _register_dataclasses(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _register_dataclasses(item)
+def _register_dataclass(node: Any) -> bool:
+    """Register ``node``'s type with pytree if it is a dataclass pytree does not know yet, as
+    pytree meets it on its walk (which asks this of every node first); never a leaf by itself."""
+    kind = type(node)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type) and kind not in pytree.SUPPORTED_NODES and (
+            kind not in _refused):
+        try:
+            pytree.register_dataclass(kind)
+        except (TypeError, ValueError):  # e.g. fields with init=False: leave it a leaf
+            _refused.add(kind)
+    return False

@@ -34,9 +34,9 @@ from torch import nn
 from ..capture.isolation import attributes_restored, side_effects_undone
 from ..capture.opgraph import OpGraph
 from ..capture.pytrees import iter_tensors
+from ..device import is_accelerator, shares_host, synchronize
 from ..runtime import microbatch
 from ..runtime.batch_dims import call_dims
-from ..runtime.device import is_accelerator, shares_host, synchronize
 from ..runtime.materialize import has_meta_state
 from ..runtime.op_clock import OpClock
 from ..runtime.plan import Plan, recomputed_micro_batches

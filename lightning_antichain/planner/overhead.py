@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..capture import OpGraph, capture
-from ..runtime.device import device_name, synchronize
+from ..device import device_name, synchronize
 from ..runtime.pipeline import Pipeline
 from .cache import DamagedEntry, default_cache_dir, entry_key, read_entry, write_entry
 from .partition import partition

@@ -23,11 +23,11 @@ from ..capture import OpGraph, UntraceableModelError, capture_call, children_ins
 from ..capture.devices import on_module_device
 from ..capture.isolation import keeps_random_state, planned_in_training
 from ..capture.signature import original_forward
+from ..device import is_accelerator, same_device
+from ..device import memory_gb as device_memory_gb
 from ..runtime import microbatch
 from ..runtime.batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
 from ..runtime.cpu_threads import intra_op_threads, stage_threads
-from ..runtime.device import is_accelerator, same_device
-from ..runtime.device import memory_gb as device_memory_gb
 from ..runtime.materialize import has_meta_state
 from ..runtime.options import PipelineOptions
 from ..runtime.plan import Plan

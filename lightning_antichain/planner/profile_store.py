@@ -20,7 +20,7 @@ from torch import nn
 
 from ..capture import OpGraph
 from ..capture.pytrees import iter_tensors
-from ..runtime.device import autocast_settings, device_name
+from ..device import autocast_settings, device_name
 from .cache import DamagedEntry, entry_key, entry_path, read_entry, write_entry
 from .cost_graph import cost_graph_from_dict, cost_graph_to_dict
 

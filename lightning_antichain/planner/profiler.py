@@ -27,10 +27,10 @@ from ..capture.devices import retarget_devices
 from ..capture.isolation import keeps_random_state
 from ..capture.pytrees import iter_tensors, map_tensors
 from ..capture.signature import split_inputs
+from ..device import device_name, shares_host, timed
+from ..device import memory_gb as device_memory_gb
 from ..runtime.batch_dims import batch_size_of
 from ..runtime.cpu_threads import cpu_cores
-from ..runtime.device import device_name, shares_host, timed
-from ..runtime.device import memory_gb as device_memory_gb
 from ..runtime.materialize import has_meta_state
 from ..runtime.microbatch import MicroBatchError
 from ..runtime.saved_tensors import saved_per_call, state_storages

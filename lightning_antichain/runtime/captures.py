@@ -23,9 +23,9 @@ from ..capture import NEEDS_EXAMPLE, OpGraph, capture, capture_call
 from ..capture.assignments import Output
 from ..capture.devices import on_module_device
 from ..capture.isolation import training_flags, training_flags_set
+from ..device import StageStreams
 from . import microbatch
 from .batch_dims import first_micro_batch, placeholder_batch_dims
-from .device import StageStreams
 from .initialization import Initializer, ParamInitFn
 from .materialize import has_meta_state, materialize
 from .plan import Plan

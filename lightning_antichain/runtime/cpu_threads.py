@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .device import shares_host
+from ..device import shares_host
 
 
 def cpu_cores() -> int:

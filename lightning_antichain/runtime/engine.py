@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .device import (
+from ..device import (
     CallerStreams,
     StageStreams,
     arrive,

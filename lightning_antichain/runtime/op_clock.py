@@ -11,7 +11,7 @@ stage's clock (no interpreter). Backward: each operation's output gets a pre-hoo
 node, marking when the backward reached it; an operation takes the time until the next mark
 (its own autograd nodes run in between: they were created together, and autograd runs the most
 recently created ready node first). Marks are the device layer's
-(:func:`~lightning_antichain.runtime.device.mark`): the wall clock on the CPU, events on the
+(:func:`~lightning_antichain.device.mark`): the wall clock on the CPU, events on the
 stage's compute stream on a GPU, read once the passes are over.
 """
 
@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from ..capture.lifted import share_original_modules
 from ..capture.pytrees import iter_tensors
-from .device import Device, mark, seconds_between
+from ..device import Device, mark, seconds_between
 
 _watching = threading.local()
 

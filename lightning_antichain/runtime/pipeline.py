@@ -26,6 +26,7 @@ from ..capture.assignments import assign
 from ..capture.carried import carried
 from ..capture.isolation import own_forward, side_effects_undone, training_flags_set
 from ..capture.pytrees import flatten, iter_tensors, unflatten
+from ..device import shares_host
 from . import microbatch
 from .autograd_bridge import PipelineBackward, PipelineFunction
 from .batch_dims import (
@@ -37,7 +38,6 @@ from .batch_dims import (
 from .batchnorm import deferred_batch_norm
 from .captures import Captures, Runnable
 from .cpu_threads import stage_threads
-from .device import shares_host
 from .engine import PassState, StepRecord, run_forward
 from .model_loss import WeightedSum, is_items_in_batch, join_weights, joins_as, with_items_in_batch
 from .options import PipelineOptions

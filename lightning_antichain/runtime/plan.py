@@ -12,7 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .device import shares_host
+from ..device import shares_host
 from .schedule import Task, Timed, make_schedule, stage_durations, timeline
 
 PLAN_FORMAT = "lightning-antichain/plan/1"

@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.opgraph import MethodCall
 from ..capture.random_ops import OFF_VALUES, function_may_draw, may_draw, module_may_draw
-from .device import default_generator, has_generator
+from ..device import default_generator, has_generator
 
 _local = threading.local()
 _swap_lock = threading.Lock()

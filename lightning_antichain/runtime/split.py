@@ -28,7 +28,7 @@ from ..capture.devices import retarget_devices
 from ..capture.lifted import share_original_modules
 from ..capture.mutations import is_in_place, may_alias
 from ..capture.pytrees import flatten, unflatten
-from .device import StageStreams, stage_streams
+from ..device import StageStreams, stage_streams
 from .initialization import Initializer
 from .materialize import materialize
 from .op_clock import OpClock, clocked_module, watching
@@ -51,7 +51,7 @@ class StageModule:
     outputs: tuple[str, ...]
     device: torch.device
     mutated: frozenset[int] = frozenset()
-    #: where it runs and ships its values (:func:`~lightning_antichain.runtime.device.stage_streams`)
+    #: where it runs and ships its values (:func:`~lightning_antichain.device.stage_streams`)
     streams: StageStreams = None  # type: ignore[assignment]
     #: the operations that may draw random numbers, each drawing from its own generators
     #: (:mod:`lightning_antichain.runtime.randomness`)

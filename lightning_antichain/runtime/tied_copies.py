@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import nn
 
-from .device import StageStreams, add_gradient
+from ..device import StageStreams, add_gradient
 
 
 class TiedCopies:
