@@ -14,6 +14,7 @@ import argparse
 import copy
 import gc
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -163,8 +164,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     parser.add_argument("--chunk-counts", default="1,2,4,8", help="micro-batch counts of the one-stage table")
-    parser.add_argument("--parts", default="one,memory,shared,simulated",
-                        help="which tables: one (one stage), memory, shared (K stages on one GPU), simulated")
+    parser.add_argument("--parts", default="one,memory,shared,simulated,processes",
+                        help="which tables: one (one stage), memory, shared (K stages on one GPU), simulated, "
+                             "processes (torch's schedules, one process per GPU)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     cache = Path(tempfile.mkdtemp(prefix="gpu-benchmark-"))  # profiles shared by the tables, none from earlier runs
@@ -270,6 +272,18 @@ def main() -> None:
         published = f"{TORCHGPIPE_RESNET101_8:.2f}x" if name == "ResNet-101" else ""
         lines.append(f"| {name} | {' | '.join(row)} | {published} |")
         print(lines[-1], flush=True)
+    # 5. stages as processes: torch's schedules, one process per GPU (one rank with virtual stages on one GPU)
+    if "processes" in parts:
+        ranks = torch.cuda.device_count() if device.type == "cuda" else 2
+        command = [sys.executable, str(Path(__file__).resolve().parent / "processes_cpu.py"), "--device",
+                   device.type, "--ranks", str(ranks), "--chunks", str(args.chunks), "--repeats", str(args.repeats)]
+        lines += ["", "### Stages as processes (`schedule=`)", "",
+                  f"`{' '.join(['python', 'benchmarks/processes_cpu.py', *command[2:]])}`, run by this command:", ""]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        if done.returncode:
+            raise SystemExit(f"processes_cpu.py failed:\n{done.stderr[-4000:]}")
+        lines += done.stdout.strip().splitlines()
+        print("\n".join(lines[-30:]), flush=True)
     text = "\n".join([START, f"Command: `python {' '.join(sys.argv)}`  ", *lines, END])
     publish(text, START, END, "## On a GPU", write=not args.no_write)
 

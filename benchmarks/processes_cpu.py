@@ -14,6 +14,11 @@ second table gives each runtime's step against the plan's prediction (GPipe and 
 timelines the planner simulates) and the plain module's step over it.
 
     python benchmarks/processes_cpu.py --ranks 2 --chunks 8
+    python benchmarks/processes_cpu.py --device cuda --ranks 1   # on GPUs: rank r on GPU r % count,
+                                                                 # NCCL where each rank has its own
+
+On GPUs (``benchmarks/gpu.py --parts processes`` runs it there) the in-process baseline puts its
+stages on the GPUs in turn, and every time is taken after the devices finish their work.
 """
 
 from __future__ import annotations
@@ -69,16 +74,23 @@ class Decoder(nn.Module):
         return self.head(self.blocks(self.embed(ids)))
 
 
-def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def build(name: str, device: torch.device) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     if name == "gpt":
-        model = Decoder()
-        ids = torch.randint(0, 512, (32, 64))
-        return model, ids, torch.randint(0, 512, (32, 64))
-    import torchvision
+        model, x, y = Decoder(), torch.randint(0, 512, (32, 64)), torch.randint(0, 512, (32, 64))
+    else:
+        import torchvision
 
-    model = torchvision.models.resnet50(num_classes=10)
-    return model, torch.randn(32, 3, 64, 64), torch.randint(0, 10, (32,))
+        model = torchvision.models.resnet50(num_classes=10)
+        x, y = torch.randn(32, 3, 64, 64), torch.randint(0, 10, (32,))
+    return model.to(device), x.to(device), y.to(device)
+
+
+def rank_device(rank: int, kind: str) -> torch.device:
+    """Rank ``rank``'s device: the CPU, or GPU ``rank % count``."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, rank % torch.cuda.device_count())
 
 
 def loss_of(name: str):
@@ -90,42 +102,48 @@ def loss_of(name: str):
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
+    from lightning_antichain.device import synchronize, use_device
     from lightning_antichain.runtime.process_schedules import process_schedule
     from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
     from lightning_antichain.runtime.saved_tensors import HeldMemory, state_storages
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    device = rank_device(rank, args.device)
+    own_gpus = device.type != "cpu" and ranks <= torch.cuda.device_count()
+    with use_device(device):
+        dist.init_process_group("nccl" if own_gpus else "gloo", rank=rank, world_size=ranks)
     try:
         for model_name in args.models.split(","):
-            model, x, y = build(model_name)
+            model, x, y = build(model_name, device)
             micro = len(x) // args.chunks
             graph = capture_call(model, (x[:micro],), {})
             runs = {}
             predicted_step: dict[tuple[str, int], float | None] = {}
-            cost = la.profile(model, x[:micro], op_graph=graph, progress=False) if rank == 0 else None
+            cost = la.profile(model, x[:micro], str(device), op_graph=graph, progress=False) if rank == 0 else None
             for name, virtual in SCHEDULES:
                 schedule = process_schedule(name, virtual)
                 stages_total = schedule.num_stages(ranks)
                 plan_data = [None]
                 if rank == 0:
                     kind = "1f1b" if name != "gpipe" else "gpipe"  # the DP's memory model; interleaved: a guide
-                    plan_data = [la.partition(cost, stages_total, chunks=args.chunks, schedule=kind).to_dict()]
+                    devices = [str(rank_device(k % ranks, args.device)) for k in range(stages_total)]
+                    plan_data = [la.partition(cost, stages_total, chunks=args.chunks, schedule=kind,
+                                              devices=devices).to_dict()]
                 dist.broadcast_object_list(plan_data, src=0)
                 plan = la.Plan.from_dict(plan_data[0])
                 predicted_step[name, virtual] = plan.predicted_step_s if name in ("gpipe", "1f1b") else None
                 if name == "gpipe":
                     gpipe_plan = plan
-                stages = rank_stages(graph, plan, schedule, rank, ranks, torch.device("cpu"))
+                stages = rank_stages(graph, plan, schedule, rank, ranks, device)
                 held = HeldMemory(excluded=state_storages(model))
                 run = schedule_runner(schedule, stages, args.chunks, loss_of(model_name))
                 mine = schedule.stages_of(rank, ranks)
                 predicted = sum(plan.stages[k].activation_bytes * plan_held(name, virtual, k, ranks, args.chunks)
                                 for k in mine)
                 runs[name, virtual] = (run, held, mine, stages_total, predicted)
-            baselines = baseline_steps(model, graph, gpipe_plan, x, y, loss_of(model_name), ranks, args.chunks) if (
-                rank == 0) else {}
+            baselines = baseline_steps(model, graph, gpipe_plan, x, y, loss_of(model_name), ranks, args.chunks,
+                                       args.device) if rank == 0 else {}
             times: dict[tuple[str, int], list[float]] = {key: [] for key in runs}
             times.update({key: [] for key in BASELINES})
             for repeat in range(args.repeats + 1):
@@ -133,6 +151,7 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                     for p in model.parameters():
                         p.grad = None
                     held.reset_peak()
+                    synchronize(device)
                     dist.barrier()
                     started = time.perf_counter()
                     with held.saving():
@@ -142,10 +161,11 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                         if total - 1 in mine:
                             kwargs.update(target=y, losses=[])
                         run.step(*kwargs.pop("args", ()), **kwargs)
-                    elapsed = torch.tensor([time.perf_counter() - started])
+                    synchronize(device)
+                    elapsed = torch.tensor([time.perf_counter() - started], device=device if own_gpus else "cpu")
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                     if repeat:  # the first round warms up
-                        times[key].append(float(elapsed))
+                        times[key].append(float(elapsed.cpu()))
                 for key in BASELINES:  # rank 0 runs them while the others wait
                     dist.barrier()
                     if rank == 0:
@@ -169,18 +189,24 @@ BASELINES = (IN_PROCESS, PLAIN)
 
 
 def baseline_steps(model: nn.Module, graph, plan, x: torch.Tensor, y: torch.Tensor, loss, ranks: int,
-                   chunks: int) -> dict[tuple[str, int], object]:
+                   chunks: int, kind: str = "cpu") -> dict[tuple[str, int], object]:
     """Rank 0's baselines, each a function timing one step: the in-process runtime on ``plan`` (one
-    worker thread per stage, one intra-op thread each) and the plain module."""
+    worker thread per stage, one intra-op thread each; on GPUs, stage k on rank k's GPU) and the
+    plain module."""
     import lightning_antichain as la
+    from lightning_antichain.device import synchronize
 
-    pipeline = la.Pipeline(model, plan, chunks=chunks, graph=graph, devices=["cpu"] * plan.num_stages, cpu_threads=1)
+    devices = [rank_device(k, kind) for k in range(plan.num_stages)]
+    pipeline = la.Pipeline(model, plan, chunks=chunks, graph=graph, devices=devices, output_device=x.device,
+                           cpu_threads=1)
 
     def in_process() -> float:
         for p in model.parameters():
             p.grad = None
+        synchronize(devices)
         started = time.perf_counter()
         loss(pipeline(x), y).backward()
+        synchronize(devices)
         return time.perf_counter() - started
 
     def plain() -> float:
@@ -189,8 +215,10 @@ def baseline_steps(model: nn.Module, graph, plan, x: torch.Tensor, y: torch.Tens
         threads = torch.get_num_threads()
         torch.set_num_threads(min(ranks, os.cpu_count() or 1))
         try:
+            synchronize(devices)
             started = time.perf_counter()
             loss(model(x), y).backward()
+            synchronize(devices)
             return time.perf_counter() - started
         finally:
             torch.set_num_threads(threads)
@@ -220,6 +248,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="gpt,resnet50")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks run")
     args = parser.parse_args()
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -241,7 +270,8 @@ def main() -> None:
                 raise SystemExit(f"a rank failed (exit codes {failed}); its error is printed above") from None
     for process in processes:
         process.join(timeout=60)
-    print(f"Machine: {machine(1)}; {args.ranks} gloo processes, {args.chunks} micro-batches, "
+    where = "gloo processes" if args.device == "cpu" else f"processes on {args.device}"
+    print(f"Machine: {machine(1)}; {args.ranks} {where}, {args.chunks} micro-batches, "
           f"median of {args.repeats} interleaved steps\n")
     print("| model | schedule | virtual stages | step ms | rank | stages | saved at peak MB | predicted MB "
           "| measured / predicted | peak / GPipe's | K / chunks |")

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from lightning_antichain.runtime import device as dev
+from lightning_antichain import device as dev
 from lightning_antichain.runtime.worker import WorkerPool
 
 
