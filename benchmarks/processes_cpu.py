@@ -6,12 +6,15 @@ rank builds and places its own stages only (:func:`~lightning_antichain.runtime.
 and runs torch's schedule. Steps of the schedules take turns, and each time is the median over the
 repeats of the slowest rank's step. The memory is what autograd saves during a step on each rank
 (:class:`~lightning_antichain.runtime.saved_tensors.HeldMemory`; torch's own copies of the stage
-outputs are not in it), against the plan's activations per micro-batch times the micro-batches
-the schedule holds on the rank's stages. In the same rounds, rank 0 runs two baselines while the
+outputs are not in it), against the plan's activations per micro-batch of each stage, weighed by
+the micro-batches torch's table of tasks keeps in flight on the rank's stages at its peak
+(:func:`~lightning_antichain.runtime.schedule.held_at_peak`; a zero-bubble schedule's keep their
+activations until the weights' gradient). In the same rounds, rank 0 runs two baselines while the
 other ranks wait: the in-process runtime (``la.Pipeline`` on the GPipe plan, one worker thread of
 one intra-op thread per stage) and the plain module (``min(ranks, cores)`` intra-op threads). The
-second table gives each runtime's step against the plan's prediction (GPipe and 1F1B, whose
-timelines the planner simulates) and the plain module's step over it.
+second table gives each runtime's step against the plan's prediction (the planner simulates each
+schedule's table of tasks as torch orders them, :meth:`ProcessSchedule.table`) and the plain
+module's step over it.
 
     python benchmarks/processes_cpu.py --ranks 2 --chunks 8
     python benchmarks/processes_cpu.py --device cuda --ranks 1   # on GPUs: rank r on GPU r % count,
@@ -106,6 +109,7 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
     from lightning_antichain.runtime.process_schedules import process_schedule
     from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
     from lightning_antichain.runtime.saved_tensors import HeldMemory, state_storages
+    from lightning_antichain.runtime.schedule import held_at_peak
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -132,15 +136,15 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                                               devices=devices).to_dict()]
                 dist.broadcast_object_list(plan_data, src=0)
                 plan = la.Plan.from_dict(plan_data[0])
-                predicted_step[name, virtual] = plan.predicted_step_s if name in ("gpipe", "1f1b") else None
+                table = schedule.table(ranks, args.chunks)  # each rank's tasks as torch orders them
+                predicted_step[name, virtual] = plan.predict_step(table)
                 if name == "gpipe":
                     gpipe_plan = plan
                 stages = rank_stages(graph, plan, schedule, rank, ranks, device)
                 held = HeldMemory(excluded=state_storages(model))
                 run = schedule_runner(schedule, stages, args.chunks, loss_of(model_name))
                 mine = schedule.stages_of(rank, ranks)
-                predicted = sum(plan.stages[k].activation_bytes * plan_held(name, virtual, k, ranks, args.chunks)
-                                for k in mine)
+                predicted = held_at_peak(table, [stage.activation_bytes for stage in plan.stages])[rank]
                 runs[name, virtual] = (run, held, mine, stages_total, predicted)
             baselines = baseline_steps(model, graph, gpipe_plan, x, y, loss_of(model_name), ranks, args.chunks,
                                        args.device) if rank == 0 else {}
@@ -224,16 +228,6 @@ def baseline_steps(model: nn.Module, graph, plan, x: torch.Tensor, y: torch.Tens
             torch.set_num_threads(threads)
 
     return {IN_PROCESS: in_process, PLAIN: plain}
-
-
-def plan_held(name: str, virtual: int, stage: int, ranks: int, chunks: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at once under the schedule: all of them
-    under GPipe, ``K - k`` under 1F1B; for the interleaved and zero-bubble schedules, which keep
-    more in flight, 1F1B's count over the virtual stages (a lower estimate, shown as such)."""
-    if name == "gpipe":
-        return chunks
-    stages = ranks * virtual
-    return min(stages - stage, chunks)
 
 
 def free_port() -> int:

@@ -85,7 +85,7 @@ def test_the_engine_runs_each_stage_in_the_order_the_schedule_lists(name, monkey
         assert all(0 <= t.start <= t.end for t in stage)
         assert all(a.end <= b.start for a, b in zip(stage, stage[1:]))
         for t in stage:
-            before = schedule._inputs(t.task, 2, [schedule.Task("forward", 2, m) for m in range(5)], False)
+            before = schedule.prerequisites(schedule.make_schedule(name, 3, 5))(t.task)
             assert all(end[u] <= t.start for u in before)
     torch.testing.assert_close(output, expected, rtol=1e-12, atol=0)
     for p, g in zip(model.parameters(), want):

@@ -294,7 +294,10 @@ class ProcessRuntime:
             sent = [plan_data]
             dist.broadcast_object_list(sent, src=0)
             self.plan = Plan.from_dict(sent[0])
-            rank_zero_info(self.plan.table())
+            ranks, table = host.world_size, self.schedule.table(host.world_size, self.plan.chunks)
+            rank_zero_info(f"{self.plan.table()}\nunder {self.schedule.name} on {ranks} processes "
+                           f"({self.schedule.virtual_stages} stage(s) each): predicted step "
+                           f"{1e3 * self.plan.predict_step(table):.1f} ms")
         plan = self.plan
         first = first_micro_batch(target, *whole, plan.chunks, self.options.batch_dim)
         if graph is None or not _holds(graph, first):

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..device import shares_host
-from .schedule import Task, Timed, make_schedule, stage_durations, timeline
+from .schedule import GRADIENT_OUT, Schedule, Task, Timed, make_schedule, stage_durations, timeline
 
 PLAN_FORMAT = "lightning-antichain/plan/1"
 RECOMPUTE_MODES = ("never", "except_last", "always")
@@ -280,24 +280,31 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
-    def timeline(self) -> list[Timed]:
+    def timeline(self, schedule: Schedule | None = None) -> list[Timed]:
         """The predicted start and end of every task of one step (:func:`schedule.timeline`), each
         stage's transfer split evenly between its forward and its backward, and the backward of a
-        micro-batch that ``recompute`` recomputes charged its forward again."""
+        micro-batch that ``recompute`` recomputes charged its forward again. ``schedule``: the
+        tasks as run (torch's table for a rank's virtual stages,
+        :meth:`~lightning_antichain.runtime.process_schedules.ProcessSchedule.table`); default,
+        the plan's own schedule over one worker per stage."""
         forward = [s.forward_s + s.transfer_s / 2 + self.task_overhead_s for s in self.stages]
         backward = [s.backward_s + s.transfer_s / 2 + self.task_overhead_s for s in self.stages]
         recomputed = recomputed_micro_batches(self.recompute, self.chunks)
         durations = stage_durations(forward, backward)
 
         def duration(task: Task) -> float:
-            again = task.phase == "backward" and task.micro_batch < recomputed
+            again = task.phase in GRADIENT_OUT and task.micro_batch < recomputed
             return durations(task) + (self.stages[task.stage].forward_s if again else 0.0)
 
+        schedule = schedule or make_schedule(self.schedule, self.num_stages, self.chunks)
+        if schedule.stages != self.num_stages or schedule.chunks != self.chunks:
+            raise ValueError(f"a schedule of {schedule.stages} stages and {schedule.chunks} micro-batches does not "
+                             f"run this plan of {self.num_stages} stages and {self.chunks}")
         return timeline(
-            make_schedule(self.schedule, self.num_stages, self.chunks),
+            schedule,
             duration,
             capacity=self.capacity(),
-            shared=[shares_host(s.device) for s in self.stages],
+            shared=[shares_host(self.stages[tasks[0].stage].device) if tasks else False for tasks in schedule.order],
         )
 
     def capacity(self) -> list[float]:
@@ -309,9 +316,10 @@ class Plan:
         extra = self.parallel_capacity - 1.0
         return [1.0 + extra * (min(n, cores) - 1) for n in range(1, self.num_stages + 1)]
 
-    def predict_step(self) -> float:
-        """Seconds of one training step: the end of :meth:`timeline` plus the per-step costs."""
-        return max(t.end for t in self.timeline()) + self.step_overhead_s + self.optimizer_step_s
+    def predict_step(self, schedule: Schedule | None = None) -> float:
+        """Seconds of one training step (under ``schedule``, see :meth:`timeline`): the end of the
+        timeline plus the per-step costs."""
+        return max(t.end for t in self.timeline(schedule)) + self.step_overhead_s + self.optimizer_step_s
 
 
 def _span(nodes: list[str]) -> str:

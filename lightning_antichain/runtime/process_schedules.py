@@ -10,7 +10,8 @@ and the loss's gradient starts where the input's forward began. The steps themse
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from torch.distributed.pipelining import (
     Schedule1F1B,
@@ -27,6 +28,12 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
     _PipelineScheduleRuntime,
 )
+
+from .schedule import Schedule, Task, gpipe, one_f_one_b
+
+#: torch's kinds of action -> the phases of :class:`~lightning_antichain.runtime.schedule.Task`
+_PHASES = {_ComputationType.FORWARD: "forward", _ComputationType.FULL_BACKWARD: "backward",
+           _ComputationType.BACKWARD_INPUT: "backward_input", _ComputationType.BACKWARD_WEIGHT: "backward_weight"}
 
 #: name -> torch's class, the virtual stages per rank it takes (None: any count from 1), and the
 #: order of a rank's stages
@@ -79,6 +86,27 @@ class ProcessSchedule:
                           for m in range(chunks)] for rank in range(ranks)}
         runner.pipeline_order_with_comms = _add_send_recv(
             actions, stage_to_rank=lambda s: runner.stage_index_to_group_rank[s], num_stages=runner._num_stages)
+
+    def table(self, ranks: int, chunks: int) -> Schedule:
+        """Each rank's tasks in the order torch's schedule runs them, as data the planner simulates
+        (:func:`~lightning_antichain.runtime.schedule.timeline`): torch's own table of actions for
+        the interleaved and zero-bubble schedules, computed as its constructor does, without stages
+        or a process group."""
+        if not self.takes_a_list:
+            single = gpipe(ranks, chunks) if self.name == "gpipe" else one_f_one_b(ranks, chunks)
+            return replace(single, name=self.name, loss_per_micro_batch=True)
+        planner: Any = object.__new__(self.runs_with)  # the table's arithmetic only: no stages, no group
+        planner.pp_group_size, planner.n_local_stages, planner._n_microbatches = ranks, self.virtual_stages, chunks
+        planner.number_of_rounds = max(1, chunks // ranks)
+        planner.microbatches_per_round = chunks // planner.number_of_rounds
+        planner._num_stages = planner.num_stages = self.num_stages(ranks)
+        planner.pipeline_order = {rank: planner._calculate_single_rank_operations(rank) for rank in range(ranks)}
+        if self.runs_with is ScheduleInterleavedZeroBubble:
+            planner.pipeline_order = planner._add_bubbles_to_actions(self.num_stages(ranks))
+        order = tuple(tuple(Task(_PHASES[action.computation_type], action.stage_index, action.microbatch_index)
+                            for action in planner.pipeline_order[rank] if action is not None)
+                      for rank in range(ranks))
+        return Schedule(self.name, chunks, order, loss_per_micro_batch=True, num_stages=self.num_stages(ranks))
 
     def rank_of(self, stage: int, ranks: int) -> int:
         """The rank that holds stage ``stage``."""

@@ -7,7 +7,10 @@ Three parts read the same list: the engine runs it, the planner predicts a step 
 fill-drain (:func:`gpipe`) with the loss on the joined output of the whole batch; the process
 runtime runs torch's schedules (:mod:`.process_schedules`), whose loss is per micro-batch, and
 1F1B (:func:`one_f_one_b`) keeps at most ``K - k`` micro-batches in flight on stage ``k``
-(:func:`in_flight`).
+(:func:`in_flight`). A worker's list may hold the tasks of several stages (a rank's virtual
+stages under torch's interleaved and zero-bubble schedules), and a backward may come in two
+halves, as zero-bubble schedules split it: the gradient of the stage's input, which the stage
+before waits for, and that of its weights, which nobody waits for.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-Phase = Literal["forward", "backward"]
+Phase = Literal["forward", "backward", "backward_input", "backward_weight"]
+GRADIENT_OUT: tuple[Phase, ...] = ("backward", "backward_input")
+"""The phases that make a stage's input gradient: the stage before waits for one of them."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,8 @@ class Task:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Every stage's tasks in the order it runs them (``order[k]`` for stage k)."""
+    """Every worker's tasks in the order it runs them (``order[w]``): worker k runs stage k, or,
+    where ``num_stages`` says there are more stages than workers, the stages its tasks name."""
 
     name: str
     chunks: int
@@ -38,9 +44,15 @@ class Schedule:
     #: the loss is computed per micro-batch (torch's schedules), so the last stage's backward of a
     #: micro-batch waits for its own forward only, not for the whole batch's
     loss_per_micro_batch: bool = False
+    #: the model's stages, where workers hold several (``None``: one per worker)
+    num_stages: int | None = None
 
     @property
     def stages(self) -> int:
+        return len(self.order) if self.num_stages is None else self.num_stages
+
+    @property
+    def workers(self) -> int:
         return len(self.order)
 
     def micro_batches(self, stage: int, phase: Phase) -> list[int]:
@@ -76,16 +88,31 @@ def one_f_one_b(stages: int, chunks: int) -> Schedule:
 
 
 def in_flight(schedule: Schedule) -> list[int]:
-    """Per stage, the most micro-batches whose forward has run and whose backward has not: how many
-    micro-batches' activations the stage holds at once."""
+    """Per worker, the most micro-batches whose forward has run and whose backward has not (the
+    gradient of the weights, where it comes apart): how many micro-batches' activations it holds
+    at once."""
     held = []
     for tasks in schedule.order:
         now = most = 0
         for task in tasks:
-            now += 1 if task.phase == "forward" else -1
+            now += {"forward": 1, "backward_input": 0}.get(task.phase, -1)
             most = max(most, now)
         held.append(most)
     return held
+
+
+def held_at_peak(schedule: Schedule, per_micro_batch: Sequence[float]) -> list[float]:
+    """Per worker, the most its stages keep for backward at once, where a micro-batch in flight on
+    stage k keeps ``per_micro_batch[k]`` (bytes): :func:`in_flight` weighed by stage, for a worker
+    holding several."""
+    peaks = []
+    for tasks in schedule.order:
+        now = most = 0.0
+        for task in tasks:
+            now += {"forward": 1, "backward_input": 0}.get(task.phase, -1) * per_micro_batch[task.stage]
+            most = max(most, now)
+        peaks.append(most)
+    return peaks
 
 
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
@@ -134,11 +161,10 @@ def timeline(
     through ``capacity[n - 1]`` times the work of one alone (the last entry holds for more), each
     at an equal share. Other stages run at full speed whatever else runs.
     """
-    shared = [False] * schedule.stages if shared is None else list(shared)
-    last = schedule.stages - 1
-    all_forwards = [Task("forward", last, m) for m in range(schedule.chunks)]
+    shared = [False] * schedule.workers if shared is None else list(shared)
+    waits_for = prerequisites(schedule)
     end: dict[Task, float] = {}
-    position = [0] * schedule.stages
+    position = [0] * schedule.workers
     running: dict[int, tuple[Task, float, float]] = {}  # stage -> (task, start, work left)
     timed: list[Timed] = []
     now = 0.0
@@ -147,7 +173,7 @@ def timeline(
         for k, tasks in enumerate(schedule.order):
             if k not in running and position[k] < len(tasks):
                 task = tasks[position[k]]
-                if all(t in end for t in _inputs(task, last, all_forwards, schedule.loss_per_micro_batch)):
+                if all(t in end for t in waits_for(task)):
                     running[k] = (task, now, duration(task))
         if not running:
             waiting = [tasks[position[k]] for k, tasks in enumerate(schedule.order) if position[k] < len(tasks)]
@@ -169,17 +195,36 @@ def timeline(
     return timed
 
 
-def _inputs(task: Task, last: int, all_forwards: list[Task], per_micro_batch: bool) -> list[Task]:
-    if task.phase == "forward":
-        return [Task("forward", task.stage - 1, task.micro_batch)] if task.stage > 0 else []
-    if task.stage == last:
-        return [Task("forward", last, task.micro_batch)] if per_micro_batch else all_forwards
-    return [Task("backward", task.stage + 1, task.micro_batch)]
+def prerequisites(schedule: Schedule) -> Callable[[Task], list[Task]]:
+    """What each task of ``schedule`` waits for, besides the task before it on its worker (see
+    :func:`timeline`)."""
+    last = schedule.stages - 1
+    all_forwards = [Task("forward", last, m) for m in range(schedule.chunks)]
+    gradient_of = {(t.stage, t.micro_batch): t for tasks in schedule.order for t in tasks if t.phase in GRADIENT_OUT}
+
+    def waits_for(task: Task) -> list[Task]:
+        if task.phase == "forward":
+            return [Task("forward", task.stage - 1, task.micro_batch)] if task.stage > 0 else []
+        if task.phase == "backward_weight":
+            return [Task("backward_input", task.stage, task.micro_batch)]
+        if task.stage == last:
+            return [Task("forward", last, task.micro_batch)] if schedule.loss_per_micro_batch else all_forwards
+        return [gradient_of[task.stage + 1, task.micro_batch]]
+
+    return waits_for
 
 
-def stage_durations(forward: Sequence[float], backward: Sequence[float]) -> Callable[[Task], float]:
-    """Every micro-batch taking ``forward[k]`` and ``backward[k]`` seconds on stage k."""
-    return lambda task: (forward if task.phase == "forward" else backward)[task.stage]
+INPUT_SHARE = 0.5
+"""The share of a backward that the gradient of its input takes, where a zero-bubble schedule
+splits it from that of the weights (about half for matrix products: one product each)."""
+
+
+def stage_durations(forward: Sequence[float], backward: Sequence[float],
+                    input_share: float = INPUT_SHARE) -> Callable[[Task], float]:
+    """Every micro-batch taking ``forward[k]`` and ``backward[k]`` seconds on stage k; a backward
+    split in two, ``input_share`` of it for the input's gradient and the rest for the weights'."""
+    share = {"forward": 1.0, "backward": 1.0, "backward_input": input_share, "backward_weight": 1.0 - input_share}
+    return lambda task: (forward if task.phase == "forward" else backward)[task.stage] * share[task.phase]
 
 
 def step_time(schedule: Schedule, forward: Sequence[float], backward: Sequence[float]) -> float:
