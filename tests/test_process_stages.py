@@ -4,6 +4,7 @@ plain module's in float64, under GPipe and 1F1B."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -336,3 +337,34 @@ def test_a_stage_that_recomputes_keeps_only_its_inputs_for_backward_and_gives_th
     for a, b in zip(grads, grads_recomputing):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(input_grad, input_grad_recomputing, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_recomputed_stage_updates_batchnorm_statistics_once(deferred):
+    """The forward that a recomputing stage runs again in backward normalises as the first did, but
+    leaves the running statistics (and, with deferral, the moments) alone: after a step they equal
+    a stage that did not recompute, and the count of batches tracked goes up by one."""
+    import lightning_antichain as la
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.runtime.batchnorm import deferred_batch_norm
+    from lightning_antichain.runtime.process_stages import FlatStage
+    from lightning_antichain.runtime.split import split_stages
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)).double()
+    x = torch.randn(12, 8, dtype=torch.float64)
+    graph = capture_call(model, (x,), {})
+    cost = la.profile(model, x, op_graph=graph, repeats=1, warmup=0, progress=False, runtime_overhead=False)
+    (stage,) = split_stages(graph, la.plan_from_balance(cost, [4], chunks=1), [torch.device("cpu")])
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    after = []
+    for recompute in (False, True):
+        model.load_state_dict(initial)
+        with deferred_batch_norm(model.modules()) if deferred else contextlib.nullcontext():
+            FlatStage(stage, recompute)(x.clone().requires_grad_()).square().sum().backward()
+        after.append({k: v.clone() for k, v in model.state_dict().items() if k.startswith("1.")})
+    plain, recomputed = after
+    assert plain["1.num_batches_tracked"].item() == recomputed["1.num_batches_tracked"].item() == 1
+    for key in ("1.running_mean", "1.running_var"):
+        assert not torch.equal(plain[key], initial[key])
+        torch.testing.assert_close(recomputed[key], plain[key], rtol=0, atol=0, msg=key)

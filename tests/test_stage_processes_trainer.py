@@ -288,11 +288,14 @@ def test_gpt2_with_its_embedding_tied_to_its_output_layer_across_the_first_and_l
                                        f64(plain["parameters"][name]), rtol=1e-6, atol=1e-12)
 
 
-def test_batchnorm_normalises_per_micro_batch_as_the_in_process_runtime_does(tmp_path, plain_with):
+@pytest.mark.parametrize("deferred", [(), pytest.param(("--deferred-bn", "--recompute", "always"), marks=SLOW)])
+def test_batchnorm_normalises_per_micro_batch_as_the_in_process_runtime_does(tmp_path, plain_with, deferred):
     """BatchNorm sees one micro-batch at a time in both runtimes (documented in docs/strategy.md),
     so a step differs from plain training's, and equals the in-process runtime's: losses, and the
-    validation loss computed with the running statistics both update per micro-batch."""
-    model = ("--model", "batchnorm")
+    validation loss computed with the running statistics both update per micro-batch, or, with
+    ``deferred_batch_norm``, once per step from the whole batch (and once only where the stages
+    recompute their forward in backward)."""
+    model = ("--model", "batchnorm", *deferred)
     ranks = fit(tmp_path / "processes", "--devices", "2", "--schedule", "1f1b", *model)
     (in_process,) = fit(tmp_path / "threads", "--devices", "2", "--schedule", "none", *model)
     plain = plain_with(*model)

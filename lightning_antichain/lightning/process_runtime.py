@@ -305,7 +305,8 @@ class ProcessRuntime:
                                  frontends=(plan.frontend or "fx",), batch_dim=self.options.batch_dim)
         self.pipeline = ProcessPipeline(graph, plan, self.schedule, host.global_rank, host.world_size,
                                         host.root_device, initializer=Initializer(target, self.options.param_init_fn),
-                                        recompute=self.options.recompute == "always")
+                                        recompute=self.options.recompute == "always",
+                                        deferred_batch_norm=self.options.deferred_batch_norm)
         host.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
 
     def _make_plan(self, target: nn.Module, whole: tuple[tuple, dict]) -> Any:

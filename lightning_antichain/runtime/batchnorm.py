@@ -10,6 +10,7 @@ exactly what the plain module would have stored after a step on the whole batch.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -18,23 +19,47 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+_again = threading.local()
+"""``active`` while a forward runs again for its backward (:func:`recomputing`), in this thread."""
+
 
 class _Moments:
-    """Per-channel sums of one layer's inputs over a step, in float64."""
+    """Per-channel sums of one layer's inputs over a step, in float64, held as non-persistent
+    buffers of the layer while the step runs and summed in place: so whatever backs up and
+    restores a module's buffers around a trial forward (torch's pipelining stages, before their
+    first step) restores these too."""
 
-    def __init__(self) -> None:
-        self.total: torch.Tensor | None = None
-        self.squares: torch.Tensor | None = None
-        self.count = 0
+    NAMES = ("_deferred_total", "_deferred_squares", "_deferred_count")
+
+    def __init__(self, module: _BatchNorm) -> None:
+        self.module = module
+        device, channels = module.running_mean.device, module.running_mean.shape[0]
+        module.register_buffer(self.NAMES[0], torch.zeros(channels, dtype=torch.float64, device=device), False)
+        module.register_buffer(self.NAMES[1], torch.zeros(channels, dtype=torch.float64, device=device), False)
+        module.register_buffer(self.NAMES[2], torch.zeros((), dtype=torch.int64, device=device), False)
+
+    @property
+    def total(self) -> torch.Tensor:
+        return getattr(self.module, self.NAMES[0])
+
+    @property
+    def squares(self) -> torch.Tensor:
+        return getattr(self.module, self.NAMES[1])
+
+    @property
+    def count(self) -> int:
+        return int(getattr(self.module, self.NAMES[2]))
 
     def add(self, x: torch.Tensor) -> None:
         dims = [0, *range(2, x.dim())]
         with torch.no_grad():
-            total = x.sum(dims, dtype=torch.float64)
-            squares = (x.double() ** 2).sum(dims)
-        self.total = total if self.total is None else self.total + total
-        self.squares = squares if self.squares is None else self.squares + squares
-        self.count += x.numel() // x.shape[1]
+            self.total.add_(x.sum(dims, dtype=torch.float64))
+            self.squares.add_((x.double() ** 2).sum(dims))
+            getattr(self.module, self.NAMES[2]).add_(x.numel() // x.shape[1])
+
+    def remove(self) -> None:
+        for name in self.NAMES:
+            delattr(self.module, name)
 
 
 @contextmanager
@@ -43,31 +68,55 @@ def deferred_batch_norm(modules: Iterable[nn.Module]) -> Iterator[None]:
     statistics and record their inputs' moments; on leaving it, each updates its running statistics
     once, as the plain layer would have on the whole batch."""
     norms = [m for m in modules if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-    moments = {id(m): _Moments() for m in norms}
+    moments = {id(m): _Moments(m) for m in norms}
     for module in norms:
         module.forward = _recording_forward(module, moments[id(module)])  # instance attribute wins
     try:
         yield
+        for module in norms:
+            _update_running_stats(module, moments[id(module)])
     finally:
         for module in norms:
             del module.forward
+            moments[id(module)].remove()
+
+
+@contextmanager
+def recomputing(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """A forward run again to recompute what its backward needs, after it already ran once: the
+    BatchNorm layers among ``modules`` normalise as they did, but their running statistics (and
+    deferred moments) are not updated a second time. Their momentum is 0 within the block, and the
+    count of batches tracked is put back after it."""
+    norms = [m for m in modules if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    kept = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
+    was = getattr(_again, "active", False)
+    _again.active = True
     for module in norms:
-        _update_running_stats(module, moments[id(module)])
+        module.momentum = 0.0
+    try:
+        yield
+    finally:
+        _again.active = was
+        for module, (momentum, tracked) in zip(norms, kept):
+            module.momentum = momentum
+            with torch.no_grad():
+                module.num_batches_tracked.copy_(tracked)
 
 
 def _recording_forward(module: _BatchNorm, moments: _Moments):
     def forward(x: torch.Tensor) -> torch.Tensor:
         module._check_input_dim(x)
-        moments.add(x)
+        if not getattr(_again, "active", False):
+            moments.add(x)
         return F.batch_norm(x, None, None, module.weight, module.bias, True, 0.0, module.eps)
 
     return forward
 
 
 def _update_running_stats(module: _BatchNorm, moments: _Moments) -> None:
-    if moments.count == 0 or moments.total is None or moments.squares is None:
-        return
     n = moments.count
+    if n == 0:
+        return
     mean = moments.total / n
     variance = (moments.squares / n - mean**2).clamp_min(0) * (n / max(n - 1, 1))
     with torch.no_grad():

@@ -16,12 +16,14 @@ another shape.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from ..capture import OpGraph
+from .batchnorm import deferred_batch_norm
 from .initialization import Initializer
 from .plan import Plan
 from .process_schedules import ProcessSchedule
@@ -34,11 +36,12 @@ MicroBatchLoss = Callable[[Any, int], torch.Tensor]
 
 class ProcessPipeline:
     """Rank ``rank`` of ``ranks``: its stages of ``plan`` under ``schedule``, on ``device``
-    (``recompute``: every stage keeps only its inputs and runs its forward again in backward)."""
+    (``recompute``: every stage keeps only its inputs and runs its forward again in backward;
+    ``deferred_batch_norm``: BatchNorm running statistics from the whole batch, once per step)."""
 
     def __init__(self, graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
                  device: torch.device, group: Any = None, initializer: Initializer | None = None,
-                 recompute: bool = False) -> None:
+                 recompute: bool = False, deferred_batch_norm: bool = False) -> None:
         self.graph, self.plan, self.schedule = graph, plan, schedule
         self.rank, self.ranks, self.device, self.group = rank, ranks, device, group
         every = split_for_ranks(graph, plan, schedule, ranks, device)
@@ -53,6 +56,7 @@ class ProcessPipeline:
         self._input_slots = None if first is None else [placeholders.index(name) for name in first.inputs]
         self._output_names = None if last is None else last.outputs
         self._runners: dict[Hashable, Any] = {}
+        self.deferred_batch_norm = deferred_batch_norm
         self._loss: MicroBatchLoss | None = None
         self._targets: list[torch.Tensor] = []  # one per micro-batch: the loss knows them by identity
 
@@ -105,7 +109,9 @@ class ProcessPipeline:
         self._loss = loss
         try:
             if train:
-                runner.step(**inputs, **targets, return_outputs=False)
+                modules = [m for stage in self.stages for m in stage.stage.submodules()]
+                with deferred_batch_norm(modules) if self.deferred_batch_norm else contextlib.nullcontext():
+                    runner.step(**inputs, **targets, return_outputs=False)
             else:
                 runner.eval(**inputs, **targets)
         finally:

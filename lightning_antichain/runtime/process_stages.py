@@ -12,6 +12,7 @@ alone, and :func:`schedule_runner` hands them to torch's schedule
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..capture import OpGraph
 from ..capture.pytrees import flatten
+from .batchnorm import recomputing
 from .cut_sizes import without_sizes
 from .initialization import Initializer
 from .plan import Plan
@@ -51,7 +53,7 @@ class FlatStage(nn.Module):
                                 f"({', '.join(self.stage.inputs)}), got {len(values)}")
         values = tuple(_Received.apply(v) if isinstance(v, torch.Tensor) and v.requires_grad else v for v in values)
         if self.recompute and torch.is_grad_enabled():  # keep the inputs only; run the forward again in backward
-            leaves = list(checkpoint(self._leaves, *values, use_reentrant=False))
+            leaves = list(checkpoint(self._leaves, *values, use_reentrant=False, context_fn=self._contexts))
         else:
             leaves = self._leaves(*values)
         outside = [(name, type(v).__name__) for name, v in zip(self.stage.outputs, leaves)
@@ -67,6 +69,10 @@ class FlatStage(nn.Module):
 
     def _leaves(self, *values: torch.Tensor) -> list[Any]:
         return self.stage(*flatten(tuple(values)))[0]
+
+    def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """The forward as is; its recomputation without a second update of BatchNorm statistics."""
+        return contextlib.nullcontext(), recomputing(self.stage.submodules())
 
 
 class _Sent(torch.autograd.Function):

@@ -215,6 +215,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None, help="resume from this checkpoint")
     parser.add_argument("--balance", type=lambda v: [int(n) for n in v.split(",")], default=None,
                         help="operations per stage, instead of planning")
+    parser.add_argument("--deferred-bn", action="store_true", help="deferred_batch_norm=True")
     parser.add_argument("--one-file", action="store_true", help="save_distributed_checkpoint=False: one gathered file")
     parser.add_argument("--adam", action="store_true", help="AdamW instead of SGD with momentum")
     parser.add_argument("--model", choices=["skips", "batchnorm", "gpt2"], default="skips")
@@ -231,7 +232,8 @@ def main() -> None:
     strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
         schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False,
         leaf_modules=["fault"], recompute=args.recompute, empty_init=args.meta,
-        save_distributed_checkpoint=False if args.one_file else None, balance=args.balance)
+        save_distributed_checkpoint=False if args.one_file else None, balance=args.balance,
+        deferred_batch_norm=args.deferred_bn)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="64-true",
         max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
