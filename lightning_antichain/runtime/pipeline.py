@@ -16,6 +16,7 @@ import weakref
 from collections import Counter
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,10 +54,27 @@ from .output_join import (
 from .plan import Plan, recomputed_micro_batches
 from .randomness import step_seed
 from .saved_tensors import HeldMemory, state_storages
-from .schedule import make_schedule, runs_in_process
-from .split import PlanMismatchError
+from .schedule import Schedule, make_schedule, runs_in_process
+from .split import PlanMismatchError, StageModule
 from .tied_copies import TiedCopies
 from .worker import WorkerPool, keep_freed_memory
+
+
+@dataclass
+class SplitBatch:
+    """A call of the pipelined module split for its stages: made once per batch by ``_split``,
+    read by running and joining."""
+
+    run: Runnable
+    call: tuple[tuple, dict]
+    values: list[Any]
+    micro_values: list[list[Any]]
+    micro_stages: list[list[StageModule]]
+    sizes: list[int | None]
+    inputs: list[tuple[list[Any], Any]]
+    output_device: torch.device
+    schedule: Schedule
+    seed: int | None
 
 
 class Pipeline(nn.Module):
@@ -229,7 +247,17 @@ class Pipeline(nn.Module):
             raise
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
+        """A batch's path: split it into micro-batches, run them through the stages, join the
+        outputs (and, under autograd, one backward that runs the stages' backwards)."""
         self._captures.tied.refresh()  # copies of a parameter used on several devices take its values
+        batch = self._split(args, kwargs)
+        state = None if not torch.is_grad_enabled() else self._pass_state(batch)
+        outputs, assigned = self._run_stages(batch, state)
+        return self._join(batch, outputs, assigned, state)
+
+    def _split(self, args: tuple, kwargs: dict) -> SplitBatch:
+        """The call bound to the capture that runs it, checked, and cut into micro-batches: each
+        one's values, stages (those of its specialisation), samples and flattened inputs."""
         args, kwargs = with_items_in_batch(self.module, args, kwargs)
         if self.check_batch:
             refuse_per_sample_lists(self.module, args, kwargs, self.batch_dim)
@@ -238,45 +266,64 @@ class Pipeline(nn.Module):
         if self.check_batch:
             self._check_per_sample(run, values)
         micro_values = microbatch.scatter(values, self.chunks, run.input_dims)
-        micro_batch_stages = [self._captures.stages_for(run, v) for v in micro_values]
-        sizes = [microbatch.batch_size(v, run.input_dims) for v in micro_values]
-        micro_inputs = [flatten([v[i] for i in run.input_slots]) for v in micro_values]
-        output_device = self.output_device or _first_device(args, kwargs) or self._devices[0]
-        schedule = make_schedule(self.plan.schedule, len(run.stages), len(micro_inputs))
-        draws = any(stage.random_nodes for stages in micro_batch_stages for stage in stages)
-        seed = step_seed() if draws else None
-        if not torch.is_grad_enabled():
-            outputs, assigned = self._take_assigned_of(
-                run, run_forward(self._pool, micro_batch_stages, micro_inputs, None, 0, schedule, seed))
-            dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
-                               lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes),
-                               lambda i: self._loss_weights(run, (args, kwargs), values, i, sizes))
-            leaves = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
-            result = self._assemble(run, leaves, outputs[0][1])
-            self._assign(run, assigned, micro_values[0], sizes)
-            return result
-        stop = recomputed_micro_batches(self.recompute, len(micro_inputs))
-        if not self.training:
-            stop = 0
-        per_slot = [flatten(values[i])[0] for i in run.input_slots]
+        micro_stages = [self._captures.stages_for(run, v) for v in micro_values]
+        draws = any(stage.random_nodes for stages in micro_stages for stage in stages)
+        return SplitBatch(
+            run=run, call=(args, kwargs), values=values, micro_values=micro_values, micro_stages=micro_stages,
+            sizes=[microbatch.batch_size(v, run.input_dims) for v in micro_values],
+            inputs=[flatten([v[i] for i in run.input_slots]) for v in micro_values],
+            output_device=self.output_device or _first_device(args, kwargs) or self._devices[0],
+            schedule=make_schedule(self.plan.schedule, len(run.stages), len(micro_values)),
+            seed=step_seed() if draws else None,
+        )
+
+    def _pass_state(self, batch: SplitBatch) -> PassState:
+        """What a training (autograd) pass records for its backward: the step's record, activation
+        counters, the random seed."""
+        held = self._start_measuring(batch.run) if self.measure_activations else None
+        state = PassState(StepRecord.for_stages(len(batch.run.stages)), held=held, seed=batch.seed)
+        self.last_step = state.record
+        return state
+
+    def _run_stages(self, batch: SplitBatch, state: PassState | None) -> tuple[MicroOutputs, Assigned]:
+        """Every micro-batch's forward through the stages, by the schedule; under autograd
+        (``state``), keeping what the backward needs (all but the micro-batches recomputed)."""
+        if state is None:
+            outputs = run_forward(self._pool, batch.micro_stages, batch.inputs, None, 0, batch.schedule, batch.seed)
+            return self._take_assigned_of(batch.run, outputs)
+        stop = recomputed_micro_batches(self.recompute, len(batch.inputs)) if self.training else 0
+        with deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext():
+            outputs = run_forward(self._pool, batch.micro_stages, batch.inputs, state, stop, batch.schedule)
+        return self._take_assigned_of(batch.run, outputs)
+
+    def _join(self, batch: SplitBatch, outputs: MicroOutputs, assigned: Assigned, state: PassState | None) -> Any:
+        """The micro-batches' outputs joined into the whole batch's, as the module would return it
+        (under autograd, through one function whose backward runs the stages' backwards), and the
+        attributes ``forward`` assigns given the whole batch's values."""
+        run, sizes, micro_values = batch.run, batch.sizes, batch.micro_values
+        dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
+                           lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes),
+                           lambda i: self._loss_weights(run, batch.call, batch.values, i, sizes))
+        gathered = microbatch.gather([leaves for leaves, _ in outputs], batch.output_device, sizes, dims)
+        if state is not None:
+            gathered = self._through_backward(batch, outputs, assigned, state, gathered, dims)
+        result = self._assemble(run, gathered, outputs[0][1])
+        self._assign(run, assigned, micro_values[0], sizes)
+        return result
+
+    def _through_backward(self, batch: SplitBatch, outputs: MicroOutputs, assigned: Assigned, state: PassState,
+                          gathered: list[Any], dims: list[Any]) -> list[Any]:
+        """``gathered`` as outputs of one autograd function whose backward runs every stage's."""
+        run = batch.run
+        per_slot = [flatten(batch.values[i])[0] for i in run.input_slots]
         whole = [leaf for leaves in per_slot for leaf in leaves]
         leaf_dims = [run.input_dims[i] for i, leaves in zip(run.input_slots, per_slot) for _ in leaves]
         grad_inputs = [v for v in whole if _is_grad_tensor(v)]
-        held = self._start_measuring(run) if self.measure_activations else None
-        state = PassState(StepRecord.for_stages(len(run.stages)), held=held, seed=seed)
-        self.last_step = state.record
-        with deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext():
-            outputs = run_forward(self._pool, micro_batch_stages, micro_inputs, state, stop, schedule)
-        outputs, assigned = self._take_assigned_of(run, outputs)
-        dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
-                               lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes),
-                               lambda i: self._loss_weights(run, (args, kwargs), values, i, sizes))
-        gathered = microbatch.gather([leaves for leaves, _ in outputs], output_device, sizes, dims)
         tensor_at = [i for i, v in enumerate(gathered) if isinstance(v, torch.Tensor)]
         backward = PipelineBackward(
             pool=self._pool,
             state=state,
-            count=len(micro_inputs),
+            count=len(batch.inputs),
             outputs=tuple(gathered[i] for i in tensor_at),
             output_dims=[dims[i] for i in tensor_at],
             output_sizes=[[leaves[i].shape[dims[i]] if isinstance(dims[i], int) else 0 for leaves, _ in outputs]
@@ -284,16 +331,13 @@ class Pipeline(nn.Module):
             output_is_tensor=[isinstance(v, torch.Tensor) for v in gathered],
             leaf_positions=assigned.leaf_positions,
             leaf_count=assigned.leaf_count,
-            grad_input_slots=[i for i, v in enumerate(micro_inputs[0][0]) if _is_grad_tensor(v)],
+            grad_input_slots=[i for i, v in enumerate(batch.inputs[0][0]) if _is_grad_tensor(v)],
             input_dims=[d for v, d in zip(whole, leaf_dims) if _is_grad_tensor(v)],
             input_devices=[v.device for v in grad_inputs],
         )
-        phony = torch.empty(0, device=output_device, requires_grad=True)
+        phony = torch.empty(0, device=batch.output_device, requires_grad=True)
         tensors = iter(PipelineFunction.apply(backward, phony, *grad_inputs))
-        result = self._assemble(run, [next(tensors) if isinstance(v, torch.Tensor) else v for v in gathered],
-                                outputs[0][1])
-        self._assign(run, assigned, micro_values[0], sizes)
-        return result
+        return [next(tensors) if isinstance(v, torch.Tensor) else v for v in gathered]
 
     # -- helpers -------------------------------------------------------------------------------
 
