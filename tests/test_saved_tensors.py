@@ -156,3 +156,21 @@ def test_the_search_never_counts_less_than_the_exact_stage(profiled):
         met += 1
         assert all(s.memory_bytes <= limit for s in capped.stages)
     assert met
+
+
+def test_a_graph_whose_backward_never_runs_is_let_go_once_dropped():
+    """tanh saves its own output: counting it must not tie the output to its node in a cycle the
+    collector cannot see into, or a forward never back-propagated (torch's pipelining stages run
+    one before their first step) would stay alive and counted for good."""
+    import gc
+
+    from lightning_antichain.runtime.saved_tensors import HeldMemory
+
+    x = torch.randn(64, 64, requires_grad=True)
+    held = HeldMemory()
+    with held.saving():
+        y = torch.tanh(x @ x)
+    assert held.current_bytes > 0
+    del y
+    gc.collect()
+    assert held.current_bytes == 0

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from ..capture import capture_call
@@ -322,11 +322,6 @@ def options_for_processes(options: PipelineOptions, schedule: ProcessSchedule, s
     """``options`` for stages as processes under ``schedule``: the plan charges each stage the
     micro-batches the schedule keeps, and is not calibrated (calibration times the in-process
     runtime); a clear error for what this runtime does not take."""
-    if schedule.name in ("zb-h1", "zbv"):
-        rank_zero_warn(f"schedule={schedule.name!r}: torch 2.14's zero-bubble schedules keep saved tensors on the last "
-                       "stage from one step to the next, so its memory grows every step "
-                       "(benchmarks/zero_bubble_leak.py, docs/benchmarks.md). For long runs use '1f1b' or "
-                       "'interleaved-1f1b'.")
     if stages is not None or placement is not None:
         raise ValueError("with schedule=, each process holds one device: leave out stages= and placement=")
     if options.recompute == "except_last":

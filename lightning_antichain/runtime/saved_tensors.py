@@ -117,10 +117,17 @@ class _Hold:
 
 
 class _Packed:
-    """A saved tensor, its version when saved, and its place in the count."""
+    """A saved tensor, its version when saved, and its place in the count.
+
+    It keeps the tensor detached (the same storage and version counter): a node that saves its
+    own output (tanh, sigmoid, exp) would otherwise hold, through this object, the output that
+    holds the node, a cycle Python's collector cannot see into. A graph whose backward never runs
+    (torch's pipelining stages run a trial forward before their first step) then stayed alive for
+    good, its storages counted. The backward reads the saved values only; a second-order backward
+    through measured saved tensors is not supported."""
 
     def __init__(self, tensor: torch.Tensor, hold: _Hold) -> None:
-        self.tensor, self.hold = tensor, hold
+        self.tensor, self.hold = tensor.detach(), hold
         self.version = _version(tensor)
 
 

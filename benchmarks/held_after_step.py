@@ -1,12 +1,16 @@
-"""torch's zero-bubble schedule keeps saved tensors on the last stage from one step to the next.
+"""What autograd still holds after each step of torch's schedules: nothing, on any rank.
 
 Plain torch.distributed.pipelining, no lightning-antichain code in the pipeline: two gloo
 processes, one ``PipelineStage`` each over a small MLP, 8 micro-batches, and what autograd still
 holds after each step (after ``gc.collect()``), counted by the saved-tensor hooks of
-:class:`~lightning_antichain.runtime.saved_tensors.HeldMemory`. Under 1F1B it stays flat; under
-``ScheduleInterleavedZeroBubble`` the last rank's grows by the same amount every step.
+:class:`~lightning_antichain.runtime.saved_tensors.HeldMemory`, under 1F1B and ZB-H1
+(``ScheduleInterleavedZeroBubble``). An earlier version of those hooks kept each saved tensor with
+its autograd node, a cycle the collector cannot break: a graph whose backward never ran (torch's
+trial forward before the first step) stayed counted on the first rank, and under ZB-H1 the last
+rank's count grew every step, which this script once showed and docs/benchmarks.md took for a
+leak in torch. It now checks that nothing is left.
 
-    python benchmarks/zero_bubble_leak.py
+    python benchmarks/held_after_step.py
 """
 
 from __future__ import annotations
