@@ -66,3 +66,17 @@ def trainer(**kwargs) -> L.Trainer:
         deterministic=True,
     )
     return L.Trainer(**{**defaults, **kwargs})
+
+
+def first_of_two_epochs(strategy, devices: int, path) -> tuple[TinyClassifier, TinyClassifier]:
+    """Two epochs of plain training on 80 samples, and the first of them under ``strategy`` on
+    ``devices``, saved at ``path``: the reference run and the model the checkpoint came from."""
+    torch.manual_seed(0)
+    uninterrupted = TinyClassifier()
+    trainer(devices=1, max_epochs=2).fit(uninterrupted, loader(80))
+    torch.manual_seed(0)
+    first = TinyClassifier()
+    t = trainer(devices=devices, strategy=strategy, max_epochs=1)
+    t.fit(first, loader(80))
+    t.save_checkpoint(path)
+    return uninterrupted, first

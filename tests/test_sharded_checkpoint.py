@@ -3,7 +3,7 @@ in-process runtime saving and resuming through it. Shards written by several pro
 in test_stage_processes_trainer.py."""
 
 import torch
-from lit_models import TinyClassifier, loader, trainer
+from lit_models import TinyClassifier, first_of_two_epochs, loader, trainer
 from torch import nn
 
 import lightning_antichain as la
@@ -36,17 +36,9 @@ def test_a_lightning_checkpoint_comes_back_whole_from_its_shards_and_per_paramet
 
 def test_the_in_process_runtime_saves_shards_and_resumes_from_them_on_other_devices(tmp_path):
     steps = 5  # one epoch: 80 samples in batches of 16
-    torch.manual_seed(0)
-    uninterrupted = TinyClassifier()
-    trainer(devices=1, max_epochs=2).fit(uninterrupted, loader(80))
-
-    torch.manual_seed(0)
-    first = TinyClassifier()
-    t = trainer(devices=4, strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False,
-                                                                 save_distributed_checkpoint=True), max_epochs=1)
-    t.fit(first, loader(80))
     path = tmp_path / "four.ckpt"
-    t.save_checkpoint(path)
+    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, save_distributed_checkpoint=True)
+    uninterrupted, first = first_of_two_epochs(strategy, 4, path)
     assert is_sharded_checkpoint(path)
 
     resumed = TinyClassifier()

@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from lit_models import TinyClassifier, loader, trainer
+from lit_models import TinyClassifier, first_of_two_epochs, loader, trainer
 from pipelined import assert_pipelined
 from torch import nn
 
@@ -67,16 +67,8 @@ def test_validate_test_predict_return_what_they_return_without_it():
 
 def test_checkpoint_from_four_devices_resumes_on_two_and_without_the_strategy(tmp_path):
     steps = 5  # one epoch: 80 samples in batches of 16
-    torch.manual_seed(0)
-    uninterrupted = TinyClassifier()
-    trainer(devices=1, max_epochs=2).fit(uninterrupted, loader(80))
-
-    torch.manual_seed(0)
-    first = TinyClassifier()
-    t = trainer(devices=4, strategy=strategy(), max_epochs=1)
-    t.fit(first, loader(80))
     path = tmp_path / "four.ckpt"
-    t.save_checkpoint(path)
+    uninterrupted, _ = first_of_two_epochs(strategy(), 4, path)
     saved = torch.load(path, weights_only=True)
     assert list(saved["state_dict"]) == list(TinyClassifier().state_dict())
     assert all(v.device.type == "cpu" for v in saved["state_dict"].values())
