@@ -368,3 +368,17 @@ def test_a_recomputed_stage_updates_batchnorm_statistics_once(deferred):
     for key in ("1.running_mean", "1.running_var"):
         assert not torch.equal(plain[key], initial[key])
         torch.testing.assert_close(recomputed[key], plain[key], rtol=0, atol=0, msg=key)
+
+
+def test_the_recomputation_block_can_be_entered_again():
+    """A zero-bubble schedule computes a stage's input gradient and its weights' gradient apart,
+    and a checkpointed stage recomputes its forward for each: the same block enters twice."""
+    from lightning_antichain.runtime.batchnorm import recomputing
+
+    norm = nn.BatchNorm1d(4)
+    block = recomputing([norm])
+    for _ in range(2):
+        with block:
+            assert norm.momentum == 0.0
+            norm(torch.randn(8, 4))
+        assert norm.momentum == 0.1 and norm.num_batches_tracked.item() == 0

@@ -335,3 +335,20 @@ def test_gpt2_built_on_meta_is_made_real_stage_by_stage_each_rank_its_own_and_tr
                                        atol=1e-12)
             torch.testing.assert_close(saved[name].flatten(), f64(values), rtol=0, atol=0)
     assert not any(v.is_meta for v in saved.values())
+
+
+@SLOW  # three fits of GPT-2
+def test_gpt2_on_meta_resumes_from_its_shards_each_rank_reading_its_own_stages(tmp_path, plain_with):
+    """A model built on meta resumes from a checkpoint of shards: each rank's stages take their
+    weights and optimizer state from the shards when they are made real; two epochs with a
+    resume between equal two plain ones."""
+    settings = ("--model", "gpt2", "--meta", "--adam")
+    plain = plain_with("--model", "gpt2", "--adam")
+    ckpt = tmp_path / "meta.ckpt"
+    first = fit(tmp_path / "a", "--devices", "2", "--schedule", "1f1b", "--max-epochs", "1", "--save", str(ckpt),
+                *settings)
+    assert ckpt.is_dir()
+    resumed = fit(tmp_path / "b", "--devices", "2", "--schedule", "1f1b", "--max-epochs", "2", "--resume", str(ckpt),
+                  *settings)
+    torch.testing.assert_close(f64(first[0]["losses"] + resumed[0]["losses"]), f64(plain["losses"]), rtol=1e-6,
+                               atol=0)

@@ -12,7 +12,7 @@ merged and logged by every rank (:mod:`.step_logs`).
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -223,23 +223,19 @@ class ProcessRuntime:
         stage's tensors from the rank that trains them. Every rank calls it; rank 0's is whole."""
         if self.pipeline is None or self.steps is None:
             return state  # no step yet: every rank holds the same values
-        owned = self.pipeline.owned()
-        mine = {key: value.detach().cpu() for key, value in self.steps.module.state_dict(keep_vars=True).items()
-                if isinstance(value, torch.Tensor) and id(value) in owned}
-        parts = _gathered(mine)
+        parts = _gathered({key: state[key] for key in self._owned_keys() if key in state})
         merged = dict(state)
         for part in parts:
-            merged.update({key: value for key, value in part.items() if key in merged})
+            merged.update(part)
         return type(state)(merged) if parts else state
 
     def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         """``optimizer``'s ``state_dict`` as rank 0 saves it: each parameter's state (momentum,
         Adam's moments) from the rank that steps it, not the stale copy another rank loaded."""
-        if self.pipeline is None:
+        mine = self.stepped(optimizer)
+        if mine is None:
             return state
-        owned = self.pipeline.owned()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        parts = _gathered({i: v for i, v in state["state"].items() if id(params[i]) in owned})
+        parts = _gathered({i: v for i, v in state["state"].items() if i in mine})
         if not parts:
             return state
         merged = dict(state["state"])
@@ -252,32 +248,40 @@ class ProcessRuntime:
         checkpoint of shards: what its stages train, and on rank 0 also what no stage holds."""
         if self.pipeline is None or self.steps is None:
             return state if self.host.global_rank == 0 else type(state)()
-        owned = self.pipeline.owned()
-        mine = {key for key, value in self.steps.module.state_dict(keep_vars=True).items()
-                if isinstance(value, torch.Tensor) and id(value) in owned}
-        staged = set().union(*_everyone(mine))
-        first = self.host.global_rank == 0
-        return type(state)((k, v) for k, v in state.items() if k in mine or (first and k not in staged))
+        keeps = self._share(self._owned_keys())
+        return type(state)((k, v) for k, v in state.items() if keeps(k))
 
     def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         """This rank's share of ``optimizer``'s ``state_dict`` in a checkpoint of shards: the
         state of the parameters it steps, on rank 0 also of those no stage holds."""
-        if self.pipeline is None:
-            return state if self.host.global_rank == 0 else {**state, "state": {}}
         mine = self.stepped(optimizer)
-        assert mine is not None
-        staged = set().union(*_everyone(mine))
-        first = self.host.global_rank == 0
-        return {**state, "state": {i: v for i, v in state["state"].items()
-                                   if i in mine or (first and i not in staged)}}
+        if mine is None:
+            return state if self.host.global_rank == 0 else {**state, "state": {}}
+        keeps = self._share(mine)
+        return {**state, "state": {i: v for i, v in state["state"].items() if keeps(i)}}
 
     def stepped(self, optimizer: Any) -> set[int] | None:
-        """The indices in ``optimizer``'s ``state_dict`` of the parameters this rank steps."""
+        """The indices in ``optimizer``'s ``state_dict`` of the parameters this rank steps
+        (``None`` before the stages are built: every rank holds every one alike)."""
         if self.pipeline is None:
             return None
         owned = self.pipeline.owned()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return {i for i, p in enumerate(params) if id(p) in owned}
+
+    def _owned_keys(self) -> set[str]:
+        """The LightningModule's ``state_dict`` keys whose tensors this rank's stages use."""
+        assert self.pipeline is not None and self.steps is not None
+        owned = self.pipeline.owned()
+        return {key for key, value in self.steps.module.state_dict(keep_vars=True).items()
+                if isinstance(value, torch.Tensor) and id(value) in owned}
+
+    def _share(self, mine: set[Any]) -> Callable[[Any], bool]:
+        """Which keys this rank writes to a checkpoint of shards: ``mine``, and on rank 0 those no
+        rank's stages hold. Every rank calls it (it gathers every rank's ``mine``)."""
+        staged = set().union(*_everyone(mine))
+        first = self.host.global_rank == 0
+        return lambda key: key in mine or (first and key not in staged)
 
     def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> None:
         """Plan on rank 0 (unless a plan was given) and send it to every rank; build this rank's stages."""

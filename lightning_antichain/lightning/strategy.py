@@ -533,8 +533,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
-        return self.checkpoints.read(path) or super().load_checkpoint(path, weights_only=weights_only)
+        checkpoint_path = self.broadcast(checkpoint_path)
+        return self.checkpoints.read(checkpoint_path) or super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -562,9 +562,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
                 "replicas": self.world_size,
                 "plan": self.plan.to_dict(),
             }
-        path = Path(self.broadcast(filepath))
-        if not self.checkpoints.saved_as_shards(checkpoint, path, storage_options):
-            super().save_checkpoint(checkpoint, path, storage_options)
+        filepath = self.broadcast(filepath)  # every rank writes where rank 0 says
+        if not self.checkpoints.saved_as_shards(checkpoint, filepath, storage_options):
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # a remote path, too
 
     @override
     def teardown(self) -> None:

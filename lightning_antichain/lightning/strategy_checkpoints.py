@@ -16,10 +16,9 @@ import torch
 from torch import nn
 
 from ..capture.pytrees import map_tensors
-from ..runtime.materialize import load_lazily, load_state_dict
+from ..runtime.materialize import has_meta_state, load_lazily, load_state_dict
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.sharded_checkpoint import (
-    META_FILE,
     ShardedCheckpoint,
     ShardedOptimizerStates,
     ShardedStateDict,
@@ -67,7 +66,7 @@ class StrategyCheckpoints:
         return (self.runtime.own_optimizer_state(optimizer, state) if self.sharded
                 else self.runtime.gathered_optimizer_state(optimizer, state))
 
-    def saved_as_shards(self, checkpoint: dict[str, Any], path: Path, storage_options: Any = None) -> bool:
+    def saved_as_shards(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> bool:
         """Save ``checkpoint`` at ``path`` as shards from every rank, if so set; otherwise clear
         the way for one file (the strategy's ``CheckpointIO`` writes it) and say so."""
         if not self.sharded:
@@ -76,29 +75,23 @@ class StrategyCheckpoints:
         if storage_options is not None:
             raise TypeError("storage_options= is not taken for a checkpoint of shards; set "
                             "save_distributed_checkpoint=False to save one file through the CheckpointIO")
-        save_sharded(checkpoint, path)
+        save_sharded(checkpoint, Path(path))
         return True
 
     @staticmethod
-    def read(path: Path) -> dict[str, Any] | None:
+    def read(path: str | Path) -> dict[str, Any] | None:
         """The checkpoint at ``path`` if it is a directory of shards, its tensors read when asked
         for; ``None`` for a file."""
-        if not is_sharded_checkpoint(path):
-            return None
-        shards = ShardedCheckpoint(path)
-        checkpoint: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        checkpoint["state_dict"] = shards.state_dict()
-        if len(shards.optimizer_states()):
-            checkpoint["optimizer_states"] = shards.optimizer_states()
-        return checkpoint
+        return ShardedCheckpoint(path).lazy() if is_sharded_checkpoint(path) else None
 
     @staticmethod
     def load_model(module: nn.Module, state: Any, strict: bool) -> None:
-        """Load the weights; those of a model still on meta wait to go straight into their stages."""
-        if isinstance(state, ShardedStateDict):
+        """Load the weights; those of a model still on meta wait to go straight into their stages
+        (from shards, each read when its stage is made real; for a real model, all at once)."""
+        if isinstance(state, ShardedStateDict) and has_meta_state(module):
             load_lazily(module, state.entries(), strict=strict)
         else:
-            load_state_dict(module, state, strict=strict)
+            load_state_dict(module, state.read_all() if isinstance(state, ShardedStateDict) else state, strict=strict)
 
     def load_optimizers(self, optimizers: list[Any], states: OptimizerStates) -> None:
         """Load ``states`` now, or once the stages are placed (:meth:`stages_placed`): for

@@ -81,23 +81,28 @@ def deferred_batch_norm(modules: Iterable[nn.Module]) -> Iterator[None]:
             moments[id(module)].remove()
 
 
-@contextmanager
-def recomputing(modules: Iterable[nn.Module]) -> Iterator[None]:
+class recomputing:  # noqa: N801 - used as a context manager, like contextlib's
     """A forward run again to recompute what its backward needs, after it already ran once: the
     BatchNorm layers among ``modules`` normalise as they did, but their running statistics (and
     deferred moments) are not updated a second time. Their momentum is 0 within the block, and the
-    count of batches tracked is put back after it."""
-    norms = [m for m in modules if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-    kept = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
-    was = getattr(_again, "active", False)
-    _again.active = True
-    for module in norms:
-        module.momentum = 0.0
-    try:
-        yield
-    finally:
-        _again.active = was
-        for module, (momentum, tracked) in zip(norms, kept):
+    count of batches tracked is put back after it. The block may be entered again and again (a
+    backward split in two recomputes twice)."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.norms = [m for m in modules if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+        self._kept: list[list[tuple[float | None, torch.Tensor]]] = []
+        self._was: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._kept.append([(m.momentum, m.num_batches_tracked.clone()) for m in self.norms])
+        self._was.append(getattr(_again, "active", False))
+        _again.active = True
+        for module in self.norms:
+            module.momentum = 0.0
+
+    def __exit__(self, *exc: object) -> None:
+        _again.active = self._was.pop()
+        for module, (momentum, tracked) in zip(self.norms, self._kept.pop()):
             module.momentum = momentum
             with torch.no_grad():
                 module.num_batches_tracked.copy_(tracked)

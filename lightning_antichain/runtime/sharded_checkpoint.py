@@ -8,8 +8,8 @@ theirs. Reading goes by name, so a checkpoint written by one stage count, schedu
 into any other: each rank reads only the tensors its stages hold, and a model on meta reads each
 one only when its stage makes it real.
 
-Plain Lightning loads a file, not a directory: ``python -m lightning_antichain.consolidate DIR``
-writes the same checkpoint as one ``.ckpt``.
+Plain Lightning loads a file, not a directory: ``lightning-antichain consolidate DIR`` writes the
+same checkpoint as one ``.ckpt``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
         torch.save({k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}, path / META_FILE)
 
 
-def remove_sharded(path: Path) -> None:
+def remove_sharded(path: str | Path) -> None:
     """Remove the shards at ``path`` (from rank 0), where one file is saved instead."""
     if _first_rank() and is_sharded_checkpoint(path):
         shutil.rmtree(path)
@@ -104,12 +104,22 @@ class ShardedCheckpoint:
     def optimizer_states(self) -> ShardedOptimizerStates:
         return ShardedOptimizerStates(self)
 
-    def whole(self) -> dict[str, Any]:
-        """The whole checkpoint as plain Lightning saves it in one file."""
+    def lazy(self) -> dict[str, Any]:
+        """Lightning's checkpoint with its weights and optimizer states still on disk: a
+        :class:`ShardedStateDict` and :class:`ShardedOptimizerStates` (where saved) in their places."""
         checkpoint: dict[str, Any] = torch.load(self.path / META_FILE, map_location="cpu", weights_only=False)
-        checkpoint["state_dict"] = dict(self.state_dict().items())
+        checkpoint["state_dict"] = self.state_dict()
         states = self.optimizer_states()
         if len(states):
+            checkpoint["optimizer_states"] = states
+        return checkpoint
+
+    def whole(self) -> dict[str, Any]:
+        """The whole checkpoint as plain Lightning saves it in one file."""
+        checkpoint = self.lazy()
+        checkpoint["state_dict"] = checkpoint["state_dict"].read_all()
+        states = checkpoint.get("optimizer_states")
+        if states is not None:
             checkpoint["optimizer_states"] = [states.read(i) for i in range(len(states))]
         return checkpoint
 
@@ -129,6 +139,11 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._flat)
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        """Every weight, read at once (one pass over the files, not one per name)."""
+        values = self.shards.read(list(self._flat.values()))
+        return {name: values[key] for name, key in self._flat.items()}
 
     def entries(self) -> dict[str, tuple[tuple[int, ...], Callable[[], torch.Tensor]]]:
         """Each name's shape and how to read it, for :func:`~lightning_antichain.runtime.materialize.load_lazily`."""

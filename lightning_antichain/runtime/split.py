@@ -251,8 +251,8 @@ def place_stages(stages: list[StageModule], initializer: Initializer | None = No
         _materialize(stage, initializer)
     for key in crossing:  # each lives where its first stage runs, which reads it without a copy
         _move_in_place(params[key], stages[users[key][0]].device)
-    for i, stage in enumerate(stages):
-        assert tied is not None or not crossing
+    for i, stage in enumerate(stages if crossing else ()):
+        assert tied is not None
         mine = {key: tied.leaf(params[key], names[i], stage.device, stages[users[key][0]].streams,
                                at_home=names[i] == names[users[key][0]]) for key in crossing if i in users[key]}
         if mine:
