@@ -27,6 +27,7 @@ stages on the GPUs in turn, and every time is taken after the devices finish the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import queue
 import socket
@@ -106,6 +107,8 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
     from lightning_antichain.device import synchronize, use_device
+    from lightning_antichain.planner.process_calibration import CALIBRATION_STEPS, from_records
+    from lightning_antichain.runtime.action_clock import ActionClock
     from lightning_antichain.runtime.process_schedules import process_schedule
     from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
     from lightning_antichain.runtime.saved_tensors import HeldMemory, state_storages
@@ -124,6 +127,8 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
             graph = capture_call(model, (x[:micro],), {})
             runs = {}
             predicted_step: dict[tuple[str, int], float | None] = {}
+            plans, clocks = {}, {}  # per schedule: the plan and its table; the clock timing its actions
+            calibrated_step: dict[tuple[str, int], float | None] = {}
             cost = la.profile(model, x[:micro], str(device), op_graph=graph, progress=False) if rank == 0 else None
             for name, virtual in SCHEDULES:
                 schedule = process_schedule(name, virtual)
@@ -146,19 +151,27 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                 mine = schedule.stages_of(rank, ranks)
                 predicted = held_at_peak(table, [stage.activation_bytes for stage in plan.stages])[rank]
                 runs[name, virtual] = (run, held, mine, stages_total, predicted)
+                plans[name, virtual], clocks[name, virtual] = (plan, table), (ActionClock(device), stages, [])
             baselines = baseline_steps(model, graph, gpipe_plan, x, y, loss_of(model_name), ranks, args.chunks,
                                        args.device) if rank == 0 else {}
             times: dict[tuple[str, int], list[float]] = {key: [] for key in runs}
             times.update({key: [] for key in BASELINES})
-            for repeat in range(args.repeats + 1):
+            calibrating = range(1, CALIBRATION_STEPS + 1)  # rounds whose actions are timed: the plan's times
+            for repeat in range(args.repeats + 1 + CALIBRATION_STEPS):
+                if repeat == CALIBRATION_STEPS + 1:
+                    for key, (clock, _, lengths) in clocks.items():
+                        calibrated_plan = from_records(*plans[key], _everyone((clock.steps, lengths)))
+                        calibrated_step[key] = calibrated_plan.predicted_step_s
                 for key, (run, held, mine, total, _) in runs.items():
+                    clock, torch_stages, lengths = clocks[key]
                     for p in model.parameters():
                         p.grad = None
                     held.reset_peak()
                     synchronize(device)
                     dist.barrier()
                     started = time.perf_counter()
-                    with held.saving():
+                    timed = clock.timing(torch_stages) if repeat in calibrating else contextlib.nullcontext()
+                    with held.saving(), timed:
                         kwargs = {}
                         if 0 in mine:
                             kwargs["args"] = (x,)
@@ -166,24 +179,27 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                             kwargs.update(target=y, losses=[])
                         run.step(*kwargs.pop("args", ()), **kwargs)
                     synchronize(device)
-                    elapsed = torch.tensor([time.perf_counter() - started], device=device if own_gpus else "cpu")
+                    elapsed_s = time.perf_counter() - started
+                    if repeat in calibrating:
+                        lengths.append(elapsed_s)
+                    elapsed = torch.tensor([elapsed_s], device=device if own_gpus else "cpu")
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    if repeat:  # the first round warms up
+                    if repeat > CALIBRATION_STEPS:  # the first round warms up, the next calibrate
                         times[key].append(float(elapsed.cpu()))
                 for key in BASELINES:  # rank 0 runs them while the others wait
                     dist.barrier()
                     if rank == 0:
                         elapsed_s = baselines[key]()
-                        if repeat:
+                        if repeat > CALIBRATION_STEPS:
                             times[key].append(elapsed_s)
                     dist.barrier()
             for key, (_, held, mine, _, predicted) in runs.items():
                 results.put((rank, model_name, key, statistics.median(times[key]), held.peak_bytes, predicted, mine,
-                             predicted_step[key]))
+                             predicted_step[key], calibrated_step[key]))
             if rank == 0:
                 for key in BASELINES:
                     results.put((rank, model_name, key, statistics.median(times[key]), 0, 0, [],
-                                 gpipe_plan.predicted_step_s if key == IN_PROCESS else None))
+                                 gpipe_plan.predicted_step_s if key == IN_PROCESS else None, None))
     finally:
         dist.destroy_process_group()
 
@@ -230,6 +246,12 @@ def baseline_steps(model: nn.Module, graph, plan, x: torch.Tensor, y: torch.Tens
     return {IN_PROCESS: in_process, PLAIN: plain}
 
 
+def _everyone(part: object) -> list[object]:
+    parts: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return parts
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -270,25 +292,36 @@ def main() -> None:
     print("| model | schedule | virtual stages | step ms | rank | stages | saved at peak MB | predicted MB "
           "| measured / predicted | peak / GPipe's | K / chunks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    gpipe = {(m, r): peak for r, m, (n, _), _, peak, _, _, _ in rows if n == "gpipe"}
+    gpipe = {(m, r): peak for r, m, (n, _), _, peak, *_ in rows if n == "gpipe"}
     schedules = [r for r in rows if (r[2][0], r[2][1]) not in BASELINES]
-    for rank, model_name, (name, virtual), step_s, peak, predicted, mine, _ in sorted(
+    for rank, model_name, (name, virtual), step_s, peak, predicted, mine, *_ in sorted(
             schedules, key=lambda r: r[1:3] + r[:1]):
         of_gpipe = peak / max(gpipe[model_name, rank], 1)
         print(f"| {model_name} | {name} | {virtual} | {1e3 * step_s:.1f} | {rank} | {mine} | {peak / 1e6:.1f} "
               f"| {predicted / 1e6:.1f} | {peak / max(predicted, 1):.2f} | {of_gpipe:.2f} "
               f"| {args.ranks / args.chunks:.2f} |")
-    print("\n| model | runtime | step ms | predicted ms | measured / predicted | plain / this |")
-    print("|---|---|---|---|---|---|")
-    steps = {(r[1], r[2]): (r[3], r[7]) for r in rows if r[0] == 0}
+    print("\n| model | runtime | step ms | predicted ms | measured / predicted | from the profile ms "
+          "| measured / from the profile | plain / this |")
+    print("|---|---|---|---|---|---|---|---|")
+    steps = {(r[1], r[2]): (r[3], r[7], r[8]) for r in rows if r[0] == 0}
     for model_name in args.models.split(","):
         plain_s = steps[model_name, PLAIN][0]
         for key in [*(k for k in SCHEDULES), IN_PROCESS, PLAIN]:
-            step_s, predicted_s = steps[model_name, key]
+            step_s, profiled_s, calibrated_s = steps[model_name, key]
+            predicted_s = calibrated_s or profiled_s  # in-process: the planner's own calibration
+            profiled_s = profiled_s if calibrated_s else None
             label = key[0] if key[1] == 1 or key in BASELINES else f"{key[0]} (v={key[1]})"
-            ratio = f"{step_s / predicted_s:.2f}" if predicted_s else "-"
-            shown = f"{1e3 * predicted_s:.1f}" if predicted_s else "-"
-            print(f"| {model_name} | {label} | {1e3 * step_s:.1f} | {shown} | {ratio} | {plain_s / step_s:.2f} |")
+            print(f"| {model_name} | {label} | {1e3 * step_s:.1f} | {_ms(predicted_s)} | {_ratio(step_s, predicted_s)} "
+                  f"| {_ms(profiled_s)} | {_ratio(step_s, profiled_s)} "
+                  f"| {plain_s / step_s:.2f} |")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if not seconds else f"{1e3 * seconds:.1f}"
+
+
+def _ratio(measured: float, predicted: float | None) -> str:
+    return "-" if not predicted else f"{measured / predicted:.2f}"
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ merged and logged by every rank (:mod:`.step_logs`).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 
 from ..capture import capture_call
 from ..capture.pytrees import flatten, map_tensors
+from ..planner.process_calibration import StepCalibration
 from ..planner.public import planned_for_call, planning_call
 from ..runtime import microbatch
 from ..runtime.batch_dims import first_micro_batch
@@ -77,11 +78,13 @@ _CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step
 class ProcessRuntime:
     """This rank's share of the pipeline and the steps it runs (see the module's docstring)."""
 
-    def __init__(self, host: Host, options: PipelineOptions, schedule: ProcessSchedule) -> None:
+    def __init__(self, host: Host, options: PipelineOptions, schedule: ProcessSchedule, calibrate: bool = True) -> None:
         self.host = host
         self.options = options
         self.schedule = schedule
         self.plan: Plan | None = None
+        #: times the actions of the first training steps, until the plan takes its stage times from them
+        self.calibration: StepCalibration | None = StepCalibration(host.root_device) if calibrate else None
         self.pipeline: ProcessPipeline | None = None
         self.steps: MicroBatchSteps | None = None
         self._forward_patch = ForwardPatch()
@@ -177,9 +180,13 @@ class ProcessRuntime:
             return weighted / accumulate
 
         if train:
+            calibration = self.calibration if plan.calibration is None else None
             with torch.enable_grad(), self._gradients_stashed(pipeline.parameters()):
-                pipeline.run(_shape_of(micro), calls, loss, len(micro), train)
+                with calibration.timing() if calibration is not None else nullcontext() as clock:
+                    pipeline.run(_shape_of(micro), calls, loss, len(micro), train, clock=clock)
                 pipeline.tied.sum_gradients()
+            if calibration is not None and calibration.done:
+                self._calibrated(calibration)
         else:
             with torch.no_grad():
                 pipeline.run(_shape_of(micro), calls, loss, len(micro), train)
@@ -193,6 +200,19 @@ class ProcessRuntime:
         if hook == PREDICTING:
             return map_tensors(lambda t: t.to(self.host.root_device), joined(results))
         return torch.tensor(mean, device=self.host.root_device) if train else None
+
+    def _calibrated(self, calibration: StepCalibration) -> None:
+        """Take the plan's stage times from every rank's timed actions (every rank calls it at the
+        same step), and say how the prediction moved."""
+        assert self.plan is not None and self.pipeline is not None
+        table = self.schedule.table(self.host.world_size, self.plan.chunks)
+        self.plan = self.pipeline.plan = calibration.calibrated(self.plan, table, _everyone(calibration.record()))
+        self.calibration = None
+        found = self.plan.calibration or {}
+        rank_zero_info(f"{self.schedule.name} on {self.host.world_size} processes, timed over {found.get('steps')} "
+                       f"steps: predicted step {1e3 * self.plan.predicted_step_s:.1f} ms (from the profile: "
+                       f"{1e3 * found.get('profiled_step_s', 0.0):.1f} ms), measured "
+                       f"{1e3 * found.get('measured_step_s', 0.0):.1f} ms")
 
     @contextmanager
     def _gradients_stashed(self, params: list[torch.nn.Parameter]) -> Generator[None, None, None]:
@@ -324,8 +344,10 @@ class ProcessRuntime:
 def options_for_processes(options: PipelineOptions, schedule: ProcessSchedule, stages: int | None,
                           placement: list[int] | None) -> PipelineOptions:
     """``options`` for stages as processes under ``schedule``: the plan charges each stage the
-    micro-batches the schedule keeps, and is not calibrated (calibration times the in-process
-    runtime); a clear error for what this runtime does not take."""
+    micro-batches the schedule keeps, and the planner does not calibrate it (its calibration times
+    the in-process runtime; the process runtime times its own first steps,
+    :mod:`~lightning_antichain.planner.process_calibration`); a clear error for what this runtime
+    does not take."""
     if stages is not None or placement is not None:
         raise ValueError("with schedule=, each process holds one device: leave out stages= and placement=")
     if options.recompute == "except_last":

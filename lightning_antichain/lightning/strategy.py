@@ -203,7 +203,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         #: what runs the steps: one process driving every stage, or this rank's stages as a process
         self._runtime: InProcessRuntime | ProcessRuntime = (
             InProcessRuntime(self, self._planned, log_stage_times) if self.process_schedule is None
-            else ProcessRuntime(self, self.options, self.process_schedule))
+            else ProcessRuntime(self, self.options, self.process_schedule, calibrate=calibrate))
         #: checkpoints of the plain module's keys: one file, or shards from every rank
         self.checkpoints = StrategyCheckpoints(self._runtime, self.process_schedule is not None if (
             save_distributed_checkpoint is None) else save_distributed_checkpoint)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..device import shares_host
-from .schedule import GRADIENT_OUT, Schedule, Task, Timed, make_schedule, stage_durations, timeline
+from .schedule import GRADIENT_OUT, INPUT_SHARE, Phase, Schedule, Task, Timed, make_schedule, timeline
 
 PLAN_FORMAT = "lightning-antichain/plan/1"
 RECOMPUTE_MODES = ("never", "except_last", "always")
@@ -72,6 +72,20 @@ class Stage:
     kept_input_bytes: int = 0
     frozen_bytes: int = 0
     modules: list[str] = field(default_factory=list)
+    #: where a zero-bubble schedule splits the backward, the seconds of its two halves as measured
+    #: (the input's gradient, the weights'); ``None``: ``backward_s`` split by share
+    backward_input_s: float | None = None
+    backward_weight_s: float | None = None
+
+    def backward_halves(self) -> tuple[float, float]:
+        """The seconds of the two halves of a split backward: as measured, else ``backward_s``
+        split by :data:`~.schedule.INPUT_SHARE`. The first stage's input needs no gradient, so
+        torch runs its whole backward as the weights' half."""
+        if self.backward_input_s is not None and self.backward_weight_s is not None:
+            return self.backward_input_s, self.backward_weight_s
+        if self.index == 0:
+            return 0.0, self.backward_s
+        return self.backward_s * INPUT_SHARE, self.backward_s * (1.0 - INPUT_SHARE)
 
     @property
     def compute_s(self) -> float:
@@ -287,14 +301,12 @@ class Plan:
         tasks as run (torch's table for a rank's virtual stages,
         :meth:`~lightning_antichain.runtime.process_schedules.ProcessSchedule.table`); default,
         the plan's own schedule over one worker per stage."""
-        forward = [s.forward_s + s.transfer_s / 2 + self.task_overhead_s for s in self.stages]
-        backward = [s.backward_s + s.transfer_s / 2 + self.task_overhead_s for s in self.stages]
         recomputed = recomputed_micro_batches(self.recompute, self.chunks)
-        durations = stage_durations(forward, backward)
 
         def duration(task: Task) -> float:
+            stage = self.stages[task.stage]
             again = task.phase in GRADIENT_OUT and task.micro_batch < recomputed
-            return durations(task) + (self.stages[task.stage].forward_s if again else 0.0)
+            return self.task_seconds(stage, task.phase) + (stage.forward_s if again else 0.0)
 
         schedule = schedule or make_schedule(self.schedule, self.num_stages, self.chunks)
         if schedule.stages != self.num_stages or schedule.chunks != self.chunks:
@@ -304,8 +316,27 @@ class Plan:
             schedule,
             duration,
             capacity=self.capacity(),
-            shared=[shares_host(self.stages[tasks[0].stage].device) if tasks else False for tasks in schedule.order],
+            shared=[shares_host(self.stages[tasks[0].stage].device) and not self.measured_together if tasks else False
+                    for tasks in schedule.order],
         )
+
+    def task_seconds(self, stage: Stage, phase: Phase) -> float:
+        """What one task of ``phase`` on ``stage`` takes alone: its compute, half the stage's transfer
+        (the input's gradient carries the backward's half), and the runtime's ``task_overhead_s``."""
+        half = stage.transfer_s / 2
+        if phase == "forward":
+            return stage.forward_s + half + self.task_overhead_s
+        if phase == "backward":
+            return stage.backward_s + half + self.task_overhead_s
+        input_s, weight_s = stage.backward_halves()
+        return (input_s + half if phase == "backward_input" else weight_s) + self.task_overhead_s
+
+    @property
+    def measured_together(self) -> bool:
+        """Whether the stage times were measured while the stages ran at once (each a process of its
+        own: :mod:`~lightning_antichain.planner.process_calibration`), so they hold the slowdown of
+        sharing the CPU already."""
+        return bool(self.calibration) and self.calibration.get("runtime") == "processes"
 
     def capacity(self) -> list[float]:
         """Work done by 1, 2, ... CPU stages running at once, in units of one alone: each stage

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..capture import OpGraph
+from .action_clock import ActionClock
 from .batchnorm import deferred_batch_norm
 from .initialization import Initializer
 from .plan import Plan
@@ -87,22 +88,23 @@ class ProcessPipeline:
         return found
 
     def run(self, shape: Hashable, calls: list[tuple[tuple, dict]] | None, loss: MicroBatchLoss,
-            chunks: int, train: bool) -> None:
+            chunks: int, train: bool, clock: ActionClock | None = None) -> None:
         """One batch of ``chunks`` micro-batches: forward and backward (``train``) or forward only.
 
         ``calls`` are the micro-batches' calls of the module where this rank holds the first stage
         (else ``None``); ``loss`` is called on the rank holding the last stage, once per
         micro-batch, in the order the schedule runs them. ``shape`` names the count and shape of
-        the micro-batches, the same on every rank (see the module's docstring)."""
+        the micro-batches, the same on every rank (see the module's docstring). ``clock``: time
+        this step's actions there."""
         if self.holds_first and (calls is None or len(calls) != chunks):
             raise ValueError(f"the rank holding the first stage needs the calls of all {chunks} micro-batches")
-        runner = self._runners.get((train, shape))
-        if runner is None:
+        if (train, shape) not in self._runners:
             stages = torch_stages(self.stages, self.plan.num_stages, self.device, self.group)
-            runner = self._runners[(train, shape)] = schedule_runner(
-                self.schedule, stages, chunks, self._micro_batch_loss)
+            runner = schedule_runner(self.schedule, stages, chunks, self._micro_batch_loss)
             if not train and self.schedule.runs_by_table:
                 self.schedule.evaluate_forward_only(runner, self.ranks, chunks)
+            self._runners[(train, shape)] = runner, stages
+        runner, stages = self._runners[(train, shape)]
         inputs = {"arg_mbs": [self._first_inputs(*call) for call in calls]} if calls is not None else {}
         self._targets = [torch.tensor(m) for m in range(chunks)]
         targets = {"target_mbs": self._targets} if self.holds_last else {}
@@ -110,7 +112,8 @@ class ProcessPipeline:
         try:
             if train:
                 modules = [m for stage in self.stages for m in stage.stage.submodules()]
-                with deferred_batch_norm(modules) if self.deferred_batch_norm else contextlib.nullcontext():
+                with deferred_batch_norm(modules) if self.deferred_batch_norm else contextlib.nullcontext(), \
+                        clock.timing(stages) if clock is not None else contextlib.nullcontext():
                     runner.step(**inputs, **targets, return_outputs=False)
             else:
                 runner.eval(**inputs, **targets)

@@ -1,0 +1,122 @@
+"""A plan's stage times as the process runtime takes them, read from a few of its steps.
+
+The profile predicts a step of stages as processes from operations replayed one micro-batch at a
+time. On a shared 2-core machine that prediction missed the measured step by 15% to 67%, and
+by schedule: what an action of torch's schedule costs beyond its operations (posting its sends, the
+loss, torch's books), a GPipe backward reading activations made long before, and a zero-bubble
+backward whose two halves cost more than one whole. Each rank times its actions in the steps it
+runs (:class:`~lightning_antichain.runtime.action_clock.ActionClock`); their costs, gathered, become
+the plan's stage times, and the timeline of the schedule's tasks then predicts the step
+(docs/benchmarks.md, "Stages as processes on CPU"). The cut is untouched: only the times change.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..device import synchronize
+from ..runtime.action_clock import ActionClock, ActionKey
+from ..runtime.plan import Plan, recomputed_micro_batches
+from ..runtime.schedule import Schedule
+
+#: steps of the process runtime timed before its plan's times are taken from them (after the first,
+#: in which torch's stages learn their shapes)
+CALIBRATION_STEPS = 3
+
+
+def process_calibrated(plan: Plan, costs: Mapping[ActionKey, float], schedule: Schedule, steps: int,
+                       measured_step_s: float) -> Plan:
+    """``plan`` with each stage's times taken from ``costs`` (per phase and stage, seconds per
+    micro-batch, every rank's: :meth:`ActionClock.medians`), which already hold what the runtime
+    adds to a task and the slowdown of ranks that share the CPU; its step predicted again under
+    ``schedule`` (torch's table of tasks). ``plan.calibration`` keeps the profiled times and
+    prediction, and the median step measured while timing."""
+    missing = [k for k in range(plan.num_stages) if ("forward", k) not in costs]
+    if missing:
+        raise ValueError(f"no forward was timed on stage(s) {missing}: gather every rank's action costs")
+    again = 1.0 if recomputed_micro_batches(plan.recompute, plan.chunks) >= plan.chunks else 0.0
+    stages = []
+    for stage in plan.stages:
+        k, half = stage.index, stage.transfer_s / 2
+        forward = costs["forward", k] - plan.task_overhead_s - half
+        recomputed = again * max(0.0, forward)
+        if ("backward", k) in costs:
+            backward = costs["backward", k] - plan.task_overhead_s - half - recomputed
+            stages.append(replace(stage, forward_s=max(0.0, forward), backward_s=max(0.0, backward),
+                                  backward_input_s=None, backward_weight_s=None))
+            continue
+        input_s = costs.get(("backward_input", k), 0.0) - plan.task_overhead_s - half - recomputed
+        weight_s = costs.get(("backward_weight", k), 0.0) - plan.task_overhead_s
+        input_s, weight_s = max(0.0, input_s), max(0.0, weight_s)
+        stages.append(replace(stage, forward_s=max(0.0, forward), backward_s=input_s + weight_s,
+                              backward_input_s=input_s, backward_weight_s=weight_s))
+    record: dict[str, Any] = {
+        "runtime": "processes", "schedule": schedule.name, "steps": steps, "measured_step_s": measured_step_s,
+        "profiled_forward_s": [s.forward_s for s in plan.stages],
+        "profiled_backward_s": [s.backward_s for s in plan.stages],
+        "profiled_step_s": plan.predict_step(schedule),
+    }
+    new = replace(plan, stages=stages, bottleneck_s=max(s.time_s for s in stages),
+                  total_compute_s=sum(s.compute_s for s in stages), calibration=record)
+    new.predicted_step_s = new.predict_step(schedule)
+    return new
+
+
+class StepCalibration:
+    """The first training steps of a rank, timed: the first untouched (torch's stages learn their
+    shapes in it), the next ``steps`` with their actions timed (:class:`ActionClock`) and their
+    length measured."""
+
+    def __init__(self, device: torch.device, steps: int = CALIBRATION_STEPS) -> None:
+        self.device = device
+        self.wanted = steps
+        self.clock = ActionClock(device)
+        self.seen = 0
+        self.lengths: list[float] = []
+
+    @property
+    def done(self) -> bool:
+        return len(self.lengths) >= self.wanted
+
+    @contextmanager
+    def timing(self) -> Iterator[ActionClock | None]:
+        """One training step: the clock to time its actions with, or ``None`` for the first."""
+        self.seen += 1
+        if self.seen == 1 or self.done:
+            yield None
+            return
+        synchronize(self.device)
+        started = time.perf_counter()
+        yield self.clock
+        synchronize(self.device)
+        self.lengths.append(time.perf_counter() - started)
+
+    def record(self) -> RankRecord:
+        """What this rank measured, to gather from every rank: its action costs and step lengths."""
+        return self.clock.steps, self.lengths
+
+    def calibrated(self, plan: Plan, schedule: Schedule, records: Sequence[RankRecord]) -> Plan:
+        """``plan`` with its times from every rank's :meth:`record` (:func:`from_records`)."""
+        return from_records(plan, schedule, records)
+
+
+RankRecord = tuple[list[dict[ActionKey, float]], list[float]]
+"""What a rank measured over the timed steps: per step, its actions' costs; and the steps' lengths."""
+
+
+def from_records(plan: Plan, schedule: Schedule, records: Sequence[RankRecord]) -> Plan:
+    """``plan`` with its times from every rank's ``records`` (:func:`process_calibrated`): each
+    action's median cost over the steps, and the median over the steps of the slowest rank's."""
+    steps = min(len(lengths) for _, lengths in records)
+    merged = [{key: cost for costs, _ in records for key, cost in costs[i].items()} for i in range(steps)]
+    keys = {key for step in merged for key in step}
+    costs = {key: statistics.median(step[key] for step in merged if key in step) for key in keys}
+    measured = statistics.median(max(lengths[i] for _, lengths in records) for i in range(steps))
+    return process_calibrated(plan, costs, schedule, steps, measured)
