@@ -197,14 +197,18 @@ BALANCES = {2: [4, 5], 4: [2, 2, 2, 3]}  # x a tanh b | tanh c tanh add d; x a |
 def every_schedule_process(rank: int, port: int, results: mp.Queue) -> None:
     """Rank ``rank`` of 2 runs one step of every schedule, each on a fresh model, and reports the
     gradients it holds: its own stages' parameters only."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
+    from lightning_antichain.runtime.action_clock import ActionClock
     from lightning_antichain.runtime.process_schedules import process_schedule
     from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch_wait = torch_schedules._wait_batch_p2p
     try:
         for name, virtual in SCHEDULES:
             schedule = process_schedule(name, virtual)
@@ -219,52 +223,68 @@ def every_schedule_process(rank: int, port: int, results: mp.Queue) -> None:
             holds_first = 0 in schedule.stages_of(rank, 2)
             holds_last = schedule.num_stages(2) - 1 in schedule.stages_of(rank, 2)
             losses: list[torch.Tensor] = []
-            if holds_first and holds_last:
-                run.step(x, target=y, losses=losses)
-            elif holds_first:
-                run.step(x)
-            elif holds_last:
-                run.step(target=y, losses=losses)
-            else:
-                run.step()
+            clock = ActionClock(torch.device("cpu"))  # times the step; what it runs stays as it was
+            with clock.timing(stages):
+                if holds_first and holds_last:
+                    run.step(x, target=y, losses=losses)
+                elif holds_first:
+                    run.step(x)
+                elif holds_last:
+                    run.step(target=y, losses=losses)
+                else:
+                    run.step()
+            left_behind = [n for s in stages for n in vars(s) if n.endswith("_one_chunk")]
+            left_behind += [] if torch_schedules._wait_batch_p2p is torch_wait else ["_wait_batch_p2p"]
             grads = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}
             results.put((rank, f"{name}/{virtual}", [s.stage_index for s in stages], grads,
-                         [float(v) for v in losses]))
+                         [float(v) for v in losses], (clock.steps, [1.0]), left_behind, plan.to_dict()))
     except Exception as exc:
-        results.put((rank, "error", None, f"{name}/{virtual}: {type(exc).__name__}: {exc}", None))
+        results.put((rank, "error", None, f"{name}/{virtual}: {type(exc).__name__}: {exc}", None, None, None, None))
         raise
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.processes
-def test_every_schedule_runs_the_plan_in_two_processes_with_plain_gradients():
-    """GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZBV from torch, on the split's stages: each rank holds
-    the stages its schedule gives it (round robin, or a V for ZBV), a skip tensor passes through
-    the stages between, and the gradients over both ranks are the plain module's, in float64."""
+@pytest.fixture(scope="module")
+def every_schedule_run() -> dict[str, dict]:
+    """One step of every schedule over 2 real processes: per schedule, what each rank reported."""
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=every_schedule_process, args=(r, port, results)) for r in range(2)]
     for process in processes:
         process.start()
-    got: dict[str, dict[str, torch.Tensor]] = {}
-    held: dict[tuple[str, int], list[int]] = {}
-    losses: dict[str, list[float]] = {}
+    reports: dict[str, dict] = {}
     try:
         for _ in range(2 * len(SCHEDULES)):
-            rank, name, stages, grads, step_losses = results.get(timeout=180)
+            rank, name, stages, grads, step_losses, clock, left_behind, plan = results.get(timeout=180)
             assert name != "error", grads
-            held[name, rank] = stages
-            assert not set(grads) & set(got.get(name, {})), f"{name}: a parameter has gradients on both ranks"
-            got.setdefault(name, {}).update({n: torch.from_numpy(g) for n, g in grads.items()})
-            if step_losses:
-                losses[name] = step_losses
+            reports.setdefault(name, {})[rank] = dict(stages=stages, grads=grads, losses=step_losses, clock=clock,
+                                                      left_behind=left_behind, plan=plan)
     except queue.Empty:
         pytest.fail("a stage process gave no result within 180 s")
     finally:
         stop(processes)
     assert all(p.exitcode == 0 for p in processes)
+    return reports
+
+
+@pytest.mark.processes
+def test_every_schedule_runs_the_plan_in_two_processes_with_plain_gradients(every_schedule_run):
+    """GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZBV from torch, on the split's stages: each rank holds
+    the stages its schedule gives it (round robin, or a V for ZBV), a skip tensor passes through
+    the stages between, and the gradients over both ranks are the plain module's, in float64 (with
+    the actions timed: the clock changes nothing)."""
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    held: dict[tuple[str, int], list[int]] = {}
+    losses: dict[str, list[float]] = {}
+    for name, ranks in every_schedule_run.items():
+        for rank, report in ranks.items():
+            held[name, rank] = report["stages"]
+            assert not set(report["grads"]) & set(got.get(name, {})), f"{name}: a parameter has gradients on both ranks"
+            got.setdefault(name, {}).update({n: torch.from_numpy(g) for n, g in report["grads"].items()})
+            if report["losses"]:
+                losses[name] = report["losses"]
     assert held["interleaved-1f1b/2", 0] == [0, 2] and held["interleaved-1f1b/2", 1] == [1, 3]
     assert held["zbv/2", 0] == [0, 3] and held["zbv/2", 1] == [1, 2]
     model = build()
@@ -382,3 +402,37 @@ def test_the_recomputation_block_can_be_entered_again():
             assert norm.momentum == 0.0
             norm(torch.randn(8, 4))
         assert norm.momentum == 0.1 and norm.num_batches_tracked.item() == 0
+
+
+@pytest.mark.processes
+def test_the_action_clock_times_every_task_a_rank_runs_and_the_plan_predicts_from_them(every_schedule_run):
+    """Each rank's clock times each of its stages' phases as torch's schedule runs them (a split
+    backward in its two halves under the zero-bubble schedules), and leaves torch's stages and its
+    wait helper as it found them. The plan calibrated from every rank's costs keeps its cut, takes
+    the measured halves, and predicts a step between the busiest rank's work and all ranks' work
+    run one after another."""
+    from lightning_antichain.planner.process_calibration import from_records
+    from lightning_antichain.runtime.plan import Plan
+    from lightning_antichain.runtime.process_schedules import process_schedule
+
+    for name, virtual in SCHEDULES:
+        key = f"{name}/{virtual}"
+        ranks = every_schedule_run[key]
+        schedule = process_schedule(name, virtual)
+        table = schedule.table(2, CHUNKS)
+        split = name.startswith("zb")
+        for report in ranks.values():
+            assert report["left_behind"] == [], key
+            (costs,), _ = report["clock"]
+            phases = ("forward", "backward_input", "backward_weight") if split else ("forward", "backward")
+            assert set(costs) == {(phase, k) for k in report["stages"] for phase in phases}, key
+            assert all(cost > 0 for cost in costs.values()), key
+        plan = Plan.from_dict(ranks[0]["plan"])
+        calibrated = from_records(plan, table, [ranks[r]["clock"] for r in (0, 1)])
+        assert [s.nodes for s in calibrated.stages] == [s.nodes for s in plan.stages]
+        assert calibrated.calibration["runtime"] == "processes" and calibrated.measured_together
+        assert all((s.backward_input_s is not None) == split for s in calibrated.stages), key
+        merged = {k: v for r in (0, 1) for k, v in ranks[r]["clock"][0][0].items()}
+        work = [sum(merged[t.phase, t.stage] for t in tasks) for tasks in table.order]
+        extra = calibrated.step_overhead_s + calibrated.optimizer_step_s
+        assert max(work) <= calibrated.predicted_step_s - extra + 1e-9 <= sum(work) + 1e-9, key

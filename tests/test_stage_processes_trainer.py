@@ -92,6 +92,10 @@ def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain
         for name in mine:
             ours, theirs = f64(report["parameters"][name]), f64(plain["parameters"][name])
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-12)
+    calibration = [r["plan"]["calibration"] for r in ranks]  # timed in the first steps, on every rank alike
+    assert all(c == calibration[0] for c in calibration) and calibration[0]["runtime"] == "processes"
+    assert calibration[0]["steps"] == 3 and calibration[0]["schedule"] == schedule
+    assert calibration[0]["measured_step_s"] > 0 and ranks[0]["plan"]["predicted_step_s"] > 0
     if "--predict" in extra:
         expected = f64(plain["predictions"])
         for rank in range(devices):

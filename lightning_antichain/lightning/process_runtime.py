@@ -84,7 +84,7 @@ class ProcessRuntime:
         self.schedule = schedule
         self.plan: Plan | None = None
         #: times the actions of the first training steps, until the plan takes its stage times from them
-        self.calibration: StepCalibration | None = StepCalibration(host.root_device) if calibrate else None
+        self.calibration: StepCalibration | None = StepCalibration() if calibrate else None
         self.pipeline: ProcessPipeline | None = None
         self.steps: MicroBatchSteps | None = None
         self._forward_patch = ForwardPatch()
@@ -182,7 +182,7 @@ class ProcessRuntime:
         if train:
             calibration = self.calibration if plan.calibration is None else None
             with torch.enable_grad(), self._gradients_stashed(pipeline.parameters()):
-                with calibration.timing() if calibration is not None else nullcontext() as clock:
+                with calibration.timing(self.host.root_device) if calibration is not None else nullcontext() as clock:
                     pipeline.run(_shape_of(micro), calls, loss, len(micro), train, clock=clock)
                 pipeline.tied.sum_gradients()
             if calibration is not None and calibration.done:

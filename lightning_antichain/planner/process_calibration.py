@@ -74,10 +74,9 @@ class StepCalibration:
     shapes in it), the next ``steps`` with their actions timed (:class:`ActionClock`) and their
     length measured."""
 
-    def __init__(self, device: torch.device, steps: int = CALIBRATION_STEPS) -> None:
-        self.device = device
+    def __init__(self, steps: int = CALIBRATION_STEPS) -> None:
         self.wanted = steps
-        self.clock = ActionClock(device)
+        self.clock: ActionClock | None = None
         self.seen = 0
         self.lengths: list[float] = []
 
@@ -86,21 +85,22 @@ class StepCalibration:
         return len(self.lengths) >= self.wanted
 
     @contextmanager
-    def timing(self) -> Iterator[ActionClock | None]:
-        """One training step: the clock to time its actions with, or ``None`` for the first."""
+    def timing(self, device: torch.device) -> Iterator[ActionClock | None]:
+        """One training step on ``device``: the clock to time its actions with, or ``None`` for the first."""
         self.seen += 1
         if self.seen == 1 or self.done:
             yield None
             return
-        synchronize(self.device)
+        self.clock = self.clock or ActionClock(device)
+        synchronize(device)
         started = time.perf_counter()
         yield self.clock
-        synchronize(self.device)
+        synchronize(device)
         self.lengths.append(time.perf_counter() - started)
 
     def record(self) -> RankRecord:
         """What this rank measured, to gather from every rank: its action costs and step lengths."""
-        return self.clock.steps, self.lengths
+        return ([] if self.clock is None else self.clock.steps), self.lengths
 
     def calibrated(self, plan: Plan, schedule: Schedule, records: Sequence[RankRecord]) -> Plan:
         """``plan`` with its times from every rank's :meth:`record` (:func:`from_records`)."""

@@ -198,6 +198,7 @@ class Record(L.Callback):
             "stage_ops": [len(stage.nodes) for stage in getattr(trainer.strategy, "plan", None).stages]
             if getattr(trainer.strategy, "plan", None) else None,
             "tied_across_devices": self.tied,
+            "plan": trainer.strategy.plan.to_dict() if getattr(trainer.strategy, "plan", None) else None,
         }))
 
 
