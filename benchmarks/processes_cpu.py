@@ -107,7 +107,7 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
     from lightning_antichain.device import synchronize, use_device
-    from lightning_antichain.planner.process_calibration import CALIBRATION_STEPS, from_records
+    from lightning_antichain.planner.process_calibration import from_records
     from lightning_antichain.runtime.action_clock import ActionClock
     from lightning_antichain.runtime.process_schedules import process_schedule
     from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
@@ -156,12 +156,10 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                                        args.device) if rank == 0 else {}
             times: dict[tuple[str, int], list[float]] = {key: [] for key in runs}
             times.update({key: [] for key in BASELINES})
-            calibrating = range(1, CALIBRATION_STEPS + 1)  # rounds whose actions are timed: the plan's times
-            for repeat in range(args.repeats + 1 + CALIBRATION_STEPS):
-                if repeat == CALIBRATION_STEPS + 1:
-                    for key, (clock, _, lengths) in clocks.items():
-                        calibrated_plan = from_records(*plans[key], _everyone((clock.steps, lengths)))
-                        calibrated_step[key] = calibrated_plan.predicted_step_s
+            # after a round to warm up, rounds whose actions are timed (the plan's times) take turns with
+            # rounds that are measured, so that a machine getting busier or quieter weighs on both alike
+            calibrating = range(1, 2 * args.repeats + 1, 2)
+            for repeat in range(2 * args.repeats + 1):
                 for key, (run, held, mine, total, _) in runs.items():
                     clock, torch_stages, lengths = clocks[key]
                     for p in model.parameters():
@@ -184,22 +182,25 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                         lengths.append(elapsed_s)
                     elapsed = torch.tensor([elapsed_s], device=device if own_gpus else "cpu")
                     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    if repeat > CALIBRATION_STEPS:  # the first round warms up, the next calibrate
+                    if repeat and repeat not in calibrating:
                         times[key].append(float(elapsed.cpu()))
                 for key in BASELINES:  # rank 0 runs them while the others wait
                     dist.barrier()
                     if rank == 0:
                         elapsed_s = baselines[key]()
-                        if repeat > CALIBRATION_STEPS:
+                        if repeat and repeat not in calibrating:
                             times[key].append(elapsed_s)
                     dist.barrier()
+            for key, (clock, _, lengths) in clocks.items():
+                timed_plan = from_records(*plans[key], _everyone((clock.steps, lengths)))
+                calibrated_step[key] = (timed_plan.predicted_step_s, timed_plan.calibration["explained_step_s"])
             for key, (_, held, mine, _, predicted) in runs.items():
                 results.put((rank, model_name, key, statistics.median(times[key]), held.peak_bytes, predicted, mine,
                              predicted_step[key], calibrated_step[key]))
             if rank == 0:
                 for key in BASELINES:
                     results.put((rank, model_name, key, statistics.median(times[key]), 0, 0, [],
-                                 gpipe_plan.predicted_step_s if key == IN_PROCESS else None, None))
+                                 gpipe_plan.predicted_step_s if key == IN_PROCESS else None, (None, None)))
     finally:
         dist.destroy_process_group()
 
@@ -300,18 +301,19 @@ def main() -> None:
         print(f"| {model_name} | {name} | {virtual} | {1e3 * step_s:.1f} | {rank} | {mine} | {peak / 1e6:.1f} "
               f"| {predicted / 1e6:.1f} | {peak / max(predicted, 1):.2f} | {of_gpipe:.2f} "
               f"| {args.ranks / args.chunks:.2f} |")
-    print("\n| model | runtime | step ms | predicted ms | measured / predicted | from the profile ms "
-          "| measured / from the profile | plain / this |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| model | runtime | step ms | predicted ms | measured / predicted | timeline of the actions ms "
+          "| measured / timeline | from the profile ms | measured / from the profile | plain / this |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     steps = {(r[1], r[2]): (r[3], r[7], r[8]) for r in rows if r[0] == 0}
     for model_name in args.models.split(","):
         plain_s = steps[model_name, PLAIN][0]
         for key in [*(k for k in SCHEDULES), IN_PROCESS, PLAIN]:
-            step_s, profiled_s, calibrated_s = steps[model_name, key]
-            predicted_s = calibrated_s or profiled_s  # in-process: the planner's own calibration
+            step_s, profiled_s, (calibrated_s, explained_s) = steps[model_name, key]
+            predicted_s = calibrated_s or profiled_s  # in-process: the planner's own prediction
             profiled_s = profiled_s if calibrated_s else None
             label = key[0] if key[1] == 1 or key in BASELINES else f"{key[0]} (v={key[1]})"
             print(f"| {model_name} | {label} | {1e3 * step_s:.1f} | {_ms(predicted_s)} | {_ratio(step_s, predicted_s)} "
+                  f"| {_ms(explained_s)} | {_ratio(step_s, explained_s)} "
                   f"| {_ms(profiled_s)} | {_ratio(step_s, profiled_s)} "
                   f"| {plain_s / step_s:.2f} |")
 

@@ -31,42 +31,64 @@ from ..runtime.schedule import Schedule
 CALIBRATION_STEPS = 3
 
 
-def process_calibrated(plan: Plan, costs: Mapping[ActionKey, float], schedule: Schedule, steps: int,
-                       measured_step_s: float) -> Plan:
-    """``plan`` with each stage's times taken from ``costs`` (per phase and stage, seconds per
-    micro-batch, every rank's: :meth:`ActionClock.medians`), which already hold what the runtime
-    adds to a task and the slowdown of ranks that share the CPU; its step predicted again under
-    ``schedule`` (torch's table of tasks). ``plan.calibration`` keeps the profiled times and
-    prediction, and the median step measured while timing."""
+def process_calibrated(plan: Plan, steps: Sequence[Mapping[ActionKey, float]], lengths: Sequence[float],
+                       schedule: Schedule) -> Plan:
+    """``plan`` with each stage's times taken from the timed ``steps`` (per step, each action's
+    cost per micro-batch by phase and stage, every rank's; the median over the steps), which
+    already hold what the runtime adds to a task and the slowdown of ranks that share the CPU; its
+    step predicted again under ``schedule`` (torch's table of tasks). What the timeline of a
+    step's actions leaves unexplained of its length (``lengths``: the slowest rank's) is the
+    runtime's cost per step, the median over the steps: a step slowed throughout by a busy machine
+    raises both and cancels. ``plan.calibration`` keeps the profiled times and prediction, the
+    median step measured and the part of it the timeline explains."""
+    if not steps or len(steps) != len(lengths):
+        raise ValueError(f"{len(steps)} timed steps of actions and {len(lengths)} step lengths: time whole steps")
+    keys = {key for step in steps for key in step}
+    costs = {key: statistics.median(step[key] for step in steps if key in step) for key in keys}
+    record: dict[str, Any] = {
+        "runtime": "processes", "schedule": schedule.name, "steps": len(steps),
+        "measured_step_s": statistics.median(lengths), "profiled_step_s": plan.predict_step(schedule),
+        "profiled_forward_s": [s.forward_s for s in plan.stages],
+        "profiled_backward_s": [s.backward_s for s in plan.stages],
+    }
+    new = _timed_as(plan, costs, record)
+    record["explained_step_s"] = _explained(new, schedule)
+    # what the timeline of the actions leaves unexplained of a step (a rank ready to run while the
+    # cores are busy with others; torch's work before the first action and after the last)
+    unexplained = [length - _explained(_timed_as(plan, step, record), schedule) for step, length in zip(steps, lengths)]
+    new.step_overhead_s = max(0.0, statistics.median(unexplained))
+    new.predicted_step_s = new.predict_step(schedule)
+    return new
+
+
+def _timed_as(plan: Plan, costs: Mapping[ActionKey, float], record: dict[str, Any]) -> Plan:
+    """``plan`` with its stage times from ``costs`` (the task overhead and transfers it charges
+    taken out, so its timeline gives each task its cost back), no per-step cost, and ``record`` as
+    its calibration."""
     missing = [k for k in range(plan.num_stages) if ("forward", k) not in costs]
     if missing:
         raise ValueError(f"no forward was timed on stage(s) {missing}: gather every rank's action costs")
     again = 1.0 if recomputed_micro_batches(plan.recompute, plan.chunks) >= plan.chunks else 0.0
     stages = []
     for stage in plan.stages:
-        k, half = stage.index, stage.transfer_s / 2
-        forward = costs["forward", k] - plan.task_overhead_s - half
-        recomputed = again * max(0.0, forward)
+        k, overhead, half = stage.index, plan.task_overhead_s, stage.transfer_s / 2
+        forward = max(0.0, costs["forward", k] - overhead - half)
+        recomputed = again * forward  # a recomputing stage's backward runs its forward again
         if ("backward", k) in costs:
-            backward = costs["backward", k] - plan.task_overhead_s - half - recomputed
-            stages.append(replace(stage, forward_s=max(0.0, forward), backward_s=max(0.0, backward),
-                                  backward_input_s=None, backward_weight_s=None))
+            backward = max(0.0, costs["backward", k] - overhead - half - recomputed)
+            stages.append(replace(stage, forward_s=forward, backward_s=backward, backward_input_s=None,
+                                  backward_weight_s=None))
             continue
-        input_s = costs.get(("backward_input", k), 0.0) - plan.task_overhead_s - half - recomputed
-        weight_s = costs.get(("backward_weight", k), 0.0) - plan.task_overhead_s
-        input_s, weight_s = max(0.0, input_s), max(0.0, weight_s)
-        stages.append(replace(stage, forward_s=max(0.0, forward), backward_s=input_s + weight_s,
-                              backward_input_s=input_s, backward_weight_s=weight_s))
-    record: dict[str, Any] = {
-        "runtime": "processes", "schedule": schedule.name, "steps": steps, "measured_step_s": measured_step_s,
-        "profiled_forward_s": [s.forward_s for s in plan.stages],
-        "profiled_backward_s": [s.backward_s for s in plan.stages],
-        "profiled_step_s": plan.predict_step(schedule),
-    }
-    new = replace(plan, stages=stages, bottleneck_s=max(s.time_s for s in stages),
-                  total_compute_s=sum(s.compute_s for s in stages), calibration=record)
-    new.predicted_step_s = new.predict_step(schedule)
-    return new
+        input_s = max(0.0, costs.get(("backward_input", k), 0.0) - overhead - half - recomputed)
+        weight_s = max(0.0, costs.get(("backward_weight", k), 0.0) - overhead)
+        stages.append(replace(stage, forward_s=forward, backward_s=input_s + weight_s, backward_input_s=input_s,
+                              backward_weight_s=weight_s))
+    return replace(plan, stages=stages, bottleneck_s=max(s.time_s for s in stages),
+                   total_compute_s=sum(s.compute_s for s in stages), step_overhead_s=0.0, calibration=record)
+
+
+def _explained(plan: Plan, schedule: Schedule) -> float:
+    return max(t.end for t in plan.timeline(schedule))
 
 
 class StepCalibration:
@@ -112,11 +134,9 @@ RankRecord = tuple[list[dict[ActionKey, float]], list[float]]
 
 
 def from_records(plan: Plan, schedule: Schedule, records: Sequence[RankRecord]) -> Plan:
-    """``plan`` with its times from every rank's ``records`` (:func:`process_calibrated`): each
-    action's median cost over the steps, and the median over the steps of the slowest rank's."""
-    steps = min(len(lengths) for _, lengths in records)
-    merged = [{key: cost for costs, _ in records for key, cost in costs[i].items()} for i in range(steps)]
-    keys = {key for step in merged for key in step}
-    costs = {key: statistics.median(step[key] for step in merged if key in step) for key in keys}
-    measured = statistics.median(max(lengths[i] for _, lengths in records) for i in range(steps))
-    return process_calibrated(plan, costs, schedule, steps, measured)
+    """``plan`` with its times from every rank's ``records`` (:func:`process_calibrated`): per
+    timed step, every rank's action costs and the slowest rank's length."""
+    count = min(len(lengths) for _, lengths in records)
+    steps = [{key: cost for costs, _ in records for key, cost in costs[i].items()} for i in range(count)]
+    return process_calibrated(plan, steps, [max(lengths[i] for _, lengths in records) for i in range(count)],
+                              schedule)
