@@ -193,14 +193,15 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
                     dist.barrier()
             for key, (clock, _, lengths) in clocks.items():
                 timed_plan = from_records(*plans[key], _everyone((clock.steps, lengths)))
-                calibrated_step[key] = (timed_plan.predicted_step_s, timed_plan.calibration["explained_step_s"])
+                calibrated_step[key] = (timed_plan.predicted_step_s, timed_plan.calibration["explained_step_s"],
+                                        timed_plan.calibration["measured_step_s"])
             for key, (_, held, mine, _, predicted) in runs.items():
                 results.put((rank, model_name, key, statistics.median(times[key]), held.peak_bytes, predicted, mine,
                              predicted_step[key], calibrated_step[key]))
             if rank == 0:
                 for key in BASELINES:
                     results.put((rank, model_name, key, statistics.median(times[key]), 0, 0, [],
-                                 gpipe_plan.predicted_step_s if key == IN_PROCESS else None, (None, None)))
+                                 gpipe_plan.predicted_step_s if key == IN_PROCESS else None, (None, None, None)))
     finally:
         dist.destroy_process_group()
 
@@ -302,18 +303,18 @@ def main() -> None:
               f"| {predicted / 1e6:.1f} | {peak / max(predicted, 1):.2f} | {of_gpipe:.2f} "
               f"| {args.ranks / args.chunks:.2f} |")
     print("\n| model | runtime | step ms | predicted ms | measured / predicted | timeline of the actions ms "
-          "| measured / timeline | from the profile ms | measured / from the profile | plain / this |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| measured / timeline | timed steps ms | from the profile ms | measured / from the profile | plain / this |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     steps = {(r[1], r[2]): (r[3], r[7], r[8]) for r in rows if r[0] == 0}
     for model_name in args.models.split(","):
         plain_s = steps[model_name, PLAIN][0]
         for key in [*(k for k in SCHEDULES), IN_PROCESS, PLAIN]:
-            step_s, profiled_s, (calibrated_s, explained_s) = steps[model_name, key]
+            step_s, profiled_s, (calibrated_s, explained_s, timed_s) = steps[model_name, key]
             predicted_s = calibrated_s or profiled_s  # in-process: the planner's own prediction
             profiled_s = profiled_s if calibrated_s else None
             label = key[0] if key[1] == 1 or key in BASELINES else f"{key[0]} (v={key[1]})"
             print(f"| {model_name} | {label} | {1e3 * step_s:.1f} | {_ms(predicted_s)} | {_ratio(step_s, predicted_s)} "
-                  f"| {_ms(explained_s)} | {_ratio(step_s, explained_s)} "
+                  f"| {_ms(explained_s)} | {_ratio(step_s, explained_s)} | {_ms(timed_s)} "
                   f"| {_ms(profiled_s)} | {_ratio(step_s, profiled_s)} "
                   f"| {plain_s / step_s:.2f} |")
 
