@@ -12,9 +12,14 @@ the micro-batches torch's table of tasks keeps in flight on the rank's stages at
 activations until the weights' gradient). In the same rounds, rank 0 runs two baselines while the
 other ranks wait: the in-process runtime (``la.Pipeline`` on the GPipe plan, one worker thread of
 one intra-op thread per stage) and the plain module (``min(ranks, cores)`` intra-op threads). The
-second table gives each runtime's step against the plan's prediction (the planner simulates each
-schedule's table of tasks as torch orders them, :meth:`ProcessSchedule.table`) and the plain
-module's step over it.
+second table gives each runtime's step against the plan's predictions and the plain module's step
+over it. The planner simulates each schedule's table of tasks as torch orders them
+(:meth:`ProcessSchedule.table`): with the profile's stage times ("from the profile"), and, as the
+strategy does after its first steps, with each action's cost timed on the ranks
+(:mod:`~lightning_antichain.planner.process_calibration`): the timeline of those actions, plus what
+it leaves unexplained of the timed steps ("predicted"). After a round to warm up, timed rounds take
+turns with measured ones ("timed steps": the timed rounds' own median), so that a machine getting
+busier or quieter weighs on both alike.
 
     python benchmarks/processes_cpu.py --ranks 2 --chunks 8
     python benchmarks/processes_cpu.py --device cuda --ranks 1   # on GPUs: rank r on GPU r % count,
