@@ -357,6 +357,16 @@ def options_for_processes(options: PipelineOptions, schedule: ProcessSchedule, s
                            even_chunks=True)
 
 
+def refuse_other_stage_count(stages: int, schedule: ProcessSchedule, ranks: int, what: str) -> None:
+    """A clear error where ``what`` (the plan, the balance) has ``stages`` stages but ``ranks``
+    processes hold another count under ``schedule``."""
+    if stages != schedule.num_stages(ranks):
+        raise ValueError(
+            f"{what} has {stages} stages but {ranks} processes under schedule={schedule.name!r} hold "
+            f"{schedule.num_stages(ranks)} ({schedule.virtual_stages} each); start "
+            f"{stages / schedule.virtual_stages:g} processes (devices=), or plan for {ranks}")
+
+
 def joined(results: list[Any]) -> Any:
     """The micro-batches' predictions as one batch's: tensors (in any nesting) joined on their
     first dim, in micro-batch order; anything else as the list of the micro-batches' results."""

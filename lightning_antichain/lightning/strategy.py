@@ -48,7 +48,7 @@ from ..runtime.plan import Plan
 from ..runtime.process_schedules import process_schedule
 from .in_process_runtime import InProcessRuntime
 from .planned_pipeline import PlannedPipeline
-from .process_runtime import ProcessRuntime, options_for_processes
+from .process_runtime import ProcessRuntime, options_for_processes, refuse_other_stage_count
 from .same_batches import same_order_everywhere
 from .strategy_checkpoints import StrategyCheckpoints
 
@@ -83,7 +83,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
         profile_cache: directory of cached profiles; default ``~/.cache/lightning-antichain``.
         use_profile_cache: read and write that cache.
         calibrate: time a few steps of a plan whose stages share the CPU or are all on GPUs, and predict from them
-            (:mod:`lightning_antichain.planner.calibration`); seconds once, then cached with the profiles.
+            (:mod:`lightning_antichain.planner.calibration`); seconds once, then cached with the profiles. With
+            ``schedule=``, each rank times its actions in steps 2 to 4 instead (planner/process_calibration.py).
         rebalance_rounds: after calibration, cut again on the stage times measured for at most
             this many rounds, keeping the best split measured (0: keep the profile's split).
         cpu_threads: intra-op threads of each CPU stage, which planning profiles with too. Default:
@@ -390,12 +391,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         stages = self._requested_stages()
         what = "the plan" if self.plan_path else "the balance"
         if stages is not None and self.process_schedule is not None:
-            schedule, ranks = self.process_schedule, self.num_nodes * self.num_processes
-            if stages != schedule.num_stages(ranks):
-                raise ValueError(
-                    f"{what} has {stages} stages but {ranks} processes under schedule={schedule.name!r} hold "
-                    f"{schedule.num_stages(ranks)} ({schedule.virtual_stages} each); start "
-                    f"{stages / schedule.virtual_stages:g} processes (devices=), or plan for {ranks}")
+            refuse_other_stage_count(stages, self.process_schedule, self.num_nodes * self.num_processes, what)
         elif stages is not None and stages != len(self.stage_devices):
             if self.placement is not None:
                 raise ValueError(f"{what} has {stages} stages but placement={self.placement} has "
