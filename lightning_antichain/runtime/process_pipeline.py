@@ -29,6 +29,7 @@ from .initialization import Initializer
 from .plan import Plan
 from .process_schedules import ProcessSchedule
 from .process_stages import FlatStage, holders, place_rank, schedule_runner, split_for_ranks, torch_stages
+from .replication import Replication, replicated
 from .tied_parameters import TiedParameters
 
 #: a micro-batch's loss from its output, as the module returns it, and its index
@@ -38,19 +39,29 @@ MicroBatchLoss = Callable[[Any, int], torch.Tensor]
 class ProcessPipeline:
     """Rank ``rank`` of ``ranks``: its stages of ``plan`` under ``schedule``, on ``device``
     (``recompute``: every stage keeps only its inputs and runs its forward again in backward;
-    ``deferred_batch_norm``: BatchNorm running statistics from the whole batch, once per step)."""
+    ``deferred_batch_norm``: BatchNorm running statistics from the whole batch, once per step;
+    ``replication``: how and over which 1-D mesh of ranks each stage is kept in step with the
+    other replicas', :mod:`.replication`). ``rank``, ``ranks`` and ``group`` are the pipeline's:
+    its ranks alone."""
 
     def __init__(self, graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
                  device: torch.device, group: Any = None, initializer: Initializer | None = None,
-                 recompute: bool = False, deferred_batch_norm: bool = False) -> None:
+                 recompute: bool = False, deferred_batch_norm: bool = False,
+                 replication: tuple[Replication, Any] | None = None) -> None:
         self.graph, self.plan, self.schedule = graph, plan, schedule
         self.rank, self.ranks, self.device, self.group = rank, ranks, device, group
         every = split_for_ranks(graph, plan, schedule, ranks, device)
         params = {id(p): p for stage in every for p in stage.parameters()}
         names = {id(p): name for name, p in graph.module.named_parameters()}
+        if replication is not None and any(len(r) > 1 for r in holders(every, schedule, ranks).values()):
+            raise ValueError("weights tied across the ranks of a pipeline are not kept in step with replicas yet: "
+                             "train without replicas, or keep the tie within one stage (colocate_tied=True)")
         self.tied = TiedParameters(holders(every, schedule, ranks), params, names, rank)
         self.stages: list[FlatStage] = place_rank(every, schedule, rank, ranks, initializer, recompute)
         self.tied.share_values()
+        #: what torch's stages run: each stage, or its replicated wrapper over the other replicas' ranks
+        self.modules: list[torch.nn.Module] = list(self.stages) if replication is None else [
+            replicated(stage, *replication) for stage in self.stages]
         held = {stage.stage.index: stage.stage for stage in self.stages}
         first, last = held.get(0), held.get(plan.num_stages - 1)
         placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]
@@ -99,7 +110,7 @@ class ProcessPipeline:
         if self.holds_first and (calls is None or len(calls) != chunks):
             raise ValueError(f"the rank holding the first stage needs the calls of all {chunks} micro-batches")
         if (train, shape) not in self._runners:
-            stages = torch_stages(self.stages, self.plan.num_stages, self.device, self.group)
+            stages = torch_stages(self.stages, self.plan.num_stages, self.device, self.group, self.modules)
             runner = schedule_runner(self.schedule, stages, chunks, self._micro_batch_loss)
             if not train and self.schedule.runs_by_table:
                 self.schedule.evaluate_forward_only(runner, self.ranks, chunks)

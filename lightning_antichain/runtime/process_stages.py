@@ -147,10 +147,12 @@ def rank_flat_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank
     return place_rank(stages, schedule, rank, ranks, initializer)
 
 
-def torch_stages(flat: list[FlatStage], num_stages: int, device: torch.device, group: Any = None
-                 ) -> list[PipelineStage]:
-    """``flat`` as torch's stages, which learn the shapes crossing each cut on their first step."""
-    return [PipelineStage(stage, stage.stage.index, num_stages, device, group=group) for stage in flat]
+def torch_stages(flat: list[FlatStage], num_stages: int, device: torch.device, group: Any = None,
+                 modules: list[nn.Module] | None = None) -> list[PipelineStage]:
+    """``flat`` as torch's stages, which learn the shapes crossing each cut on their first step;
+    ``modules``: what runs each (``flat`` itself, or its replicated wrapper: :mod:`.replication`)."""
+    return [PipelineStage(module, stage.stage.index, num_stages, device, group=group)
+            for stage, module in zip(flat, modules or flat)]
 
 
 def rank_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
