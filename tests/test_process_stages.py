@@ -121,6 +121,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def started(target, count: int, *args) -> tuple[list, mp.Queue]:
+    """``count`` spawned processes, each running ``target(rank, port, *args, results)``, meeting on
+    one free port; and the queue they report to."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=target, args=(r, port, *args, results)) for r in range(count)]
+    for process in processes:
+        process.start()
+    return processes, results
+
+
 @pytest.mark.processes
 @pytest.mark.slow  # every schedule runs in the default suite, over 2 processes (below)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -248,12 +260,7 @@ def every_schedule_process(rank: int, port: int, results: mp.Queue) -> None:
 @pytest.fixture(scope="module")
 def every_schedule_run() -> dict[str, dict]:
     """One step of every schedule over 2 real processes: per schedule, what each rank reported."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=every_schedule_process, args=(r, port, results)) for r in range(2)]
-    for process in processes:
-        process.start()
+    processes, results = started(every_schedule_process, 2)
     reports: dict[str, dict] = {}
     try:
         for _ in range(2 * len(SCHEDULES)):

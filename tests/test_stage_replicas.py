@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_process_stages import BALANCES, CHUNKS, batch, build, free_port, loss_fn, stop
+from test_process_stages import BALANCES, CHUNKS, batch, build, loss_fn, started, stop
 
 pytestmark = pytest.mark.processes
 
@@ -65,12 +65,7 @@ def replica_process(rank: int, port: int, how: str, results: mp.Queue) -> None:
 
 @pytest.mark.parametrize("how", ["ddp", "fsdp"])
 def test_each_stage_replicated_over_dp_by_torch_trains_as_the_plain_module(how):
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=replica_process, args=(r, port, how, results)) for r in range(4)]
-    for process in processes:
-        process.start()
+    processes, results = started(replica_process, 4, how)
     reports = []
     try:
         for _ in range(4):
@@ -156,12 +151,7 @@ def test_the_replicas_reduce_gradients_during_the_last_backward_not_after_it():
     in the last micro-batch's backward only, the first before that backward reaches the first
     layer: the reduction overlaps the backward (one after the step would come after every
     gradient), once per step, not once per micro-batch."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=overlap_process, args=(r, port, results)) for r in range(2)]
-    for process in processes:
-        process.start()
+    processes, results = started(overlap_process, 2)
     try:
         reports = [results.get(timeout=180) for _ in range(2)]
     except queue.Empty:
