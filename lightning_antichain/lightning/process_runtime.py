@@ -180,7 +180,8 @@ class ProcessRuntime:
             return weighted / accumulate
 
         if train:
-            calibration = self.calibration if plan.calibration is None else None
+            timed = plan.measured_together and (plan.calibration or {}).get("schedule") == self.schedule.name
+            calibration = None if timed else self.calibration  # a plan timed under this schedule already is kept
             with torch.enable_grad(), self._gradients_stashed(pipeline.parameters()):
                 with calibration.timing(self.host.root_device) if calibration is not None else nullcontext() as clock:
                     pipeline.run(_shape_of(micro), calls, loss, len(micro), train, clock=clock)
