@@ -26,7 +26,7 @@ from torch import nn
 
 from ..capture import capture_call
 from ..capture.pytrees import flatten, map_tensors
-from ..planner.process_calibration import StepCalibration
+from ..planner.process_calibration import StepCalibration, from_records
 from ..planner.public import planned_for_call, planning_call
 from ..runtime import microbatch
 from ..runtime.batch_dims import first_micro_batch
@@ -180,8 +180,7 @@ class ProcessRuntime:
             return weighted / accumulate
 
         if train:
-            timed = plan.measured_together and (plan.calibration or {}).get("schedule") == self.schedule.name
-            calibration = None if timed else self.calibration  # a plan timed under this schedule already is kept
+            calibration = self.calibration
             with torch.enable_grad(), self._gradients_stashed(pipeline.parameters()):
                 with calibration.timing(self.host.root_device) if calibration is not None else nullcontext() as clock:
                     pipeline.run(_shape_of(micro), calls, loss, len(micro), train, clock=clock)
@@ -207,7 +206,7 @@ class ProcessRuntime:
         same step), and say how the prediction moved."""
         assert self.plan is not None and self.pipeline is not None
         table = self.schedule.table(self.host.world_size, self.plan.chunks)
-        self.plan = self.pipeline.plan = calibration.calibrated(self.plan, table, _everyone(calibration.record()))
+        self.plan = self.pipeline.plan = from_records(self.plan, table, _everyone(calibration.record()))
         self.calibration = None
         found = self.plan.calibration or {}
         rank_zero_info(f"{self.schedule.name} on {self.host.world_size} processes, timed over {found.get('steps')} "
@@ -324,6 +323,8 @@ class ProcessRuntime:
                            f"({self.schedule.virtual_stages} stage(s) each): predicted step "
                            f"{1e3 * self.plan.predict_step(table):.1f} ms")
         plan = self.plan
+        if plan.measured_together and (plan.calibration or {}).get("schedule") == self.schedule.name:
+            self.calibration = None  # a plan timed under this schedule (a resumed one) is kept as it is
         first = first_micro_batch(target, *whole, plan.chunks, self.options.batch_dim)
         if graph is None or not _holds(graph, first):
             graph = capture_call(target, *first, leaf_modules=self.options.leaf_modules,

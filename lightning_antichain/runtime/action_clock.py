@@ -89,11 +89,6 @@ class ActionClock:
                     vars(stage).pop(name, None)
         self.steps.append(_costs(marks, ended))
 
-    def medians(self) -> dict[ActionKey, float]:
-        """Per action, the median over the timed steps of its mean cost."""
-        keys = {key for step in self.steps for key in step}
-        return {key: statistics.median(step[key] for step in self.steps if key in step) for key in keys}
-
 
 def _phase(method: str, kwargs: dict[str, Any]) -> Phase:
     if method == "backward_one_chunk" and not kwargs.get("full_backward", True):
