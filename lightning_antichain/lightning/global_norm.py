@@ -2,7 +2,8 @@
 
 Lightning clips the parameters its optimizer holds; with one process per stage, each process's
 gradients are its stages' only, and clipping them by their own norm would scale each stage by
-another factor than plain training does. The squared norms are summed over the processes first.
+another factor than plain training does. The squared norms are summed over the processes first
+(a sharded gradient, FSDP2's ``DTensor``, counts its own shard).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+
+from ..runtime.replication import local
 
 
 def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float, device: torch.device,
@@ -21,11 +24,11 @@ def clip_by_global_norm(params: Iterable[torch.Tensor], max_norm: float, device:
     one process; that norm. A parameter whose id is in ``counted_elsewhere`` (a tied copy another
     process counts) is scaled but not counted here."""
     params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
+    grads = [local(p.grad) for p in params]
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    for param in params:
+    for param, grad in zip(params, grads):
         if id(param) not in counted_elsewhere:
-            squares += param.grad.detach().double().square().sum().to(device)
+            squares += grad.detach().double().square().sum().to(device)
     dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

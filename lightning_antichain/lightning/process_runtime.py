@@ -8,6 +8,12 @@ same batches. A step splits the batch into micro-batches; the user's step hook r
 micro-batch (:mod:`.micro_batch_steps`); the step's loss is the mean of the micro-batches' losses,
 weighted by their samples, and is what every rank returns to Lightning; what the step logs is
 merged and logged by every rank (:mod:`.step_logs`).
+
+Where the ranks form ``dp`` replicas of a pipeline of ``pp`` ranks (:class:`~..runtime.layout.Layout`,
+``stages=``), each replica gets its own share of the data (Lightning's distributed sampler over
+``"dp"``), the ranks of one pipeline the same batches, and torch keeps each stage in step over its
+replicas (DDP or FSDP2, :mod:`~..runtime.replication`); what a step returns and logs is its
+pipeline's, as with DDP each rank's.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ from ..planner.public import planned_for_call, planning_call
 from ..runtime import microbatch
 from ..runtime.batch_dims import first_micro_batch
 from ..runtime.initialization import Initializer
-from ..runtime.optimizer_state import state_with_parameters
+from ..runtime.layout import Layout
+from ..runtime.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
 from ..runtime.options import PipelineOptions
 from ..runtime.plan import Plan
 from ..runtime.process_pipeline import ProcessPipeline
 from ..runtime.process_schedules import ProcessSchedule
+from ..runtime.replication import Replication
 from .forward_patch import ForwardPatch
 from .global_norm import clip_by_global_norm
 from .micro_batch_steps import MicroBatchSteps
@@ -48,10 +56,13 @@ PREDICTING = "predict_step"
 
 
 class Host(Protocol):
-    """What the strategy tells: this rank, every stage's device, the module, its optimizers."""
+    """What the strategy tells: this rank, the ranks' layout and mesh, every stage's device, the
+    module, its optimizers."""
 
     global_rank: int
     world_size: int
+    layout: Layout
+    device_mesh: Any
     root_device: torch.device
     optimizers: list[Any]
     lightning_module: Any
@@ -78,10 +89,13 @@ _CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step
 class ProcessRuntime:
     """This rank's share of the pipeline and the steps it runs (see the module's docstring)."""
 
-    def __init__(self, host: Host, options: PipelineOptions, schedule: ProcessSchedule, calibrate: bool = True) -> None:
+    def __init__(self, host: Host, options: PipelineOptions, schedule: ProcessSchedule, calibrate: bool = True,
+                 replication: Replication = "ddp") -> None:
         self.host = host
         self.options = options
         self.schedule = schedule
+        #: how each stage is kept in step with its replicas' where there are several
+        self.replication = replication
         self.plan: Plan | None = None
         #: times the actions of the first training steps, until the plan takes its stage times from them
         self.calibration: StepCalibration | None = StepCalibration() if calibrate else None
@@ -99,7 +113,7 @@ class ProcessRuntime:
             self.steps = MicroBatchSteps(module, host.describe_target())
             self.pipeline = None if self.pipeline is None or self.pipeline.graph.module is not host.target() else (
                 self.pipeline)
-        unsynced(module)
+        unsynced(module, self._replicas_group())
         plugin = host.precision_plugin
         if getattr(plugin, "scaler", None) is not None:
             raise ValueError(
@@ -108,7 +122,8 @@ class ProcessRuntime:
                 "without schedule=."
             )
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_by_global_norm(  # type: ignore[method-assign]
-            plugin.main_params(optimizer), clip_val, host.root_device, self.counted_elsewhere())
+            plugin.main_params(optimizer), clip_val, host.root_device, self.counted_elsewhere(),
+            None if self.replication == "fsdp" else self._pipeline_group())  # shards: every rank counts its own
         if trainer.state.fn == TrainerFn.FITTING:
             state_with_parameters(host.optimizers)
         self._forward_patch.install(host.target(), self.steps.forward)
@@ -154,7 +169,7 @@ class ProcessRuntime:
         assert self.steps is not None, "setup() first"
         module = self.steps.module
         batch, rest = args[0], tuple(args[1:])
-        check_same_batch(batch, self.host.root_device)
+        check_same_batch(batch, self.host.root_device, self._pipeline_group())
         if self.pipeline is None:
             self._build(hook, target, batch, rest)
         pipeline, plan = self.pipeline, self.plan
@@ -192,7 +207,7 @@ class ProcessRuntime:
                 pipeline.run(_shape_of(micro), calls, loss, len(micro), train)
         mean = float(torch.stack(losses).sum()) if losses else 0.0
         sent = [(mean, logs.merged(), metric_states(module), results)] if pipeline.holds_last else [None]
-        dist.broadcast_object_list(sent, src=pipeline.last_rank())
+        dist.broadcast_object_list(sent, group_src=pipeline.last_rank(), group=self._pipeline_group())
         mean, merged, states, results = sent[0]  # type: ignore[misc]
         if not pipeline.holds_last:
             set_metric_states(module, states)
@@ -205,11 +220,14 @@ class ProcessRuntime:
         """Take the plan's stage times from every rank's timed actions (every rank calls it at the
         same step), and say how the prediction moved."""
         assert self.plan is not None and self.pipeline is not None
-        table = self.schedule.table(self.host.world_size, self.plan.chunks)
-        self.plan = self.pipeline.plan = from_records(self.plan, table, _everyone(calibration.record()))
+        layout = self.host.layout
+        table = self.schedule.table(layout.pp, self.plan.chunks)
+        records = _everyone(calibration.record())
+        first = [records[rank] for rank in layout.pipeline(0)]  # every replica takes the first one's plan
+        self.plan = self.pipeline.plan = from_records(self.plan, table, first)
         self.calibration = None
         found = self.plan.calibration or {}
-        rank_zero_info(f"{self.schedule.name} on {self.host.world_size} processes, timed over {found.get('steps')} "
+        rank_zero_info(f"{self.schedule.name} on {layout.pp} processes, timed over {found.get('steps')} "
                        f"steps: predicted step {1e3 * self.plan.predicted_step_s:.1f} ms (from the profile: "
                        f"{1e3 * found.get('profiled_step_s', 0.0):.1f} ms), measured "
                        f"{1e3 * found.get('measured_step_s', 0.0):.1f} ms")
@@ -243,7 +261,7 @@ class ProcessRuntime:
         stage's tensors from the rank that trains them. Every rank calls it; rank 0's is whole."""
         if self.pipeline is None or self.steps is None:
             return state  # no step yet: every rank holds the same values
-        parts = _gathered({key: state[key] for key in self._owned_keys() if key in state})
+        parts = _gathered({key: state[key] for key in self._owned_keys() if key in state and self._writes()})
         merged = dict(state)
         for part in parts:
             merged.update(part)
@@ -255,7 +273,7 @@ class ProcessRuntime:
         mine = self.stepped(optimizer)
         if mine is None:
             return state
-        parts = _gathered({i: v for i, v in state["state"].items() if i in mine})
+        parts = _gathered({i: v for i, v in state["state"].items() if i in mine and self._writes()})
         if not parts:
             return state
         merged = dict(state["state"])
@@ -300,8 +318,21 @@ class ProcessRuntime:
         """Which keys this rank writes to a checkpoint of shards: ``mine``, and on rank 0 those no
         rank's stages hold. Every rank calls it (it gathers every rank's ``mine``)."""
         staged = set().union(*_everyone(mine))
-        first = self.host.global_rank == 0
-        return lambda key: key in mine or (first and key not in staged)
+        first, writes = self.host.global_rank == 0, self._writes()
+        return lambda key: (writes and key in mine) or (first and key not in staged)
+
+    def _writes(self) -> bool:
+        """Whether this rank's stages go into checkpoints: the first replica's do, the others hold
+        the same values (each stage's replicas are kept in step)."""
+        return self.host.layout.replica(self.host.global_rank) == 0
+
+    def _pipeline_group(self) -> Any:
+        """The process group of this rank's pipeline (``None``, the world, where there is one pipeline)."""
+        return None if self.host.layout.dp == 1 else self.host.device_mesh["pp"].get_group()
+
+    def _replicas_group(self) -> Any:
+        """The process group of this rank's stages' replicas (``None`` where there are none)."""
+        return None if self.host.layout.dp == 1 else self.host.device_mesh["dp"].get_group()
 
     def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> None:
         """Plan on rank 0 (unless a plan was given) and send it to every rank; build this rank's stages."""
@@ -318,7 +349,8 @@ class ProcessRuntime:
             sent = [plan_data]
             dist.broadcast_object_list(sent, src=0)
             self.plan = Plan.from_dict(sent[0])
-            ranks, table = host.world_size, self.schedule.table(host.world_size, self.plan.chunks)
+            ranks = host.layout.pp
+            table = self.schedule.table(ranks, self.plan.chunks)
             rank_zero_info(f"{self.plan.table()}\nunder {self.schedule.name} on {ranks} processes "
                            f"({self.schedule.virtual_stages} stage(s) each): predicted step "
                            f"{1e3 * self.plan.predict_step(table):.1f} ms")
@@ -329,29 +361,34 @@ class ProcessRuntime:
         if graph is None or not _holds(graph, first):
             graph = capture_call(target, *first, leaf_modules=self.options.leaf_modules,
                                  frontends=(plan.frontend or "fx",), batch_dim=self.options.batch_dim)
-        self.pipeline = ProcessPipeline(graph, plan, self.schedule, host.global_rank, host.world_size,
-                                        host.root_device, initializer=Initializer(target, self.options.param_init_fn),
+        layout = host.layout
+        replication = None if layout.dp == 1 else (self.replication, host.device_mesh["dp"])
+        self.pipeline = ProcessPipeline(graph, plan, self.schedule, layout.position(host.global_rank), layout.pp,
+                                        host.root_device, group=self._pipeline_group(), replication=replication,
+                                        initializer=Initializer(target, self.options.param_init_fn),
                                         recompute=self.options.recompute == "always",
                                         deferred_batch_norm=self.options.deferred_batch_norm)
+        with_replaced_parameters(host.optimizers, self.pipeline.replaced)
         host.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
+        state_sharded_like_parameters(host.optimizers)
 
     def _make_plan(self, target: nn.Module, whole: tuple[tuple, dict]) -> Any:
         options = self.options
-        devices = self.host.stage_devices_of_ranks(self.schedule.num_stages(self.host.world_size))
+        devices = self.host.stage_devices_of_ranks(self.schedule.num_stages(self.host.layout.pp))
         with torch.enable_grad():
             args, kwargs = planning_call(target, *whole, options)
             return planned_for_call(target, args, kwargs, devices, options, self.host.optimizers)
 
 
-def options_for_processes(options: PipelineOptions, schedule: ProcessSchedule, stages: int | None,
-                          placement: list[int] | None) -> PipelineOptions:
+def options_for_processes(options: PipelineOptions, schedule: ProcessSchedule, placement: list[int] | None
+                          ) -> PipelineOptions:
     """``options`` for stages as processes under ``schedule``: the plan charges each stage the
     micro-batches the schedule keeps, and the planner does not calibrate it (its calibration times
     the in-process runtime; the process runtime times its own first steps,
     :mod:`~lightning_antichain.planner.process_calibration`); a clear error for what this runtime
     does not take."""
-    if stages is not None or placement is not None:
-        raise ValueError("with schedule=, each process holds one device: leave out stages= and placement=")
+    if placement is not None:
+        raise ValueError("with schedule=, each process holds one device: leave out placement=")
     if options.recompute == "except_last":
         raise ValueError("recompute='except_last' is the in-process runtime's; with schedule= use 'always' (every "
                          "stage keeps only its inputs) or 'never'")

@@ -106,9 +106,14 @@ def metrics_of(module: LightningModule) -> dict[str, Metric]:
     return {name: m for name, m in module.named_modules() if isinstance(m, Metric) and m._defaults}
 
 
-def unsynced(module: LightningModule) -> None:
-    """Every rank holds the same metric states: computing one must not sum them over the ranks."""
+def unsynced(module: LightningModule, replicas: Any = None) -> None:
+    """Every rank of a pipeline holds the same metric states: computing one must not sum them over
+    its ranks. Where pipelines train side by side, each metric syncs over the ``replicas`` group
+    (one rank of each pipeline) only, as under DDP over all of them."""
     for metric in metrics_of(module).values():
+        if replicas is not None:
+            metric.process_group = replicas
+            continue
         metric.sync_on_compute = False
         metric._to_sync = False
         metric.dist_sync_on_step = False

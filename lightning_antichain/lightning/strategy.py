@@ -41,11 +41,13 @@ from ..planner.planning import default_memory_gb
 from ..runtime.cpu_threads import stage_threads
 from ..runtime.empty_init import init_empty_weights
 from ..runtime.initialization import Initializer, ParamInitFn
+from ..runtime.layout import Layout
 from ..runtime.materialize import has_meta_state, materialize, meta_attributes
 from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
 from ..runtime.process_schedules import process_schedule
+from ..runtime.replication import REPLICATIONS, Replication
 from .in_process_runtime import InProcessRuntime
 from .planned_pipeline import PlannedPipeline
 from .process_runtime import ProcessRuntime, options_for_processes, refuse_other_stage_count
@@ -94,7 +96,15 @@ class AntichainPipelineStrategy(ParallelStrategy):
         stages: devices per pipeline. Default: all of a node's devices, one pipeline per node. With
             ``devices`` a multiple of it, each group of ``stages`` devices runs a pipeline replica in
             its own process, and replicas average gradients over torch.distributed (gloo on CPU,
-            NCCL on GPU), as DDP does.
+            NCCL on GPU), as DDP does. With ``schedule=``: processes per pipeline, on any number of
+            nodes (default: one pipeline over all of them); ``devices x num_nodes / stages``
+            pipelines train side by side, each on its share of the data, and torch keeps each
+            stage in step over its replicas as ``replication`` says. The ranks form a
+            ``DeviceMesh`` with dims ``("dp", "pp")``, ``self.device_mesh`` in ``configure_model()``.
+        replication: with ``schedule=`` and several pipelines, how each stage is kept in step over
+            its replicas: ``"ddp"`` (torch's DDP, the gradients all-reduced during the last
+            micro-batch's backward) or ``"fsdp"`` (FSDP2's ``fully_shard``: parameters, gradients
+            and optimizer state sharded over the replicas).
         start_method: how replica processes start: ``"popen"`` (re-run the script, as Lightning's
             DDP) or ``"spawn"``/``"fork"`` (notebooks).
         process_group_backend: override the torch.distributed backend.
@@ -164,6 +174,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         schedule: str | None = None,
         virtual_stages: int | None = None,
         save_distributed_checkpoint: bool | None = None,
+        replication: Replication = "ddp",
         checkpoint: Literal["never", "except_last", "always"] | None = None,
     ) -> None:
         super().__init__()
@@ -182,9 +193,11 @@ class AntichainPipelineStrategy(ParallelStrategy):
         #: one process per device under this schedule, or ``None``: one process, GPipe in threads
         self.process_schedule = None if schedule is None else process_schedule(schedule, virtual_stages)
         if self.process_schedule is not None:
-            self.options = options_for_processes(self.options, self.process_schedule, stages, placement)
+            self.options = options_for_processes(self.options, self.process_schedule, placement)
         elif virtual_stages is not None:
             raise ValueError("virtual_stages= is for schedule='interleaved-1f1b', 'zb-h1' or 'zbv'")
+        if replication not in REPLICATIONS:
+            raise ValueError(f"replication={replication!r} is not one of {', '.join(map(repr, REPLICATIONS))}")
         self.module_path = module
         if placement is not None and (not placement or any(not isinstance(i, int) or i < 0 for i in placement)):
             raise ValueError(f"placement must list a device index (0, 1, ...) for each stage, got {placement}")
@@ -204,7 +217,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
         #: what runs the steps: one process driving every stage, or this rank's stages as a process
         self._runtime: InProcessRuntime | ProcessRuntime = (
             InProcessRuntime(self, self._planned, log_stage_times) if self.process_schedule is None
-            else ProcessRuntime(self, self.options, self.process_schedule, calibrate=calibrate))
+            else ProcessRuntime(self, self.options, self.process_schedule, calibrate=calibrate,
+                                replication=replication))
+        self._device_mesh: Any = None
         #: checkpoints of the plain module's keys: one file, or shards from every rank
         self.checkpoints = StrategyCheckpoints(self._runtime, self.process_schedule is not None if (
             save_distributed_checkpoint is None) else save_distributed_checkpoint)
@@ -249,8 +264,22 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @property
     def is_distributed(self) -> bool:
         """More than one pipeline replica: Lightning then shards the data with a DistributedSampler.
-        Where each stage is a process, the processes are one replica and get the same batches."""
-        return self.multi_process and self.process_schedule is None
+        Where each stage is a process, the processes of one pipeline get the same batches."""
+        if self.process_schedule is not None:
+            return self.layout.dp > 1
+        return self.multi_process
+
+    @property
+    def layout(self) -> Layout:
+        """With ``schedule=``: how the ranks form pipelines of ``stages`` processes and their replicas."""
+        return Layout.of(self.world_size, self.stages if self.process_schedule is not None else None)
+
+    @property
+    def device_mesh(self) -> Any:
+        """With ``schedule=``: the ranks' ``DeviceMesh``, dims ``("dp", "pp")`` (after setup_environment)."""
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh is made in setup_environment (with schedule= only)")
+        return self._device_mesh
 
     @property
     def multi_process(self) -> bool:
@@ -278,8 +307,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def stage_devices_of_ranks(self, num_stages: int) -> list[torch.device]:
         """Where each of ``num_stages`` stages runs when every stage is a process: its rank's device."""
         assert self.process_schedule is not None and self.parallel_devices
-        per_node = len(self.parallel_devices)
-        return [self.parallel_devices[self.process_schedule.rank_of(s, self.world_size) % per_node]
+        per_node, layout = len(self.parallel_devices), self.layout
+        return [self.parallel_devices[layout.rank(0, self.process_schedule.rank_of(s, layout.pp)) % per_node]
                 for s in range(num_stages)]
 
     @property
@@ -320,13 +349,16 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        if self.process_schedule is not None:  # the ranks are one pipeline's stages: one replica
-            return {"num_replicas": 1, "rank": 0}
+        if self.process_schedule is not None:  # a pipeline's ranks share their replica's data
+            layout = self.layout
+            return {"num_replicas": layout.dp, "rank": layout.replica(self.global_rank)}
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return dataloader if self.process_schedule is None else same_order_everywhere(dataloader)
+        if self.process_schedule is None or self.layout.dp > 1:  # Lightning's sampler draws alike per replica
+            return dataloader
+        return same_order_everywhere(dataloader)
 
     @override
     def _configure_launcher(self) -> None:
@@ -391,7 +423,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         stages = self._requested_stages()
         what = "the plan" if self.plan_path else "the balance"
         if stages is not None and self.process_schedule is not None:
-            refuse_other_stage_count(stages, self.process_schedule, self.num_nodes * self.num_processes, what)
+            refuse_other_stage_count(stages, self.process_schedule, self.layout.pp, what)
         elif stages is not None and stages != len(self.stage_devices):
             if self.placement is not None:
                 raise ValueError(f"{what} has {stages} stages but placement={self.placement} has "
@@ -410,6 +442,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             _init_dist_connection(self.cluster_environment, backend)
         super().setup_environment()
+        if self.process_schedule is not None:  # configure_model() may shard or parallelise within a stage
+            self._device_mesh = self.layout.mesh(self.root_device.type)
+            assert self.lightning_module is not None
+            self.lightning_module._device_mesh = self._device_mesh
 
     def _share_device_memory(self) -> None:
         """Stages placed on one device split its memory budget equally (``memory_gb`` per device)."""

@@ -60,8 +60,13 @@ class ProcessPipeline:
         self.stages: list[FlatStage] = place_rank(every, schedule, rank, ranks, initializer, recompute)
         self.tied.share_values()
         #: what torch's stages run: each stage, or its replicated wrapper over the other replicas' ranks
-        self.modules: list[torch.nn.Module] = list(self.stages) if replication is None else [
-            replicated(stage, *replication) for stage in self.stages]
+        self.modules: list[torch.nn.Module] = list(self.stages)
+        #: the parameters FSDP2 replaced by shards, by the id of the one each replaced
+        self.replaced: dict[int, torch.nn.Parameter] = {}
+        if replication is not None:
+            for i, stage in enumerate(self.stages):
+                self.modules[i], replaced = replicated(stage, *replication)
+                self.replaced.update(replaced)
         held = {stage.stage.index: stage.stage for stage in self.stages}
         first, last = held.get(0), held.get(plan.num_stages - 1)
         placeholders = [n.name for n in graph.nodes if n.kind == "placeholder"]

@@ -28,6 +28,7 @@ from .cut_sizes import without_sizes
 from .initialization import Initializer
 from .plan import Plan
 from .process_schedules import ProcessSchedule
+from .replication import without_reduction_in_inference
 from .split import StageModule, place_stages, split_stages
 
 
@@ -38,13 +39,16 @@ class CutValueError(TypeError):
 class FlatStage(nn.Module):
     """``stage`` as a module whose arguments are the tensors crossing the cut before it, in the
     order of ``stage.inputs``, and whose outputs are those crossing the cut after it, in the order
-    of ``stage.outputs`` (one tensor alone where there is one). Its parameters are the stage's own
-    modules' (registered here, so torch's stage and optimizers see them)."""
+    of ``stage.outputs`` (one tensor alone where there is one). Its parameters and buffers are the
+    ones the stage uses, and only those (registered here, so torch's stage, DDP and FSDP2 see
+    them): the stage's graph reaches the user's top-level modules whole (a ``blocks`` list of which
+    it calls two), and a wrapper that waited for, reduced or sharded the rest would be wrong."""
 
     def __init__(self, stage: StageModule, recompute: bool = False) -> None:
         super().__init__()
         self.stage = stage
-        self.graph = stage.module  # registers the stage's modules and parameters
+        self.used = nn.ModuleList(stage.submodules())
+        self.fetched = _Fetched(stage)
         self.recompute = recompute
 
     def forward(self, *values: torch.Tensor) -> Any:
@@ -73,6 +77,20 @@ class FlatStage(nn.Module):
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """The forward as is; its recomputation without a second update of BatchNorm statistics."""
         return contextlib.nullcontext(), recomputing(self.stage.submodules())
+
+
+class _Fetched(nn.Module):
+    """The parameters and buffers a stage's graph reads directly (not through a module it calls),
+    registered under numbered names: the same tensor objects the user's module holds."""
+
+    def __init__(self, stage: StageModule) -> None:
+        super().__init__()
+        called = {id(t) for m in stage.submodules() for t in [*m.parameters(), *m.buffers()]}
+        params = [p for p in stage.parameters() if id(p) not in called]
+        for i, param in enumerate(params):
+            self.register_parameter(f"p{i}", param)
+        for i, buffer in enumerate(b for b in stage.buffers() if id(b) not in called):
+            self.register_buffer(f"b{i}", buffer)
 
 
 class _Sent(torch.autograd.Function):
@@ -151,8 +169,11 @@ def torch_stages(flat: list[FlatStage], num_stages: int, device: torch.device, g
                  modules: list[nn.Module] | None = None) -> list[PipelineStage]:
     """``flat`` as torch's stages, which learn the shapes crossing each cut on their first step;
     ``modules``: what runs each (``flat`` itself, or its replicated wrapper: :mod:`.replication`)."""
-    return [PipelineStage(module, stage.stage.index, num_stages, device, group=group)
-            for stage, module in zip(flat, modules or flat)]
+    stages = [PipelineStage(module, stage.stage.index, num_stages, device, group=group)
+              for stage, module in zip(flat, modules or flat)]
+    for stage in stages:
+        without_reduction_in_inference(stage)
+    return stages
 
 
 def rank_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,

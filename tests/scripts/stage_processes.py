@@ -19,7 +19,8 @@ import lightning as L
 import torch
 import torchmetrics
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_antichain as la
 
@@ -66,6 +67,11 @@ class Skips(L.LightningModule):
         self.out = nn.Linear(width, 4)
         self.fault = FaultLayer()
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=4)
+        self.mesh_seen = None
+
+    def configure_model(self):
+        mesh = self.device_mesh  # with schedule=: the ranks' ("dp", "pp") mesh
+        self.mesh_seen = None if mesh is None else {"dims": list(mesh.mesh_dim_names), "ranks": mesh.mesh.tolist()}
 
     def forward(self, x):
         first = torch.tanh(self.norm(self.inp(x)))
@@ -85,14 +91,14 @@ class Skips(L.LightningModule):
         if _failing("training_step"):
             raise RuntimeError("injected failure in training_step")
         loss = nn.functional.cross_entropy(logits, y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=True)  # the mean over replicas, where there are several
         self.train_acc(logits.argmax(-1), y)
         self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
 
     def predict_step(self, batch, batch_idx):
         return {"probabilities": self(batch[0]).softmax(-1)}
@@ -170,6 +176,10 @@ def data(samples: int = 96, batch_size: int = 16) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 class Record(L.Callback):
     def __init__(self, out: Path):
         self.out, self.losses, self.logged, self.tied = out, [], [], None
@@ -187,18 +197,25 @@ class Record(L.Callback):
     def on_fit_end(self, trainer, module):
         metrics = trainer.callback_metrics
         rank = trainer.global_rank
+        shards = {n: p for n, p in module.named_parameters() if isinstance(p, DTensor)}  # FSDP2's, over replicas
+        params = {n: (p.full_tensor() if n in shards else p).detach().cpu() for n, p in module.named_parameters()}
+        optimizer = trainer.optimizers[0]
+        moments = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
         (self.out / f"rank{rank}.json").write_text(json.dumps({
             "pid": os.getpid(), "world_size": trainer.world_size, "losses": self.losses, "logged": self.logged,
             "train_acc": metrics["train_acc"].item(), "val_loss": metrics["val_loss"].item(),
-            "trained": [n for n, p in module.named_parameters()
-                        if not p.is_meta and (self.initial[n].is_meta or not torch.equal(p.detach().cpu(),
-                                                                                            self.initial[n]))],
-            "parameters": {n: p.detach().cpu().flatten().tolist() for n, p in module.named_parameters()
+            "trained": [n for n, p in params.items()
+                        if not p.is_meta and (self.initial[n].is_meta or not torch.equal(p, self.initial[n]))],
+            "parameters": {n: p.flatten().tolist() for n, p in params.items()
                            if not p.is_meta},  # a model built on meta is real only where this rank's stages are
+            "bytes": {n: [nbytes(p.to_local()), nbytes(p)] for n, p in shards.items()},  # held, whole
+            "optimizer_bytes": [sum(nbytes(v.to_local() if isinstance(v, DTensor) else v) for v in moments),
+                                sum(nbytes(v) for v in moments)],
             "stage_ops": [len(stage.nodes) for stage in getattr(trainer.strategy, "plan", None).stages]
             if getattr(trainer.strategy, "plan", None) else None,
             "tied_across_devices": self.tied,
             "plan": trainer.strategy.plan.to_dict() if getattr(trainer.strategy, "plan", None) else None,
+            "mesh": getattr(module, "mesh_seen", None),
         }))
 
 
@@ -227,6 +244,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=96, help="training samples (16 per batch)")
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--every", type=int, default=None, help="save a checkpoint in --out every this many steps")
+    parser.add_argument("--stages", type=int, default=None, help="processes per pipeline (replicas: the rest)")
+    parser.add_argument("--replication", default="ddp", help="how a stage's replicas keep in step")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per batch of each replica")
+    parser.add_argument("--shuffled", action="store_true",
+                        help="draw the training order Lightning's distributed sampler draws (as replicas do)")
     args = parser.parse_args()
     torch.manual_seed(0)
     schedule = None if args.schedule == "none" else args.schedule  # none: the in-process runtime
@@ -234,7 +256,7 @@ def main() -> None:
         schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False,
         leaf_modules=["fault"], recompute=args.recompute, empty_init=args.meta,
         save_distributed_checkpoint=False if args.one_file else None, balance=args.balance,
-        deferred_batch_norm=args.deferred_bn)
+        deferred_batch_norm=args.deferred_bn, stages=args.stages, replication=args.replication)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="64-true",
         max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
@@ -246,7 +268,11 @@ def main() -> None:
     )
     module, loader = (TiedGPT(adam=args.adam, meta=args.meta), tokens) if args.model == "gpt2" else (
         Skips(adam=args.adam, batchnorm=args.model == "batchnorm"), data)
-    trainer.fit(module, loader(args.samples), loader(32), ckpt_path=args.resume)
+    train = loader(args.samples, args.batch_size)
+    if args.shuffled:  # replicas of a pipeline shuffle as Lightning's DDP does; one process draws the same order
+        train = DataLoader(train.dataset, batch_size=args.batch_size,
+                           sampler=DistributedSampler(train.dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
+    trainer.fit(module, train, loader(32, args.batch_size), ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
     if args.predict:
