@@ -2,6 +2,8 @@
 
 python stage_processes.py --out DIR --devices 2 --schedule 1f1b   # 2 processes, Lightning's launcher
 python stage_processes.py --out DIR --plain                        # plain Lightning, one device
+torchrun --nnodes 2 --node-rank N --nproc-per-node 2 --master-addr 127.0.0.1 --master-port P \
+    stage_processes.py --out DIR --devices 2 --num-nodes 2 --stages 2   # node N of two: 2 replicas x 2 stages
 python stage_processes.py --out DIR --max-epochs 1 --save a.ckpt   # then --max-epochs 2 --resume a.ckpt
 FAIL_HOW=forward FAIL_AT=3 FAIL_BLOCK=4 python stage_processes.py ... --every 2   # a fault at step 3
 
@@ -202,7 +204,8 @@ class Record(L.Callback):
         optimizer = trainer.optimizers[0]
         moments = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
         (self.out / f"rank{rank}.json").write_text(json.dumps({
-            "pid": os.getpid(), "world_size": trainer.world_size, "losses": self.losses, "logged": self.logged,
+            "pid": os.getpid(), "world_size": trainer.world_size, "node": trainer.node_rank, "losses": self.losses,
+            "logged": self.logged,
             "train_acc": metrics["train_acc"].item(), "val_loss": metrics["val_loss"].item(),
             "trained": [n for n, p in params.items()
                         if not p.is_meta and (self.initial[n].is_meta or not torch.equal(p, self.initial[n]))],
@@ -223,6 +226,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--num-nodes", type=int, default=1, help="with torchrun --nnodes: its node count")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--virtual-stages", type=int, default=None)
@@ -258,7 +262,7 @@ def main() -> None:
         save_distributed_checkpoint=False if args.one_file else None, balance=args.balance,
         deferred_batch_norm=args.deferred_bn, stages=args.stages, replication=args.replication)
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="64-true",
+        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, precision="64-true",
         max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip,
         limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
