@@ -262,8 +262,8 @@ def main() -> None:
         save_distributed_checkpoint=False if args.one_file else None, balance=args.balance,
         deferred_batch_norm=args.deferred_bn, stages=args.stages, replication=args.replication)
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, precision="64-true",
-        max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
+        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
+        precision="64-true", max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip,
         limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=args.every is not None, callbacks=[Record(Path(args.out)), *(
