@@ -54,8 +54,8 @@ def plain(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def plain_global(tmp_path_factory) -> dict:
-    """Plain Lightning on the global batch of two replicas, drawn in the order their sampler draws."""
-    (report,) = fit(tmp_path_factory.mktemp("plain32") / "out", "--plain", "--batch-size", "32", "--shuffled")
+    """Plain Lightning on the batch of 32 that two replicas split."""
+    (report,) = fit(tmp_path_factory.mktemp("plain32") / "out", "--plain", "--batch-size", "32")
     return report
 
 
@@ -77,14 +77,12 @@ def test_one_pipeline_of_four_stages_spans_both_nodes_and_trains_as_plain_lightn
 
 def test_two_replicas_of_two_stages_over_two_nodes_train_as_plain_lightning_on_the_global_batch(
         tmp_path, plain_global):
-    done = two_nodes(tmp_path / "out", "--stages", "2")
+    done = two_nodes(tmp_path / "out", "--stages", "2", "--batch-size", "32")
     assert all(r.returncode == 0 for r in done), done[0].stderr[-3000:] + done[1].stderr[-3000:]
     ranks = reports(tmp_path / "out")
     assert ranks[0]["mesh"] == {"dims": ["dp", "pp"], "ranks": [[0, 2], [1, 3]]}  # a stage's replicas on one node
-    torch.testing.assert_close((f64(ranks[0]["losses"]) + f64(ranks[1]["losses"])) / 2,
-                               f64(plain_global["losses"]), rtol=1e-6, atol=0)
     for report in ranks:
-        torch.testing.assert_close(f64(report["logged"]), f64(plain_global["logged"]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(f64(report["losses"]), f64(plain_global["losses"]), rtol=1e-6, atol=0)
         assert report["trained"]
         for name in report["trained"]:
             torch.testing.assert_close(f64(report["parameters"][name]), f64(plain_global["parameters"][name]),

@@ -10,10 +10,13 @@ weighted by their samples, and is what every rank returns to Lightning; what the
 merged and logged by every rank (:mod:`.step_logs`).
 
 Where the ranks form ``dp`` replicas of a pipeline of ``pp`` ranks (:class:`~..runtime.layout.Layout`,
-``stages=``), each replica gets its own share of the data (Lightning's distributed sampler over
-``"dp"``), the ranks of one pipeline the same batches, and torch keeps each stage in step over its
-replicas (DDP or FSDP2, :mod:`~..runtime.replication`); what a step returns and logs is its
-pipeline's, as with DDP each rank's.
+``stages=``), the batch is still the whole step's: every rank gets it, each replica runs its
+``1/dp`` of its samples (one more level of micro-batching), and torch keeps each stage in step
+over its replicas (DDP or FSDP2, :mod:`~..runtime.replication`). The step's loss, what it logs and
+its predictions are then the whole batch's on every rank, so the layout, chosen by hand or by the
+planner, never changes what training computes or what Lightning sees, and a checkpoint resumes in
+any layout. (Every rank loads the whole batch; a replica's own share of the data is a step to
+come.)
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from .global_norm import clip_by_global_norm
 from .micro_batch_steps import MicroBatchSteps
 from .rank_faults import explained
 from .same_batches import check_same_batch
-from .step_logs import StepLogs, metric_states, replay, set_metric_states, unsynced
+from .step_logs import StepLogs, averaged_logs, metric_states, replay, set_metric_states, unsynced
 
 TRAINING = "training_step"
 PREDICTING = "predict_step"
@@ -169,7 +172,8 @@ class ProcessRuntime:
         assert self.steps is not None, "setup() first"
         module = self.steps.module
         batch, rest = args[0], tuple(args[1:])
-        check_same_batch(batch, self.host.root_device, self._pipeline_group())
+        check_same_batch(batch, self.host.root_device)
+        batch = self._replica_share(batch)
         if self.pipeline is None:
             self._build(hook, target, batch, rest)
         pipeline, plan = self.pipeline, self.plan
@@ -211,10 +215,36 @@ class ProcessRuntime:
         mean, merged, states, results = sent[0]  # type: ignore[misc]
         if not pipeline.holds_last:
             set_metric_states(module, states)
+        if self.host.layout.dp > 1:  # the whole batch's, from every replica's share
+            mean, merged, results, total = self._over_replicas(mean, merged, results, total)
         replay(module, merged, total, self.host.root_device)
         if hook == PREDICTING:
             return map_tensors(lambda t: t.to(self.host.root_device), joined(results))
         return torch.tensor(mean, device=self.host.root_device) if train else None
+
+    def _replica_share(self, batch: Any) -> Any:
+        """This rank's replica's part of the whole ``batch`` (all of it where there is one replica)."""
+        layout = self.host.layout
+        if layout.dp == 1:
+            return batch
+        shares = microbatch.scatter(batch, layout.dp)
+        sizes = [microbatch.batch_size(share) or 0 for share in shares]
+        if len(shares) != layout.dp or len(set(sizes)) > 1:
+            raise ValueError(
+                f"a batch of {sum(sizes)} samples splits over the {layout.dp} pipeline replicas into shares of {sizes} "
+                f"samples; every replica needs an equal share. Make the batch size a multiple of {layout.dp} x chunks, "
+                "and set drop_last=True in the DataLoader where the last batch is shorter.")
+        return shares[layout.replica(self.host.global_rank)]
+
+    def _over_replicas(self, mean: float, merged: list, results: list, total: int) -> tuple[float, list, list, int]:
+        """The step's loss, logs and predictions over every replica's share: equal shares, so the
+        means of their means; the predictions in the batch's order; the whole batch's samples."""
+        shares = _everyone((mean, merged, results), self._replicas_group())
+        count = len(shares)
+        mean = sum(share[0] for share in shares) / count
+        merged = averaged_logs([share[1] for share in shares])
+        results = [r for share in shares for r in share[2]]
+        return mean, merged, results, total * count
 
     def _calibrated(self, calibration: StepCalibration) -> None:
         """Take the plan's stage times from every rank's timed actions (every rank calls it at the
@@ -424,10 +454,10 @@ def _gathered(part: Any) -> list[Any]:
     return parts or []
 
 
-def _everyone(part: Any) -> list[Any]:
-    """Every rank's ``part``, on every rank."""
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, part)
+def _everyone(part: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``part`` (of ``group``, default all), on every rank, by rank."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, part, group=group)
     return parts
 
 

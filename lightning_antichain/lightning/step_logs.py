@@ -73,6 +73,16 @@ class StepLogs:
         return merged
 
 
+def averaged_logs(shares: list[list[tuple[str, Any, dict[str, Any]]]]) -> list[tuple[str, Any, dict[str, Any]]]:
+    """What :meth:`StepLogs.merged` gave for each of equal shares of a batch, as one: each value
+    the mean of the shares' (a metric as itself)."""
+    first = shares[0]
+    means = {name: sum(dict((n, v) for n, v, _ in share)[name][0] for share in shares) / len(shares)
+             for name, value, _ in first if not isinstance(value, MetricLogged)}
+    return [(name, value if isinstance(value, MetricLogged) else (means[name], value[1]), options)
+            for name, value, options in first]
+
+
 def replay(module: LightningModule, merged: list[tuple[str, Any, dict[str, Any]]], batch_size: int,
            device: torch.device) -> None:
     """Log what :meth:`StepLogs.merged` gave, on this rank, for a batch of ``batch_size`` samples."""

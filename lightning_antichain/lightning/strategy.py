@@ -98,8 +98,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
             its own process, and replicas average gradients over torch.distributed (gloo on CPU,
             NCCL on GPU), as DDP does. With ``schedule=``: processes per pipeline, on any number of
             nodes (default: one pipeline over all of them); ``devices x num_nodes / stages``
-            pipelines train side by side, each on its share of the data, and torch keeps each
-            stage in step over its replicas as ``replication`` says. The ranks form a
+            pipelines train side by side, each on an equal share of every batch (the batch stays
+            the step's whole batch, whatever the layout), and torch keeps each stage in step over
+            its replicas as ``replication`` says. The ranks form a
             ``DeviceMesh`` with dims ``("dp", "pp")``, ``self.device_mesh`` in ``configure_model()``.
         replication: with ``schedule=`` and several pipelines, how each stage is kept in step over
             its replicas: ``"ddp"`` (torch's DDP, the gradients all-reduced during the last
@@ -264,10 +265,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @property
     def is_distributed(self) -> bool:
         """More than one pipeline replica: Lightning then shards the data with a DistributedSampler.
-        Where each stage is a process, the processes of one pipeline get the same batches."""
-        if self.process_schedule is not None:
-            return self.layout.dp > 1
-        return self.multi_process
+        Where each stage is a process, every process gets the same batches (replicas split each)."""
+        return self.multi_process and self.process_schedule is None
 
     @property
     def layout(self) -> Layout:
@@ -349,16 +348,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        if self.process_schedule is not None:  # a pipeline's ranks share their replica's data
-            layout = self.layout
-            return {"num_replicas": layout.dp, "rank": layout.replica(self.global_rank)}
+        if self.process_schedule is not None:  # every rank gets the whole batch; replicas split it
+            return {"num_replicas": 1, "rank": 0}
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if self.process_schedule is None or self.layout.dp > 1:  # Lightning's sampler draws alike per replica
-            return dataloader
-        return same_order_everywhere(dataloader)
+        return dataloader if self.process_schedule is None else same_order_everywhere(dataloader)
 
     @override
     def _configure_launcher(self) -> None:

@@ -22,7 +22,7 @@ import torch
 import torchmetrics
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_antichain as la
 
@@ -93,14 +93,14 @@ class Skips(L.LightningModule):
         if _failing("training_step"):
             raise RuntimeError("injected failure in training_step")
         loss = nn.functional.cross_entropy(logits, y)
-        self.log("train_loss", loss, sync_dist=True)  # the mean over replicas, where there are several
+        self.log("train_loss", loss)
         self.train_acc(logits.argmax(-1), y)
         self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self(x), y), sync_dist=True)
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
     def predict_step(self, batch, batch_idx):
         return {"probabilities": self(batch[0]).softmax(-1)}
@@ -251,8 +251,6 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=None, help="processes per pipeline (replicas: the rest)")
     parser.add_argument("--replication", default="ddp", help="how a stage's replicas keep in step")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch of each replica")
-    parser.add_argument("--shuffled", action="store_true",
-                        help="draw the training order Lightning's distributed sampler draws (as replicas do)")
     args = parser.parse_args()
     torch.manual_seed(0)
     schedule = None if args.schedule == "none" else args.schedule  # none: the in-process runtime
@@ -272,11 +270,7 @@ def main() -> None:
     )
     module, loader = (TiedGPT(adam=args.adam, meta=args.meta), tokens) if args.model == "gpt2" else (
         Skips(adam=args.adam, batchnorm=args.model == "batchnorm"), data)
-    train = loader(args.samples, args.batch_size)
-    if args.shuffled:  # replicas of a pipeline shuffle as Lightning's DDP does; one process draws the same order
-        train = DataLoader(train.dataset, batch_size=args.batch_size,
-                           sampler=DistributedSampler(train.dataset, num_replicas=1, rank=0, shuffle=True, seed=0))
-    trainer.fit(module, train, loader(32, args.batch_size), ckpt_path=args.resume)
+    trainer.fit(module, loader(args.samples, args.batch_size), loader(32, args.batch_size), ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
     if args.predict:
