@@ -35,17 +35,22 @@ from torch import nn
 
 from ..capture import capture_call
 from ..capture.pytrees import flatten, map_tensors
+from ..device import is_accelerator
+from ..planner.layout_cost import Links
+from ..planner.layout_search import LayoutSearch, plan_layouts
+from ..planner.planning import INTERNODE_GPU_GBPS, default_bandwidth_gbps
 from ..planner.process_calibration import StepCalibration, from_records
 from ..planner.public import planned_for_call, planning_call
 from ..runtime import microbatch
 from ..runtime.batch_dims import first_micro_batch
 from ..runtime.initialization import Initializer
 from ..runtime.layout import Layout
+from ..runtime.model_loss import with_items_in_batch
 from ..runtime.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
 from ..runtime.options import PipelineOptions
 from ..runtime.plan import Plan
 from ..runtime.process_pipeline import ProcessPipeline
-from ..runtime.process_schedules import ProcessSchedule
+from ..runtime.process_schedules import ProcessSchedule, process_schedule
 from ..runtime.replication import Replication
 from .forward_patch import ForwardPatch
 from .global_norm import clip_by_global_norm
@@ -71,7 +76,12 @@ class Host(Protocol):
     lightning_module: Any
     precision_plugin: Any
 
-    def stage_devices_of_ranks(self, num_stages: int) -> list[torch.device]: ...
+    layout_search: LayoutSearch | None
+    parallel_devices: list[torch.device] | None
+
+    def stage_devices_of(self, layout: Layout, schedule: ProcessSchedule) -> list[torch.device]: ...
+
+    def use_layout(self, layout: Layout) -> None: ...
 
     def target(self) -> nn.Module: ...
 
@@ -116,7 +126,8 @@ class ProcessRuntime:
             self.steps = MicroBatchSteps(module, host.describe_target())
             self.pipeline = None if self.pipeline is None or self.pipeline.graph.module is not host.target() else (
                 self.pipeline)
-        unsynced(module, self._replicas_group())
+        if host.layout_search is None or self.plan is not None:  # else once the layout is chosen
+            unsynced(module, self._replicas_group())
         plugin = host.precision_plugin
         if getattr(plugin, "scaler", None) is not None:
             raise ValueError(
@@ -173,9 +184,9 @@ class ProcessRuntime:
         module = self.steps.module
         batch, rest = args[0], tuple(args[1:])
         check_same_batch(batch, self.host.root_device)
-        batch = self._replica_share(batch)
         if self.pipeline is None:
             self._build(hook, target, batch, rest)
+        batch = self._replica_share(batch)
         pipeline, plan = self.pipeline, self.plan
         assert pipeline is not None and plan is not None
         micro = microbatch.scatter(batch, plan.chunks)
@@ -221,6 +232,18 @@ class ProcessRuntime:
         if hook == PREDICTING:
             return map_tensors(lambda t: t.to(self.host.root_device), joined(results))
         return torch.tensor(mean, device=self.host.root_device) if train else None
+
+    def links(self) -> Links:
+        """The links between ranks the planner charges: ``bandwidth_gbps`` within a node (default
+        free on CPU, 16 GB/s between GPUs), ``internode_gbps`` across nodes (default the same on
+        CPU, 25 GB/s from a GPU: one 200 Gb/s network adapter each)."""
+        devices = list(self.host.parallel_devices or [self.host.root_device])
+        within = self.options.bandwidth_gbps if self.options.bandwidth_gbps is not None else (
+            default_bandwidth_gbps(devices))
+        across = self.options.internode_gbps
+        if across is None:
+            across = INTERNODE_GPU_GBPS if any(is_accelerator(d) for d in devices) else within
+        return Links(len(devices), within, across)
 
     def _replica_share(self, batch: Any) -> Any:
         """This rank's replica's part of the whole ``batch`` (all of it where there is one replica)."""
@@ -365,20 +388,25 @@ class ProcessRuntime:
         return None if self.host.layout.dp == 1 else self.host.device_mesh["dp"].get_group()
 
     def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> None:
-        """Plan on rank 0 (unless a plan was given) and send it to every rank; build this rank's stages."""
+        """Plan on rank 0 (unless a plan was given) and send it to every rank, with the layout where
+        the planner chose it; build this rank's stages. ``batch`` is the whole batch."""
         assert self.steps is not None
         host = self.host
-        whole = self.steps.call_of(hook, batch, rest)
         graph = None
         if self.plan is None:
             if host.global_rank == 0:
-                planned = self._make_plan(target, whole)
+                planned = self._make_plan(target, hook, batch, rest)
                 graph, plan_data = planned.graph, planned.plan.to_dict()
             else:
                 plan_data = None
             sent = [plan_data]
             dist.broadcast_object_list(sent, src=0)
             self.plan = Plan.from_dict(sent[0])
+            chosen = self.plan.layout
+            if chosen is not None and host.layout_search is not None:
+                self.schedule = process_schedule(chosen["schedule"], chosen["virtual_stages"])
+                host.use_layout(Layout(chosen["dp"], chosen["pp"]))
+                unsynced(self.steps.module, self._replicas_group())
             ranks = host.layout.pp
             table = self.schedule.table(ranks, self.plan.chunks)
             rank_zero_info(f"{self.plan.table()}\nunder {self.schedule.name} on {ranks} processes "
@@ -387,6 +415,7 @@ class ProcessRuntime:
         plan = self.plan
         if plan.measured_together and (plan.calibration or {}).get("schedule") == self.schedule.name:
             self.calibration = None  # a plan timed under this schedule (a resumed one) is kept as it is
+        whole = self.steps.call_of(hook, self._replica_share(batch), rest)
         first = first_micro_batch(target, *whole, plan.chunks, self.options.batch_dim)
         if graph is None or not _holds(graph, first):
             graph = capture_call(target, *first, leaf_modules=self.options.leaf_modules,
@@ -402,9 +431,18 @@ class ProcessRuntime:
         host.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
         state_sharded_like_parameters(host.optimizers)
 
-    def _make_plan(self, target: nn.Module, whole: tuple[tuple, dict]) -> Any:
-        options = self.options
-        devices = self.host.stage_devices_of_ranks(self.schedule.num_stages(self.host.layout.pp))
+    def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple) -> Any:
+        """The plan for the layout given, or for the one the planner chooses on the whole ``batch``."""
+        assert self.steps is not None
+        host, options = self.host, self.options
+        search = host.layout_search
+        if search is not None:
+            args, kwargs = with_items_in_batch(target, *self.steps.call_of(hook, batch, rest))
+            with torch.enable_grad():
+                return plan_layouts(target, args, kwargs, host.world_size, host.stage_devices_of, search, self.links(),
+                                    options, optimizers=host.optimizers, replication=self.replication)
+        whole = self.steps.call_of(hook, self._replica_share(batch), rest)
+        devices = host.stage_devices_of(host.layout, self.schedule)
         with torch.enable_grad():
             args, kwargs = planning_call(target, *whole, options)
             return planned_for_call(target, args, kwargs, devices, options, self.host.optimizers)

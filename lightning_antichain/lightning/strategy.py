@@ -37,7 +37,8 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
-from ..planner.planning import default_memory_gb
+from ..planner.layout_search import layout_search
+from ..planner.planning import AUTO, default_memory_gb
 from ..runtime.cpu_threads import stage_threads
 from ..runtime.empty_init import init_empty_weights
 from ..runtime.initialization import Initializer, ParamInitFn
@@ -46,7 +47,7 @@ from ..runtime.materialize import has_meta_state, materialize, meta_attributes
 from ..runtime.options import PipelineOptions, renamed_recompute
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
-from ..runtime.process_schedules import process_schedule
+from ..runtime.process_schedules import ProcessSchedule, process_schedule
 from ..runtime.replication import REPLICATIONS, Replication
 from .in_process_runtime import InProcessRuntime
 from .planned_pipeline import PlannedPipeline
@@ -76,6 +77,9 @@ class AntichainPipelineStrategy(ParallelStrategy):
         plan: path of a saved plan JSON to use instead of profiling and planning.
         balance: operations per stage, in execution order, to use instead of planning.
         bandwidth_gbps: link between stages in GB/s for the planner; default free on CPU, 16 on GPU.
+        internode_gbps: with ``schedule=``, the link between ranks on two nodes in GB/s, which the
+            planner charges the cuts and reductions that cross nodes; default 25 from a GPU (one
+            200 Gb/s adapter each), on CPU as ``bandwidth_gbps``.
         memory_gb: memory per device in GB for the planner; default: 90% of each GPU's memory,
             unlimited on CPU.
         optimizer_multiplier: optimizer state per parameter byte for the planner; default: read from
@@ -100,8 +104,13 @@ class AntichainPipelineStrategy(ParallelStrategy):
             nodes (default: one pipeline over all of them); ``devices x num_nodes / stages``
             pipelines train side by side, each on an equal share of every batch (the batch stays
             the step's whole batch, whatever the layout), and torch keeps each stage in step over
-            its replicas as ``replication`` says. The ranks form a
-            ``DeviceMesh`` with dims ``("dp", "pp")``, ``self.device_mesh`` in ``configure_model()``.
+            its replicas as ``replication`` says. The ranks form a ``DeviceMesh`` with dims
+            ``("dp", "pp")``, ``self.device_mesh`` in ``configure_model()``. ``"auto"`` (with
+            ``schedule=``): on the first batch the planner weighs every layout of replicas x
+            stages with every micro-batch count, and takes the one predicted fastest that fits in
+            memory; the plan table lists each with why it lost. The layout never changes what
+            training computes (the replicas split each batch). Its mesh is made then, after
+            ``configure_model()``.
         replication: with ``schedule=`` and several pipelines, how each stage is kept in step over
             its replicas: ``"ddp"`` (torch's DDP, the gradients all-reduced during the last
             micro-batch's backward) or ``"fsdp"`` (FSDP2's ``fully_shard``: parameters, gradients
@@ -132,7 +141,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
             ``torch.distributed.pipelining``: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``,
             ``"zb-h1"`` or ``"zbv"``. Lightning (or ``torchrun``, or SLURM) starts the processes
             as for DDP, and every rank gets the same batches. The step hooks then run once per
-            micro-batch on the last stage's rank (see docs/strategy.md). Default ``None``: one
+            micro-batch on the last stage's rank (see docs/strategy.md). ``"auto"``: the planner
+            chooses among them with the layout (as ``stages="auto"`` does). Default ``None``: one
             process drives every stage, GPipe's schedule in worker threads.
         virtual_stages: stages per process for ``"interleaved-1f1b"`` and ``"zb-h1"`` (default 2
             and 1); ``"zbv"`` holds 2.
@@ -154,6 +164,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         plan: str | None = None,
         balance: list[int] | None = None,
         bandwidth_gbps: float | None = None,
+        internode_gbps: float | None = None,
         memory_gb: float | None = None,
         optimizer_multiplier: float | None = None,
         deferred_batch_norm: bool = False,
@@ -164,7 +175,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         rebalance_rounds: int = 3,
         cpu_threads: int | None = None,
         log_stage_times: bool = False,
-        stages: int | None = None,
+        stages: int | Literal["auto"] | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         process_group_backend: str | None = None,
         batch_dim: int | dict[str, int] = 0,
@@ -186,13 +197,25 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self.options = PipelineOptions(
             chunks=chunks, recompute=recompute, batch_dim=batch_dim, check_batch=check_batch,
             leaf_modules=tuple(leaf_modules or ()), deferred_batch_norm=deferred_batch_norm,
-            balance=None if balance is None else tuple(balance), bandwidth_gbps=bandwidth_gbps, memory_gb=memory_gb,
+            balance=None if balance is None else tuple(balance), bandwidth_gbps=bandwidth_gbps,
+            internode_gbps=internode_gbps, memory_gb=memory_gb,
             optimizer_multiplier=optimizer_multiplier, profile_cache=Path(profile_cache) if profile_cache else None,
             use_profile_cache=use_profile_cache, calibrate=calibrate, rebalance_rounds=rebalance_rounds,
             cpu_threads=cpu_threads, param_init_fn=param_init_fn,
         )
-        #: one process per device under this schedule, or ``None``: one process, GPipe in threads
-        self.process_schedule = None if schedule is None else process_schedule(schedule, virtual_stages)
+        #: what the planner chooses of the layout of stages as processes (stages= or schedule="auto")
+        self.layout_search = layout_search(stages, schedule, virtual_stages) if schedule is not None else None
+        if schedule is None and stages == AUTO:
+            raise ValueError('stages="auto" chooses the layout of stages as processes: give schedule= too (a name, or '
+                             '"auto" to choose it as well)')
+        if self.layout_search is not None and (plan is not None or balance is not None):
+            raise ValueError('stages="auto" and schedule="auto" plan the layout: leave out plan= and balance=, or give '
+                             "stages= and schedule= as you planned them")
+        #: one process per device under this schedule (a stand-in until planned, for "auto"), or
+        #: ``None``: one process, GPipe in threads
+        self.process_schedule = None if schedule is None else (
+            self.layout_search.schedules[0] if self.layout_search is not None else process_schedule(schedule,
+                                                                                                    virtual_stages))
         if self.process_schedule is not None:
             self.options = options_for_processes(self.options, self.process_schedule, placement)
         elif virtual_stages is not None:
@@ -207,8 +230,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
         self.empty_init = empty_init
         self.plan_path = plan
         self.log_stage_times = log_stage_times
-        if stages is not None and stages < 1:
-            raise ValueError(f"stages must be at least 1, got {stages}")
+        if stages is not None and stages != AUTO and (not isinstance(stages, int) or stages < 1):
+            raise ValueError(f'stages must be a whole number of at least 1, or "auto", got {stages!r}')
         self.stages = stages
         self.start_method = start_method
         self.process_group_backend = process_group_backend
@@ -221,6 +244,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             else ProcessRuntime(self, self.options, self.process_schedule, calibrate=calibrate,
                                 replication=replication))
         self._device_mesh: Any = None
+        self._layout: Layout | None = None
         #: checkpoints of the plain module's keys: one file, or shards from every rank
         self.checkpoints = StrategyCheckpoints(self._runtime, self.process_schedule is not None if (
             save_distributed_checkpoint is None) else save_distributed_checkpoint)
@@ -270,8 +294,27 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @property
     def layout(self) -> Layout:
-        """With ``schedule=``: how the ranks form pipelines of ``stages`` processes and their replicas."""
-        return Layout.of(self.world_size, self.stages if self.process_schedule is not None else None)
+        """With ``schedule=``: how the ranks form pipelines of ``stages`` processes and their
+        replicas (for ``stages="auto"``, once planned on the first batch)."""
+        if self._layout is None:
+            if self.layout_search is not None:
+                raise RuntimeError('stages="auto" chooses the layout on the first batch')
+            self._layout = Layout.of(self.world_size, self.stages if self.process_schedule is not None else None)
+        return self._layout
+
+    def use_layout(self, layout: Layout) -> None:
+        """Run ``layout``: make its mesh (every rank calls it)."""
+        self._layout = layout
+        self._device_mesh = layout.mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def stage_devices_of(self, layout: Layout, schedule: ProcessSchedule) -> list[torch.device]:
+        """Where each stage of the first pipeline of ``layout`` under ``schedule`` runs: its rank's device."""
+        assert self.parallel_devices
+        per_node = len(self.parallel_devices)
+        return [self.parallel_devices[layout.rank(0, schedule.rank_of(s, layout.pp)) % per_node]
+                for s in range(schedule.num_stages(layout.pp))]
 
     @property
     def device_mesh(self) -> Any:
@@ -303,12 +346,6 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         return self.stage_devices[0]
 
-    def stage_devices_of_ranks(self, num_stages: int) -> list[torch.device]:
-        """Where each of ``num_stages`` stages runs when every stage is a process: its rank's device."""
-        assert self.process_schedule is not None and self.parallel_devices
-        per_node, layout = len(self.parallel_devices), self.layout
-        return [self.parallel_devices[layout.rank(0, self.process_schedule.rank_of(s, layout.pp)) % per_node]
-                for s in range(num_stages)]
 
     @property
     @override
@@ -438,10 +475,8 @@ class AntichainPipelineStrategy(ParallelStrategy):
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             _init_dist_connection(self.cluster_environment, backend)
         super().setup_environment()
-        if self.process_schedule is not None:  # configure_model() may shard or parallelise within a stage
-            self._device_mesh = self.layout.mesh(self.root_device.type)
-            assert self.lightning_module is not None
-            self.lightning_module._device_mesh = self._device_mesh
+        if self.process_schedule is not None and self.layout_search is None:
+            self.use_layout(self.layout)  # configure_model() may shard or parallelise within a stage
 
     def _share_device_memory(self) -> None:
         """Stages placed on one device split its memory budget equally (``memory_gb`` per device)."""

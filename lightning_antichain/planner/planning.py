@@ -45,6 +45,9 @@ from .rebalance import rebalanced
 GPU_LINK_GBPS = 16.0
 """Bandwidth assumed between GPU stages when none is given: PCIe 4.0 x16 in one direction."""
 
+INTERNODE_GPU_GBPS = 25.0
+"""Bandwidth assumed from a GPU to another node's when none is given: one 200 Gb/s adapter each."""
+
 
 @dataclass
 class Planned:

@@ -47,8 +47,8 @@ class PipelineOptions:
     step and each stage's memory: ``"gpipe"``, the in-process runtime's, or ``"1f1b"``, one
     process per stage; see :mod:`~lightning_antichain.runtime.schedule`), ``even_chunks``
     (``chunks="auto"`` weighs only counts that split the batch evenly and give each stage one
-    at least, as torch's schedules need), ``bandwidth_gbps`` and
-    ``memory_gb`` (``None``: from the devices),
+    at least, as torch's schedules need), ``bandwidth_gbps`` (within a node), ``internode_gbps``
+    (across nodes, for stages as processes) and ``memory_gb`` (``None``: from the devices),
     ``optimizer_multiplier`` (optimizer state per parameter byte; ``None``: from the optimizers,
     else 2), ``profile_cache`` and ``use_profile_cache``, ``calibrate`` (time a few steps of CPU
     stages), ``rebalance_rounds`` (after calibration, cut again on the measured stage times for at
@@ -73,6 +73,7 @@ class PipelineOptions:
     schedule: str = "gpipe"
     even_chunks: bool = False
     bandwidth_gbps: float | None = None
+    internode_gbps: float | None = None
     memory_gb: float | tuple[float | None, ...] | None = None
     optimizer_multiplier: float | None = None
     profile_cache: Path | None = None

@@ -118,6 +118,10 @@ class Plan:
     predicted step and peak stage memory. ``calibration`` holds what a few steps of this plan
     measured in the runtime, when its stage times and parallel capacity were taken from them
     (:mod:`lightning_antichain.planner.calibration`), with the profiled values they replaced.
+    ``layout`` is the layout of replicas x stages that ``stages="auto"`` chose (``dp``, ``pp``,
+    ``schedule``, ``virtual_stages``, ``replication``), and ``layouts`` every candidate it weighed,
+    each with its predicted step and peak memory per rank, or why it could not run, and why it lost
+    (:mod:`lightning_antichain.planner.layout_search`).
     """
 
     stages: list[Stage]
@@ -152,6 +156,8 @@ class Plan:
     calibration: dict[str, Any] | None = None
     rounds: list[dict[str, Any]] = field(default_factory=list)
     repeated_blocks: dict[str, list[str]] = field(default_factory=dict)
+    layout: dict[str, Any] | None = None
+    layouts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -287,6 +293,11 @@ class Plan:
                     step = (f"predicted step {1e3 * row['predicted_step_s']:.1f} ms, "
                             f"peak {row['peak_memory_bytes'] / 1e6:.1f} MB")
                 lines.append(f"  chunks {row['chunks']:>3} (micro-batches of {row['micro_batch_size']}): {step}")
+        if self.layout:
+            lines.append(f"stages=auto for batches of {self.batch_size}: chose {_layout_name(self.layout)}, "
+                         f"{self.chunks} micro-batches")
+            lines += [f"  {_layout_name(row)}{_chunks_of(row, count)}: " + _weighed(row)
+                      for row, count in _best_per_layout(self.layouts)]
         lines += [f"capture: {reason}" for reason in self.refused]
         lines += [f"note: {c}" for c in self.compression]
         return "\n".join(lines)
@@ -294,13 +305,14 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
-    def timeline(self, schedule: Schedule | None = None) -> list[Timed]:
+    def timeline(self, schedule: Schedule | None = None, replicas: int = 1) -> list[Timed]:
         """The predicted start and end of every task of one step (:func:`schedule.timeline`), each
         stage's transfer split evenly between its forward and its backward, and the backward of a
         micro-batch that ``recompute`` recomputes charged its forward again. ``schedule``: the
         tasks as run (torch's table for a rank's virtual stages,
         :meth:`~lightning_antichain.runtime.process_schedules.ProcessSchedule.table`); default,
-        the plan's own schedule over one worker per stage."""
+        the plan's own schedule over one worker per stage. ``replicas``: pipelines running the
+        same step at once, whose CPU stages share the machine with these."""
         recomputed = recomputed_micro_batches(self.recompute, self.chunks)
 
         def duration(task: Task) -> float:
@@ -315,9 +327,10 @@ class Plan:
         return timeline(
             schedule,
             duration,
-            capacity=self.capacity(),
+            capacity=self.capacity(replicas),
             shared=[shares_host(self.stages[tasks[0].stage].device) and not self.measured_together if tasks else False
                     for tasks in schedule.order],
+            copies=replicas,
         )
 
     def task_seconds(self, stage: Stage, phase: Phase) -> float:
@@ -338,19 +351,53 @@ class Plan:
         sharing the CPU already."""
         return bool(self.calibration) and self.calibration.get("runtime") == "processes"
 
-    def capacity(self) -> list[float]:
-        """Work done by 1, 2, ... CPU stages running at once, in units of one alone: each stage
-        beyond the first adds what the second added in the profile, while there are cores for it."""
+    def capacity(self, replicas: int = 1) -> list[float]:
+        """Work done by 1, 2, ... CPU stages (of ``replicas`` pipelines) running at once, in units
+        of one alone: each stage beyond the first adds what the second added in the profile, while
+        there are cores for it."""
+        count = self.num_stages * replicas
         if self.parallel_capacity is None:
-            return [float(n) for n in range(1, self.num_stages + 1)]
-        cores = self.cpu_cores or self.num_stages
+            return [float(n) for n in range(1, count + 1)]
+        cores = self.cpu_cores or count
         extra = self.parallel_capacity - 1.0
-        return [1.0 + extra * (min(n, cores) - 1) for n in range(1, self.num_stages + 1)]
+        return [1.0 + extra * (min(n, cores) - 1) for n in range(1, count + 1)]
 
-    def predict_step(self, schedule: Schedule | None = None) -> float:
-        """Seconds of one training step (under ``schedule``, see :meth:`timeline`): the end of the
-        timeline plus the per-step costs."""
-        return max(t.end for t in self.timeline(schedule)) + self.step_overhead_s + self.optimizer_step_s
+    def predict_step(self, schedule: Schedule | None = None, replicas: int = 1) -> float:
+        """Seconds of one training step (under ``schedule``, with ``replicas`` pipelines at once,
+        see :meth:`timeline`): the end of the timeline plus the per-step costs."""
+        return max(t.end for t in self.timeline(schedule, replicas)) + self.step_overhead_s + self.optimizer_step_s
+
+
+def _layout_name(row: dict[str, Any]) -> str:
+    name = f"dp={row['dp']} x pp={row['pp']} {row['schedule']}"
+    return name + (f" ({row['virtual_stages']} stages each)" if row.get("virtual_stages", 1) > 1 else "")
+
+
+def _best_per_layout(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int]]:
+    """Each layout's fastest micro-batch count (or its first row, where none runs), with the count
+    of its rows."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["dp"], row["pp"], row["schedule"]), []).append(row)
+
+    def rank(row: dict[str, Any]) -> tuple[bool, bool, float]:  # fits and runs first, then by step
+        ran = row.get("predicted_step_s") is not None
+        return not ran, ran and row.get("lost", "").startswith("needs"), row.get("predicted_step_s") or 0.0
+
+    return [(min(group, key=rank), len(group)) for group in groups.values()]
+
+
+def _chunks_of(row: dict[str, Any], count: int) -> str:
+    if row.get("chunks") is None:
+        return ""
+    return f", chunks {row['chunks']}" + (f" (best of {count})" if count > 1 else "")
+
+
+def _weighed(row: dict[str, Any]) -> str:
+    step = "" if row.get("predicted_step_s") is None else (
+        f"predicted step {1e3 * row['predicted_step_s']:.1f} ms, peak {row['peak_memory_bytes'] / 1e6:.1f} MB per "
+        "rank")
+    return ", ".join(part for part in (step, row.get("lost", "chosen")) if part)
 
 
 def _span(nodes: list[str]) -> str:

@@ -147,6 +147,7 @@ def timeline(
     *,
     capacity: Sequence[float] = (1.0,),
     shared: Sequence[bool] | None = None,
+    copies: int = 1,
 ) -> list[Timed]:
     """When each task runs, if each takes ``duration(task)`` seconds when it runs alone.
 
@@ -159,7 +160,9 @@ def timeline(
     Stages marked ``shared`` (CPU stages: they share the machine's cores, memory bus and
     interpreter lock) slow each other down while they run at once: ``n`` of them together get
     through ``capacity[n - 1]`` times the work of one alone (the last entry holds for more), each
-    at an equal share. Other stages run at full speed whatever else runs.
+    at an equal share. Other stages run at full speed whatever else runs. ``copies``: each worker
+    stands for that many running the same tasks in step (pipeline replicas), which share the
+    machine too.
     """
     shared = [False] * schedule.workers if shared is None else list(shared)
     waits_for = prerequisites(schedule)
@@ -178,7 +181,7 @@ def timeline(
         if not running:
             waiting = [tasks[position[k]] for k, tasks in enumerate(schedule.order) if position[k] < len(tasks)]
             raise ValueError(f"schedule {schedule.name!r} deadlocks: every stage waits ({waiting})")
-        together = sum(1 for k in running if shared[k])
+        together = copies * sum(1 for k in running if shared[k])
         share = capacity[min(together, len(capacity)) - 1] / together if together else 1.0
         rate = {k: share if shared[k] else 1.0 for k in running}
         step = min(left / rate[k] for k, (_, _, left) in running.items())

@@ -248,7 +248,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=96, help="training samples (16 per batch)")
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
     parser.add_argument("--every", type=int, default=None, help="save a checkpoint in --out every this many steps")
-    parser.add_argument("--stages", type=int, default=None, help="processes per pipeline (replicas: the rest)")
+    parser.add_argument("--stages", type=lambda v: v if v == "auto" else int(v), default=None,
+                        help="processes per pipeline (replicas: the rest), or auto")
     parser.add_argument("--replication", default="ddp", help="how a stage's replicas keep in step")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch of each replica")
     args = parser.parse_args()

@@ -1,0 +1,211 @@
+"""``stages="auto"``: the layout of replicas x stages, the schedule and the micro-batch count that
+train fastest in memory, as the cost model predicts them.
+
+Every rank gets the whole batch and each of ``dp`` replicas runs an equal ``1/dp`` of it, so a
+layout never changes what training computes and the planner may choose it. For every
+factorisation of the ranks into ``dp x pp``, every schedule offered and every micro-batch count
+that splits a replica's share evenly, the model is cut as for that layout alone, and the step and
+each rank's peak memory are predicted (:mod:`.layout_cost`). The model is captured once and
+profiled once per micro-batch size, which layouts share. The plan chosen lists every candidate it
+weighed, with its prediction and why it lost (:attr:`~lightning_antichain.runtime.plan.Plan.layouts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import nn
+
+from ..capture.isolation import keeps_random_state, planned_in_training
+from ..runtime.batch_dims import batch_size_of, check_micro_batchable, first_micro_batch
+from ..runtime.cpu_threads import intra_op_threads, stage_threads
+from ..runtime.layout import Layout
+from ..runtime.materialize import has_meta_state
+from ..runtime.options import PipelineOptions
+from ..runtime.plan import Plan
+from ..runtime.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_schedule
+from ..runtime.replication import Replication
+from .cache import default_cache_dir, usable_cache_dir
+from .layout_cost import LayoutCost, Links, layout_cost
+from .optimizer_memory import UNKNOWN_OPTIMIZER_MULTIPLIER
+from .optimizer_memory import optimizer_multiplier as multiplier_of
+from .partition import InfeasiblePlanError
+from .planning import (
+    AUTO,
+    Planned,
+    _beside,
+    _capture,
+    _cut,
+    _profiled,
+    chunk_candidates,
+    default_memory_gb,
+    timed_optimizer_step_s,
+)
+
+#: the devices of a layout's stages (its first replica's), under a schedule
+DevicesOf = Callable[[Layout, ProcessSchedule], list[torch.device]]
+
+GB = 1e9
+
+
+def divisors(count: int) -> list[int]:
+    return [n for n in range(1, count + 1) if count % n == 0]
+
+
+@keeps_random_state
+def plan_layouts(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devices_of: DevicesOf,
+                 search: LayoutSearch, links: Links, options: PipelineOptions, *,
+                 optimizers: Sequence[torch.optim.Optimizer] = (), replication: Replication = "ddp") -> Planned:
+    """The plan of the fastest layout that fits for batches like the whole batch ``args, kwargs``
+    on ``world_size`` ranks (see the module's docstring), with ``plan.layout`` its layout and
+    ``plan.layouts`` every candidate."""
+    devices = devices_of(Layout(1, world_size), search.schedules[0])
+    with planned_in_training(module), intra_op_threads(stage_threads(devices, options.cpu_threads)):
+        return _search(module, args, kwargs, world_size, devices_of, search, links, options, optimizers,
+                       replication)
+
+
+def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devices_of: DevicesOf,
+            search: LayoutSearch, links: Links, options: PipelineOptions,
+            optimizers: Sequence[torch.optim.Optimizer], replication: Replication) -> Planned:
+    schedules = search.schedules
+    batch_dim = options.batch_dim
+    size = batch_size_of(module, args, kwargs, batch_dim)
+    if not size:
+        raise ValueError('stages="auto" needs a batch with samples on its batch dim (batch_dim=) to weigh how to '
+                         "split it; give stages= as a number instead")
+    graph = _capture(module, *_beside(module, args, kwargs), options.leaf_modules, batch_dim, options.fallback,
+                     options.progress)
+    if options.check_batch and graph.granularity == "ops" and not has_meta_state(module):
+        check_micro_batchable(module, *_beside(module, args, kwargs), batch_dim)
+    multiplier = options.optimizer_multiplier
+    if multiplier is None:
+        multiplier = multiplier_of(optimizers) if optimizers else UNKNOWN_OPTIMIZER_MULTIPLIER
+    first_devices = devices_of(Layout(1, world_size), schedules[0])
+    optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, first_devices[0])
+    directory = options.profile_cache or default_cache_dir()
+    use_cache = options.use_profile_cache
+    if use_cache:
+        usable = usable_cache_dir(directory)
+        directory, use_cache = (usable, True) if usable is not None else (directory, False)
+    profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
+
+    def profiled(micro: int) -> tuple[nx.DiGraph, str] | Exception:
+        if micro not in profiles:
+            call = first_micro_batch(module, args, kwargs, size // micro, batch_dim)
+            try:
+                cost, _, key = _profiled(module, graph, *call, first_devices[0], batch_dim, directory, use_cache,
+                                         options.progress, f"{type(module).__name__}, micro-batch {micro}")
+                cost = cost.copy()
+                cost.graph.update(optimizer_step_s=optimizer_s, model=type(module).__name__)
+                profiles[micro] = (cost, key)
+            except (RuntimeError, ValueError) as exc:  # e.g. BatchNorm refuses a single sample in training
+                profiles[micro] = exc
+        return profiles[micro]
+
+    rows: list[dict[str, Any]] = []
+    best: tuple[Plan, dict[str, Any], nx.DiGraph] | None = None
+    for pp in search.pipeline_counts(world_size):
+        dp = world_size // pp
+        for schedule in schedules:
+            layout = Layout(dp, pp)
+            base = {"dp": dp, "pp": pp, "schedule": schedule.name, "virtual_stages": schedule.virtual_stages,
+                    "replication": replication}
+            if size % dp:
+                rows.append({**base, "chunks": None, "lost": f"a batch of {size} does not split over {dp} replicas"})
+                continue
+            share = size // dp
+            counts = chunk_candidates(share, schedule.num_stages(pp), even=True)
+            if not counts:
+                rows.append({**base, "chunks": None, "lost": f"a share of {share} samples gives each of "
+                             f"{schedule.num_stages(pp)} stages no micro-batch"})
+            for chunks in counts:
+                row = {**base, "chunks": chunks, "micro_batch_size": share // chunks}
+                rows.append(row)
+                found = profiled(share // chunks)
+                if isinstance(found, Exception):
+                    row["lost"] = f"fails at micro-batches of {share // chunks}: {str(found).splitlines()[0]}"
+                    continue
+                cost, _ = found
+                try:
+                    plan, predicted, limit = _candidate(cost, layout, schedule, chunks, devices_of, links, options,
+                                                        multiplier, replication)
+                except (InfeasiblePlanError, ValueError) as exc:
+                    row["lost"] = str(exc).splitlines()[0]
+                    continue
+                row.update(predicted_step_s=predicted.step_s, reduction_s=predicted.reduction_s,
+                           peak_memory_bytes=predicted.peak_bytes)
+                if limit is not None and predicted.peak_bytes > limit:
+                    row["lost"] = (f"needs {predicted.peak_bytes / GB:.1f} GB on a rank, over its "
+                                   f"{limit / GB:.1f} GB")
+                    continue
+                if best is None or predicted.step_s < best[1]["predicted_step_s"]:
+                    best = (plan, row, cost)
+    if best is None:
+        reasons = "; ".join(f"dp={r['dp']} x pp={r['pp']} {r['schedule']}: {r['lost']}" for r in rows[:4])
+        raise InfeasiblePlanError(f"no layout of {world_size} ranks fits: {reasons}")
+    plan, chosen, cost = best
+    for row in rows:
+        if row is not chosen and "lost" not in row:
+            row["lost"] = (f"{'slower' if row['predicted_step_s'] > chosen['predicted_step_s'] else 'no faster'}: "
+                           f"{1e3 * row['predicted_step_s']:.1f} ms against {1e3 * chosen['predicted_step_s']:.1f} ms")
+    plan.layout = {k: chosen[k] for k in ("dp", "pp", "schedule", "virtual_stages", "replication")}
+    plan.layouts = rows
+    plan.batch_size = size
+    return Planned(plan, graph, cost)
+
+
+def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chunks: int, devices_of: DevicesOf,
+               links: Links, options: PipelineOptions, multiplier: float, replication: Replication
+               ) -> tuple[Plan, LayoutCost, float | None]:
+    """The plan of ``layout`` under ``schedule`` at ``chunks`` micro-batches, its cost there, and
+    the memory of a rank's device in bytes (``None``: unlimited)."""
+    schedule.table(layout.pp, chunks)  # a count torch's schedule refuses raises here
+    devices = devices_of(layout, schedule)
+    device_gb = default_memory_gb(devices) if options.memory_gb is None else _per_device(options.memory_gb,
+                                                                                          len(devices))
+    budgets = [None if gb is None else gb / schedule.virtual_stages for gb in device_gb]
+    known = [gb for gb in device_gb if gb is not None]
+    family = "gpipe" if schedule.name == "gpipe" else "1f1b"
+    try:
+        plan = _cut(cost, devices, chunks, options.recompute, None, options.method, links.within_gbps, budgets,
+                    multiplier, family)
+    except InfeasiblePlanError:
+        if replication != "fsdp" or layout.dp == 1:
+            raise
+        # sharding the optimizer state over the replicas may fit what a stage alone does not
+        plan = _cut(cost, devices, chunks, options.recompute, None, options.method, links.within_gbps, None,
+                    multiplier, family)
+    return plan, layout_cost(plan, schedule, layout, links, replication), min(known) * GB if known else None
+
+
+def _per_device(memory_gb: float | tuple[float | None, ...], count: int) -> list[float | None]:
+    return list(memory_gb) if isinstance(memory_gb, tuple) else [memory_gb] * count
+
+
+
+@dataclass(frozen=True)
+class LayoutSearch:
+    """What ``stages="auto"`` or ``schedule="auto"`` leaves to the planner: the processes per
+    pipeline (``None``: every divisor of the ranks) and the schedules to weigh."""
+
+    pipeline_ranks: int | None
+    schedules: tuple[ProcessSchedule, ...]
+
+    def pipeline_counts(self, world_size: int) -> list[int]:
+        if self.pipeline_ranks is None:
+            return sorted(divisors(world_size), reverse=True)
+        return [self.pipeline_ranks]
+
+
+def layout_search(stages: int | str | None, schedule: str, virtual_stages: int | None) -> LayoutSearch | None:
+    """The search the strategy's ``stages`` and ``schedule`` ask for, or ``None`` where both are fixed."""
+    if stages != AUTO and schedule != AUTO:
+        return None
+    schedules = tuple(process_schedule(name, virtual_stages if name in ("interleaved-1f1b", "zb-h1") else None)
+                      for name in SCHEDULE_NAMES) if schedule == AUTO else (process_schedule(schedule, virtual_stages),)
+    return LayoutSearch(None if stages in (AUTO, None) else int(stages), schedules)
