@@ -140,6 +140,23 @@ def test_replicas_of_a_pipeline_of_processes_train_as_plain_lightning_on_the_glo
         assert held == whole // 2 > 0
 
 
+def test_stages_and_schedule_chosen_by_the_planner_train_as_plain_lightning(tmp_path, plain_with):
+    """stages="auto", schedule="auto" on 4 processes: rank 0 weighs every layout on the first batch,
+    every rank runs the one it chose (its mesh made then), and the fit equals plain Lightning."""
+    plain = plain_with("--batch-size", "32")
+    ranks = fit(tmp_path / "out", "--devices", "4", "--stages", "auto", "--schedule", "auto", "--batch-size", "32")
+    layouts = [r["plan"]["layout"] for r in ranks]
+    assert all(layout == layouts[0] for layout in layouts) and layouts[0]["dp"] * layouts[0]["pp"] == 4
+    assert len({(row["dp"], row["pp"]) for row in ranks[0]["plan"]["layouts"]}) == 3
+    for report in ranks:
+        torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(f64(report["logged"]), f64(plain["logged"]), rtol=1e-6, atol=0)
+        for name in report["trained"]:
+            torch.testing.assert_close(f64(report["parameters"][name]), f64(plain["parameters"][name]),
+                                       rtol=1e-6, atol=1e-12)
+    assert set().union(*(r["trained"] for r in ranks)) == set(plain["parameters"])
+
+
 def losses_after(reports: list[dict]) -> torch.Tensor:
     return f64(reports[0]["losses"])
 

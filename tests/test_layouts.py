@@ -1,0 +1,143 @@
+"""The layout of replicas x stages: what the cost model charges each layout, and what
+``stages="auto"`` weighs and chooses (the processes themselves: test_stage_processes_trainer.py)."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_antichain as la
+from lightning_antichain.planner.layout_cost import BUCKET_BYTES, Links, layout_cost, ring_all_reduce_s
+from lightning_antichain.planner.layout_search import layout_search, plan_layouts
+from lightning_antichain.runtime.layout import Layout
+from lightning_antichain.runtime.options import PipelineOptions
+from lightning_antichain.runtime.plan import Plan, Stage
+from lightning_antichain.runtime.process_schedules import process_schedule
+
+MB = 2**20
+
+
+def stage(index: int, *, forward_s: float = 0.01, backward_s: float = 0.02, param_bytes: int = 100 * MB,
+          cut_bytes: int = 10 * MB, memory_bytes: int = 1000 * MB) -> Stage:
+    return Stage(index=index, device="cuda:0", nodes=[f"op{index}"], forward_s=forward_s, backward_s=backward_s,
+                 transfer_s=0.0, memory_bytes=memory_bytes, param_bytes=param_bytes, buffer_bytes=0,
+                 activation_bytes=0, input_bytes=cut_bytes if index else 0, output_bytes=cut_bytes)
+
+
+def two_stage_plan(chunks: int = 4, **kwargs) -> Plan:
+    stages = [stage(0, **kwargs), stage(1, **kwargs)]
+    return Plan(stages=stages, method="antichain", chunks=chunks, bottleneck_s=0.03, lower_bound_s=0.03,
+                predicted_step_s=0.0, total_compute_s=0.06, optimizer_multiplier=2.0, optimizer_step_s=0.004)
+
+
+ONE_F_ONE_B = process_schedule("1f1b")
+
+
+def test_a_ring_all_reduce_sends_twice_the_bytes_less_a_share_and_links_know_their_nodes():
+    assert ring_all_reduce_s(1e9, 4, 10.0) == pytest.approx(2 * 3 / 4 * 0.1)
+    assert ring_all_reduce_s(1e9, 1, 10.0) == ring_all_reduce_s(1e9, 4, None) == 0.0
+    links = Links(per_node=2, within_gbps=100.0, across_gbps=10.0)
+    assert links.between(0, 1) == 100.0 and links.between(1, 2) == 10.0 and links.between(3, 3) is None
+    assert links.slowest([0, 1]) == 100.0 and links.slowest([0, 2]) == 10.0
+
+
+def test_the_reduction_a_replica_adds_is_what_the_last_backward_does_not_hide_and_at_least_its_last_bucket():
+    plan = two_stage_plan(cut_bytes=0)  # no transfers: the backward is its compute alone
+    alone = layout_cost(plan, ONE_F_ONE_B, Layout(1, 2), Links(2, 100.0, 100.0))
+    assert alone.reduction_s == 0.0
+    slow = Links(per_node=4, within_gbps=1.0, across_gbps=1.0)  # 100 MB over 1 GB/s: ~0.1 s, past a 20 ms backward
+    cost = layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), slow)
+    whole = ring_all_reduce_s(100 * MB, 2, 1.0)
+    assert cost.reduction_s == pytest.approx(whole - 0.02, rel=0.05)  # the first stage's ends last, hid 20 ms
+    fast = layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), Links(per_node=4, within_gbps=1000.0, across_gbps=1000.0))
+    tail = ring_all_reduce_s(BUCKET_BYTES, 2, 1000.0)
+    assert 0 < fast.reduction_s <= tail + 1e-9  # hidden but for the last bucket
+    assert cost.step_s > fast.step_s > alone.step_s
+
+
+def test_a_cut_across_nodes_is_charged_the_slower_link():
+    plan = two_stage_plan()
+    within = layout_cost(plan, ONE_F_ONE_B, Layout(1, 2), Links(per_node=2, within_gbps=100.0, across_gbps=0.5))
+    across = layout_cost(plan, ONE_F_ONE_B, Layout(1, 2), Links(per_node=1, within_gbps=100.0, across_gbps=0.5))
+    shipped = 2 * 10 * MB / 0.5e9  # a micro-batch's cut forward and its gradient back, per stage
+    assert across.step_s - within.step_s > shipped  # on the critical path once per micro-batch at least
+
+
+def test_fsdp_keeps_a_share_of_the_optimizer_state_per_rank_and_ddp_all_of_it():
+    plan = two_stage_plan()
+    links = Links(4, 100.0, 100.0)
+    ddp = layout_cost(plan, ONE_F_ONE_B, Layout(4, 2), links, "ddp")
+    fsdp = layout_cost(plan, ONE_F_ONE_B, Layout(4, 2), links, "fsdp")
+    assert ddp.rank_bytes == (1000 * MB, 1000 * MB)
+    assert fsdp.rank_bytes == tuple(int(1000 * MB - 2 * 100 * MB * 3 / 4) for _ in range(2))
+    zbv = process_schedule("zbv")
+    four = Plan(**{**dataclasses.asdict(plan), "stages": [stage(i) for i in range(4)]})
+    assert layout_cost(four, zbv, Layout(1, 2), links).rank_bytes == (2000 * MB, 2000 * MB)  # two stages a rank
+
+
+class Blocks(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 4):
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def search(world: int, *, stages="auto", schedule="auto", **settings):
+    torch.manual_seed(0)
+    model = Blocks()
+    options = PipelineOptions(use_profile_cache=False, progress=False, **settings)
+    return plan_layouts(model, (torch.randn(32, 64),), {}, world,
+                        lambda layout, s: [torch.device("cpu")] * s.num_stages(layout.pp),
+                        layout_search(stages, schedule, None), Links(per_node=world), options,
+                        optimizers=[torch.optim.Adam(model.parameters())])
+
+
+def test_auto_weighs_every_layout_schedule_and_count_and_takes_the_fastest_that_fits():
+    plan = search(4).plan
+    rows = plan.layouts
+    assert {(r["dp"], r["pp"]) for r in rows} == {(1, 4), (2, 2), (4, 1)}
+    assert {r["schedule"] for r in rows} == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"}
+    ran = [r for r in rows if r.get("predicted_step_s") is not None]
+    assert len(ran) > 20 and all("lost" in r for r in rows if r is not _chosen(plan))
+    best = min(ran, key=lambda r: r["predicted_step_s"])
+    assert _chosen(plan)["predicted_step_s"] == best["predicted_step_s"]
+    assert plan.layout["dp"] * plan.layout["pp"] == 4 and plan.num_stages == plan.layout["pp"] * plan.layout[
+        "virtual_stages"]
+    assert plan.chunks == _chosen(plan)["chunks"] and plan.batch_size == 32
+    assert "stages=auto for batches of 32: chose" in plan.table()
+    again = Plan.from_dict(plan.to_dict())  # what rank 0 sends every rank
+    assert again.layout == plan.layout and again.layouts == plan.layouts
+
+
+def test_a_memory_budget_rules_out_the_layouts_that_hold_the_whole_model_on_a_rank():
+    free = search(4, schedule="1f1b").plan
+    whole = max(r["peak_memory_bytes"] for r in free.layouts if r["pp"] == 1 and "peak_memory_bytes" in r)
+    tight = search(4, schedule="1f1b", memory_gb=0.7 * whole / 1e9).plan
+    assert tight.layout["pp"] > 1
+    assert all("over its" in r["lost"] or "does not fit" in r["lost"] or r["pp"] > 1 for r in tight.layouts
+               if r["pp"] == 1)
+
+
+def test_stages_fixed_with_schedule_auto_weighs_the_schedules_of_that_layout_only():
+    plan = search(4, stages=2).plan
+    assert {(r["dp"], r["pp"]) for r in plan.layouts} == {(2, 2)}
+    assert plan.layout["pp"] == 2
+
+
+def _chosen(plan: Plan) -> dict:
+    (row,) = [r for r in plan.layouts if "lost" not in r]
+    return row
+
+
+def test_auto_options_are_checked_when_given():
+    with pytest.raises(ValueError, match="give schedule= too"):
+        la.AntichainPipelineStrategy(stages="auto")
+    with pytest.raises(ValueError, match="leave out plan= and balance="):
+        la.AntichainPipelineStrategy(stages="auto", schedule="1f1b", balance=[2, 2])
+    with pytest.raises(ValueError, match='or "auto", got 0'):
+        la.AntichainPipelineStrategy(stages=0, schedule="1f1b")
+    strategy = la.AntichainPipelineStrategy(stages="auto", schedule="auto")
+    assert len(strategy.layout_search.schedules) == 5 and strategy.layout_search.pipeline_ranks is None
