@@ -45,6 +45,7 @@ from ..runtime import microbatch
 from ..runtime.batch_dims import first_micro_batch
 from ..runtime.initialization import Initializer
 from ..runtime.layout import Layout
+from ..runtime.link_speed import measured_gbps
 from ..runtime.model_loss import with_items_in_batch
 from ..runtime.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
 from ..runtime.options import PipelineOptions
@@ -233,13 +234,14 @@ class ProcessRuntime:
             return map_tensors(lambda t: t.to(self.host.root_device), joined(results))
         return torch.tensor(mean, device=self.host.root_device) if train else None
 
-    def links(self) -> Links:
+    def links(self, measured_gbps: float | None = None) -> Links:
         """The links between ranks the planner charges: ``bandwidth_gbps`` within a node (default
-        free on CPU, 16 GB/s between GPUs), ``internode_gbps`` across nodes (default the same on
-        CPU, 25 GB/s from a GPU: one 200 Gb/s network adapter each)."""
+        16 GB/s between GPUs; between CPU processes ``measured_gbps``, the process group's own),
+        ``internode_gbps`` across nodes (default the same on CPU, 25 GB/s from a GPU: one 200 Gb/s
+        network adapter each)."""
         devices = list(self.host.parallel_devices or [self.host.root_device])
         within = self.options.bandwidth_gbps if self.options.bandwidth_gbps is not None else (
-            default_bandwidth_gbps(devices))
+            default_bandwidth_gbps(devices) if any(is_accelerator(d) for d in devices) else measured_gbps)
         across = self.options.internode_gbps
         if across is None:
             across = INTERNODE_GPU_GBPS if any(is_accelerator(d) for d in devices) else within
@@ -394,8 +396,11 @@ class ProcessRuntime:
         host = self.host
         graph = None
         if self.plan is None:
+            measured = None  # every rank takes part in timing the links the planner weighs layouts on
+            if host.layout_search is not None and not is_accelerator(host.root_device):
+                measured = measured_gbps(host.root_device)
             if host.global_rank == 0:
-                planned = self._make_plan(target, hook, batch, rest)
+                planned = self._make_plan(target, hook, batch, rest, measured)
                 graph, plan_data = planned.graph, planned.plan.to_dict()
             else:
                 plan_data = None
@@ -431,7 +436,7 @@ class ProcessRuntime:
         host.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
         state_sharded_like_parameters(host.optimizers)
 
-    def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple) -> Any:
+    def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple, measured_gbps: float | None) -> Any:
         """The plan for the layout given, or for the one the planner chooses on the whole ``batch``."""
         assert self.steps is not None
         host, options = self.host, self.options
@@ -439,8 +444,9 @@ class ProcessRuntime:
         if search is not None:
             args, kwargs = with_items_in_batch(target, *self.steps.call_of(hook, batch, rest))
             with torch.enable_grad():
-                return plan_layouts(target, args, kwargs, host.world_size, host.stage_devices_of, search, self.links(),
-                                    options, optimizers=host.optimizers, replication=self.replication)
+                return plan_layouts(target, args, kwargs, host.world_size, host.stage_devices_of, search,
+                                    self.links(measured_gbps), options, optimizers=host.optimizers,
+                                    replication=self.replication)
         whole = self.steps.call_of(hook, self._replica_share(batch), rest)
         devices = host.stage_devices_of(host.layout, self.schedule)
         with torch.enable_grad():

@@ -6,7 +6,8 @@ the ``dp`` pipelines run at once, so where they share a machine's CPU they slow 
 pipeline's own stages do; a cut between ranks on two nodes ships its values over the slower link
 between nodes; and each stage's gradients are reduced over its replicas. DDP reduces them during
 the last micro-batch's backward, bucket by bucket, so a rank's reduction delays its end of the
-step only by what that backward does not hide, and at least by its last bucket. FSDP2 (sharding
+step only by what that backward does not hide, and at least by its last bucket; on a CPU the
+reduction is work for the same cores, which hides nothing. FSDP2 (sharding
 a stage whole) keeps ``1/dp`` of the optimizer state per rank; the parameters and gradients are
 whole while the stage computes, and it gathers and reduces the same bytes as DDP.
 """
@@ -17,6 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..device import shares_host
 from ..runtime.layout import Layout
 from ..runtime.plan import Plan
 from ..runtime.process_schedules import ProcessSchedule
@@ -87,10 +89,11 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     finish = []
     for position in range(pp):
         stages = [linked.stages[s] for s in schedule.stages_of(position, pp)]
+        hidden = 0.0 if any(shares_host(s.device) for s in stages) else last_backward[position]
         grads = sum(s.param_bytes - s.frozen_bytes for s in stages)
         gbps = links.slowest([layout.rank(d, position) for d in range(dp)])
         whole, tail = ring_all_reduce_s(grads, dp, gbps), ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps)
-        finish.append(ends[position] + (max(whole - last_backward[position], tail) if dp > 1 else 0.0))
+        finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
     optimizer_s = linked.optimizer_step_s / (dp if replication == "fsdp" else 1)
     step = max(finish) + linked.step_overhead_s + optimizer_s
     reduction = max(finish) - max(ends)

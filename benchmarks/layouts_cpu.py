@@ -1,0 +1,168 @@
+"""Every layout of replicas x stages of a few CPU processes, measured against the planner's predictions,
+with the one ``stages="auto"`` chooses marked.
+
+Rank 0 plans each layout ``dp x pp`` of the ranks as ``stages="auto"`` weighs it (every schedule
+and micro-batch count, :func:`~lightning_antichain.planner.layout_search.plan_layouts` with the
+processes per pipeline fixed), and once more with the layout free: the auto choice. Every rank
+then builds each layout on a copy of the model of its own (a ``(dp, pp)`` DeviceMesh, its stages
+under the planned schedule over ``"pp"``, DDP over ``"dp"``, each replica running its share of the
+batch) and trains AdamW steps, the layouts taking turns so that a machine getting busier or
+quieter weighs on all alike. A step is the slowest rank's: forward, backward, the replicas'
+reduction and the optimizer step. The batch is the same whole batch in every layout.
+
+    python benchmarks/layouts_cpu.py --ranks 4 --models gpt,resnet50 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes_cpu import build, free_port, loss_of  # noqa: E402
+from report import machine  # noqa: E402
+
+
+def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.planner.layout_cost import Links
+    from lightning_antichain.planner.layout_search import LayoutSearch, layout_search, plan_layouts
+    from lightning_antichain.runtime.layout import Layout
+    from lightning_antichain.runtime.link_speed import measured_gbps
+    from lightning_antichain.runtime.options import PipelineOptions
+    from lightning_antichain.runtime.plan import Plan
+    from lightning_antichain.runtime.process_pipeline import ProcessPipeline
+    from lightning_antichain.runtime.process_schedules import process_schedule
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    cpu = torch.device("cpu")
+    try:
+        for model_name in args.models.split(","):
+            model, x, y = build(model_name, cpu)
+            loss_fn = loss_of(model_name)
+            free = layout_search("auto", "auto", None)
+            counts = free.pipeline_counts(ranks)
+            sent: list = [None]
+            gbps = measured_gbps(cpu)  # as the strategy does before it plans a layout on CPU processes
+            if rank == 0:
+                options = PipelineOptions(profile_cache=Path(cache), progress=False)
+                optimizers = [torch.optim.AdamW(model.parameters())]
+                searches = [free, *(LayoutSearch(pp, free.schedules) for pp in counts)]
+                # the first profiles every micro-batch size once; the others read the profiles back
+                chosen, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, Links(ranks, gbps, gbps),
+                                                    options, optimizers=optimizers).plan for search in searches]
+                sent = [({pp: plan.to_dict() for pp, plan in zip(counts, per_layout)}, chosen.layout,
+                         chosen.predicted_step_s)]
+            dist.broadcast_object_list(sent, src=0)
+            plans, auto, _ = sent[0]
+            runs = {}
+            for pp in counts:
+                plan = Plan.from_dict(plans[pp])
+                chosen_layout = plan.layout
+                layout = Layout(chosen_layout["dp"], chosen_layout["pp"])
+                schedule = process_schedule(chosen_layout["schedule"], chosen_layout["virtual_stages"])
+                mesh = layout.mesh("cpu")
+                replica, position = layout.replica(rank), layout.position(rank)
+                share = len(x) // layout.dp
+                xs, ys = x[replica * share:(replica + 1) * share], y[replica * share:(replica + 1) * share]
+                own = copy.deepcopy(model)  # DDP's hooks stay on a model's parameters: one model per layout
+                graph = capture_call(own, (xs[:share // plan.chunks],), {})
+                pipeline = ProcessPipeline(graph, plan, schedule, position, layout.pp, cpu,
+                                           group=mesh["pp"].get_group() if layout.dp > 1 else None,
+                                           replication=("ddp", mesh["dp"]) if layout.dp > 1 else None)
+                optimizer = torch.optim.AdamW(pipeline.parameters())
+                micro_x, micro_y = xs.chunk(plan.chunks), ys.chunk(plan.chunks)
+                calls = [((m,), {}) for m in micro_x] if pipeline.holds_first else None
+
+                runs[pp] = (functools.partial(train_step, pipeline, optimizer, calls, micro_y, loss_fn, plan.chunks),
+                            plan, chosen_layout)
+            times: dict[int, list[float]] = {pp: [] for pp in runs}
+            for repeat in range(args.repeats + 1):
+                for pp, (step, _, _) in runs.items():
+                    dist.barrier()
+                    started = time.perf_counter()
+                    step()
+                    elapsed = torch.tensor([time.perf_counter() - started])
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    if repeat:
+                        times[pp].append(float(elapsed))
+            if rank == 0:
+                for pp, (_, plan, chosen_layout) in runs.items():
+                    best = min((r for r in plan.layouts if r.get("predicted_step_s") is not None and "lost" not in r),
+                               key=lambda r: r["predicted_step_s"])
+                    results.put((model_name, gbps, chosen_layout, plan.chunks, best["predicted_step_s"],
+                                 best.get("reduction_s", 0.0), statistics.median(times[pp]),
+                                 chosen_layout["dp"] == auto["dp"] and chosen_layout["schedule"] == auto["schedule"]))
+    finally:
+        dist.destroy_process_group()
+
+
+def on_cpu(layout, schedule) -> list[torch.device]:
+    return [torch.device("cpu")] * schedule.num_stages(layout.pp)
+
+
+def train_step(pipeline, optimizer, calls, targets, loss_fn, chunks: int) -> None:
+    """One step of a layout's pipeline: its share of the batch, the replicas' reduction, AdamW."""
+    pipeline.run("step", calls, lambda out, m: loss_fn(out, targets[m]) / chunks, chunks, train=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", default="gpt,resnet50")
+    args = parser.parse_args()
+    layouts_per_model = sum(1 for n in range(1, args.ranks + 1) if args.ranks % n == 0)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    with tempfile.TemporaryDirectory() as cache:
+        processes = [context.Process(target=rank_main, args=(r, args.ranks, port, args, cache, results))
+                     for r in range(args.ranks)]
+        for process in processes:
+            process.start()
+        rows = []
+        while len(rows) < layouts_per_model * len(args.models.split(",")):
+            try:
+                rows.append(results.get(timeout=5))
+            except queue.Empty:
+                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+                if failed:
+                    for process in processes:
+                        process.kill()
+                    raise SystemExit(f"a rank failed (exit codes {failed}); its error is printed above") from None
+        for process in processes:
+            process.join(timeout=60)
+    print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, AdamW, the batch of 32 "
+          f"split over the replicas; median of {args.repeats} interleaved steps\n")
+    print("| model | layout | schedule | chunks | predicted ms | of it, reduction ms | measured ms "
+          "| measured / predicted | measured / best measured | auto | link GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model_name in args.models.split(","):
+        mine = [r for r in rows if r[0] == model_name]
+        best = min(r[6] for r in mine)
+        for _, gbps, layout, chunks, predicted, reduction, measured, auto in sorted(mine, key=lambda r: r[2]["pp"]):
+            schedule = layout["schedule"] + (f" (v={layout['virtual_stages']})" if layout["virtual_stages"] > 1 else "")
+            print(f"| {model_name} | dp={layout['dp']} x pp={layout['pp']} | {schedule} | {chunks} "
+                  f"| {1e3 * predicted:.1f} | {1e3 * reduction:.1f} | {1e3 * measured:.1f} "
+                  f"| {measured / predicted:.2f} | {measured / best:.2f} | {'chosen' if auto else ''} | {gbps:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
