@@ -6,10 +6,14 @@ the ``dp`` pipelines run at once, so where they share a machine's CPU they slow 
 pipeline's own stages do; a cut between ranks on two nodes ships its values over the slower link
 between nodes; and each stage's gradients are reduced over its replicas. DDP reduces them during
 the last micro-batch's backward, bucket by bucket, so a rank's reduction delays its end of the
-step only by what that backward does not hide, and at least by its last bucket; on a CPU the
-reduction is work for the same cores, which hides nothing. FSDP2 (sharding
+step only by what that backward does not hide, and at least by its last bucket. On a CPU the
+reduction is work for the same cores, which hides nothing and slows the other ranks: the step
+then lasts at least all ranks' work (tasks, reductions, optimizer steps) over what the cores get
+through at once. FSDP2 (sharding
 a stage whole) keeps ``1/dp`` of the optimizer state per rank; the parameters and gradients are
-whole while the stage computes, and it gathers and reduces the same bytes as DDP.
+whole while the stage computes, and it gathers and reduces the same bytes as DDP. Each rank
+steps the optimizer on its own parameters (its share of them, with FSDP2), all ranks at once: on
+a shared CPU, as slowly as the ranks' sharing of its cores makes it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from ..runtime.layout import Layout
 from ..runtime.plan import Plan
 from ..runtime.process_schedules import ProcessSchedule
 from ..runtime.replication import Replication
+from ..runtime.schedule import Schedule
 
 BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket: the last one is reduced after the backward that fills it ends."""
@@ -86,20 +91,50 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         ends[rank] = max(ends[rank], t.end)
         if t.task.phase != "forward" and t.task.micro_batch == plan.chunks - 1:
             last_backward[rank] += t.end - t.start
-    finish = []
+    finish, reductions = [], []
     for position in range(pp):
         stages = [linked.stages[s] for s in schedule.stages_of(position, pp)]
         hidden = 0.0 if any(shares_host(s.device) for s in stages) else last_backward[position]
         grads = sum(s.param_bytes - s.frozen_bytes for s in stages)
         gbps = links.slowest([layout.rank(d, position) for d in range(dp)])
         whole, tail = ring_all_reduce_s(grads, dp, gbps), ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps)
+        reductions.append(whole if dp > 1 else 0.0)
         finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
-    optimizer_s = linked.optimizer_step_s / (dp if replication == "fsdp" else 1)
-    step = max(finish) + linked.step_overhead_s + optimizer_s
-    reduction = max(finish) - max(ends)
+    optimizer_s = _optimizer_s(linked, schedule, layout, replication)
+    end = max(finish)
+    if any(shares_host(s.device) for s in linked.stages) and not linked.measured_together:
+        ranks = layout.world_size
+        work = dp * (_work_s(linked, table) + sum(reductions))
+        capacity = linked.capacity(dp)[min(ranks, linked.num_stages * dp) - 1]
+        end = max(end, work / capacity)
+    step = end + linked.step_overhead_s + optimizer_s
+    reduction = end - max(ends)
     rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication) for s in schedule.stages_of(p, pp))
                        for p in range(pp))
     return LayoutCost(step, reduction, rank_bytes)
+
+
+def _work_s(plan: Plan, table: Schedule) -> float:
+    """The seconds of all of ``table``'s tasks, each as it takes alone: a pipeline's work."""
+    return sum(plan.task_seconds(plan.stages[t.stage], t.phase) for tasks in table.order for t in tasks)
+
+
+def _optimizer_s(plan: Plan, schedule: ProcessSchedule, layout: Layout, replication: Replication) -> float:
+    """The optimizer step of the rank with the most parameters to step: the plan's whole step
+    (timed alone) scaled by that rank's share of the trainable bytes, and by the CPU's sharing
+    where every rank steps at once on one machine's cores."""
+    trainable = [s.param_bytes - s.frozen_bytes for s in plan.stages]
+    total = sum(trainable)
+    if not total or not plan.optimizer_step_s:
+        return 0.0
+    share = max(sum(trainable[s] for s in schedule.stages_of(p, layout.pp)) for p in range(layout.pp)) / total
+    if replication == "fsdp":
+        share /= layout.dp
+    slowdown = 1.0
+    if any(shares_host(s.device) for s in plan.stages) and not plan.measured_together:
+        ranks = layout.world_size
+        slowdown = ranks / plan.capacity(layout.dp)[min(ranks, plan.num_stages * layout.dp) - 1]
+    return plan.optimizer_step_s * share * slowdown
 
 
 def _stage_bytes(plan: Plan, index: int, dp: int, replication: Replication) -> int:
