@@ -20,7 +20,10 @@ from ..runtime.plan import RECOMPUTE_MODES, Stage
 
 
 class InfeasiblePlanError(ValueError):
-    """No split satisfies the request; the message names the limit and the stage."""
+    """No split satisfies the request; the message names the limit and the stage. ``layouts``:
+    where a search of layouts found none, every candidate it weighed, with why it could not run."""
+
+    layouts: list[dict] = []
 
 
 @dataclass(frozen=True)

@@ -59,19 +59,23 @@ def divisors(count: int) -> list[int]:
 @keeps_random_state
 def plan_layouts(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devices_of: DevicesOf,
                  search: LayoutSearch, links: Links, options: PipelineOptions, *,
-                 optimizers: Sequence[torch.optim.Optimizer] = (), replication: Replication = "ddp") -> Planned:
+                 optimizers: Sequence[torch.optim.Optimizer] = (), replication: Replication = "ddp",
+                 profile_device: torch.device | None = None) -> Planned:
     """The plan of the fastest layout that fits for batches like the whole batch ``args, kwargs``
     on ``world_size`` ranks (see the module's docstring), with ``plan.layout`` its layout and
-    ``plan.layouts`` every candidate."""
+    ``plan.layouts`` every candidate. ``profile_device``: where the model is profiled (default:
+    the first stage's device), e.g. the CPU, to plan for GPUs this machine does not have. Where
+    none fits, the :class:`InfeasiblePlanError` holds every candidate (``layouts``)."""
     devices = devices_of(Layout(1, world_size), search.schedules[0])
     with planned_in_training(module), intra_op_threads(stage_threads(devices, options.cpu_threads)):
         return _search(module, args, kwargs, world_size, devices_of, search, links, options, optimizers,
-                       replication)
+                       replication, profile_device or devices[0])
 
 
 def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devices_of: DevicesOf,
             search: LayoutSearch, links: Links, options: PipelineOptions,
-            optimizers: Sequence[torch.optim.Optimizer], replication: Replication) -> Planned:
+            optimizers: Sequence[torch.optim.Optimizer], replication: Replication,
+            profile_device: torch.device) -> Planned:
     schedules = search.schedules
     batch_dim = options.batch_dim
     size = batch_size_of(module, args, kwargs, batch_dim)
@@ -85,8 +89,7 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
     multiplier = options.optimizer_multiplier
     if multiplier is None:
         multiplier = multiplier_of(optimizers) if optimizers else UNKNOWN_OPTIMIZER_MULTIPLIER
-    first_devices = devices_of(Layout(1, world_size), schedules[0])
-    optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, first_devices[0])
+    optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, profile_device)
     directory = options.profile_cache or default_cache_dir()
     use_cache = options.use_profile_cache
     if use_cache:
@@ -98,7 +101,7 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
         if micro not in profiles:
             call = first_micro_batch(module, args, kwargs, size // micro, batch_dim)
             try:
-                cost, _, key = _profiled(module, graph, *call, first_devices[0], batch_dim, directory, use_cache,
+                cost, _, key = _profiled(module, graph, *call, profile_device, batch_dim, directory, use_cache,
                                          options.progress, f"{type(module).__name__}, micro-batch {micro}")
                 cost = cost.copy()
                 cost.graph.update(optimizer_step_s=optimizer_s, model=type(module).__name__)
@@ -147,7 +150,9 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                     best = (plan, row, cost)
     if best is None:
         reasons = "; ".join(f"dp={r['dp']} x pp={r['pp']} {r['schedule']}: {r['lost']}" for r in rows[:4])
-        raise InfeasiblePlanError(f"no layout of {world_size} ranks fits: {reasons}")
+        error = InfeasiblePlanError(f"no layout of {world_size} ranks fits: {reasons}")
+        error.layouts = rows
+        raise error
     plan, chosen, cost = best
     for row in rows:
         if row is not chosen and "lost" not in row:
