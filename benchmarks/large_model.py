@@ -22,8 +22,18 @@ stages hold and the plan's balance. It then writes a 1 B Llama as a sharded safe
 builds it on meta in ``configure_model()``, loads it lazily (``la.load_checkpoint``) and trains a
 few steps over 4 stages, reporting each stage's measured peak against its prediction.
 
+Part 4 (``--part nodes``) plans the same Llama-2-70B shapes for training past one node: nodes of
+8 GPUs of 80 GB (NVLink within a node, one 200 Gb/s adapter per GPU across), AdamW in bf16-mixed
+(fp32 weights, gradients and both moments: 16 bytes a parameter), FSDP2 over each stage's
+replicas. For 1, 2, 4, ... nodes it runs ``stages="auto"``'s search over every layout of replicas
+x stages, schedule and micro-batch count, and stops at the fewest nodes where a layout fits. It
+prints, for each node count, the candidate whose ranks need the least memory (and why it did or
+did not fit), and the layout chosen. The model is profiled on this machine's CPU from meta; the
+GPUs are named for the memory and the links, so the step times are this CPU's, not a GPU's.
+
     python benchmarks/large_model.py              # parts 1 and 2, on the CPU
     python benchmarks/large_model.py --part llama # part 3
+    python benchmarks/large_model.py --part nodes # part 4
     python benchmarks/large_model.py --device cuda:0 --part train
 """
 
@@ -33,6 +43,7 @@ import argparse
 import gc
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +61,10 @@ from report import machine, publish, section  # noqa: E402
 
 START, END = "<!-- large-model:start -->", "<!-- large-model:end -->"
 LLAMA_START, LLAMA_END = "<!-- llama:start -->", "<!-- llama:end -->"
+NODES_START, NODES_END = "<!-- llama-nodes:start -->", "<!-- llama-nodes:end -->"
+BF16_MIXED_ADAMW = 6.0
+"""Optimizer state per bf16 parameter byte in bf16-mixed with AdamW: an fp32 master copy and two
+fp32 moments (12 bytes per 2), so that with the parameter and its gradient a parameter costs 16."""
 LLAMA_2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                    num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5,
                    use_cache=False, tie_word_embeddings=False)
@@ -264,6 +279,71 @@ def plan_llama(device: torch.device, stages: int, batch: int, tokens: int, chunk
     ]
 
 
+def plan_nodes(gpus: int, gpu_gb: float, batch: int, tokens: int, most_nodes: int = 16) -> list[str]:
+    """Part 4: the fewest nodes of ``gpus`` GPUs of ``gpu_gb`` that train Llama-2-70B's shapes."""
+    from lightning_antichain.planner.cost_model import InfeasiblePlanError
+    from lightning_antichain.planner.layout_cost import Links
+    from lightning_antichain.planner.layout_search import layout_search, plan_layouts
+    from lightning_antichain.runtime.options import PipelineOptions
+
+    model = llama(LLAMA_2_70B, torch.bfloat16)
+    count = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, LLAMA_2_70B["vocab_size"], (batch, tokens))
+    links = Links(gpus, within_gbps=150.0, across_gbps=25.0)
+
+    def devices_of(layout, schedule) -> list[torch.device]:
+        return [torch.device("cuda", layout.rank(0, schedule.rank_of(s, layout.pp)) % gpus)
+                for s in range(schedule.num_stages(layout.pp))]
+
+    lines = [
+        f"**Planning Llama-2-70B's shapes past one node** (`LlamaForCausalLM` from meta, {count / 1e9:.1f} B "
+        f"parameters; AdamW in bf16-mixed: {16 * count / 1e12:.2f} TB of weights, gradients and moments; nodes of "
+        f"{gpus} GPUs of {gpu_gb:.0f} GB, 150 GB/s within a node, 25 GB/s across; FSDP2 over each stage's replicas; "
+        f"batches of {batch} x {tokens} tokens; every layout, schedule and micro-batch count weighed, cut at "
+        "decoder-layer boundaries (`method=\"blocks\"`: the DP over all 5353 operations takes minutes a cut here):",
+        "",
+        "| nodes | GPUs | fits | least memory per rank of any candidate | its layout | chosen | predicted peak per "
+        "rank | layouts weighed | time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    started = time.perf_counter()
+    nodes = 1
+    with tempfile.TemporaryDirectory() as cache:
+        options = PipelineOptions(memory_gb=gpu_gb, optimizer_multiplier=BF16_MIXED_ADAMW, calibrate=False,
+                                  profile_cache=Path(cache), method="blocks", progress=False)
+        while nodes <= most_nodes:
+            world = nodes * gpus
+            began = time.perf_counter()
+            try:
+                plan = plan_layouts(model, (ids,), {}, world, devices_of, layout_search("auto", "auto", None), links,
+                                    options, replication="fsdp", profile_device=torch.device("cpu")).plan
+                rows, chosen = plan.layouts, plan.layout
+            except InfeasiblePlanError as exc:
+                rows, chosen, plan = exc.layouts, None, None
+            weighed = [r for r in rows if r.get("peak_memory_bytes")]
+            least = min(weighed, key=lambda r: r["peak_memory_bytes"]) if weighed else None
+            smallest = "- | -" if least is None else (
+                f"{least['peak_memory_bytes'] / 1e9:.1f} GB | dp={least['dp']} x pp={least['pp']} {least['schedule']}")
+            picked = "- | -" if plan is None or chosen is None else (
+                f"dp={chosen['dp']} x pp={chosen['pp']} {chosen['schedule']}, {plan.chunks} micro-batches | "
+                f"{_chosen_peak(plan) / 1e9:.1f} GB")
+            lines.append(f"| {nodes} | {world} | {'yes' if plan else 'no'} | {smallest} | {picked} | {len(rows)} "
+                         f"| {time.perf_counter() - began:.0f} s |")
+            print(lines[-1])
+            if plan is not None:
+                break
+            nodes *= 2
+    lines += ["", f"Searched in {time.perf_counter() - started:.0f} s."]
+    if plan is not None:
+        lines += ["", "```", plan.table(), "```"]
+    return lines
+
+
+def _chosen_peak(plan) -> float:
+    (row,) = [r for r in plan.layouts if "lost" not in r]
+    return row["peak_memory_bytes"]
+
+
 class LlamaFineTune(L.LightningModule):
     def __init__(self, checkpoint: Path) -> None:
         super().__init__()
@@ -345,7 +425,7 @@ def _activation_bytes(batch: int, tokens: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--part", choices=("plan", "train", "both", "llama"), default="both")
+    parser.add_argument("--part", choices=("plan", "train", "both", "llama", "nodes"), default="both")
     parser.add_argument("--checkpoint-dir", default="checkpoints/llama-1b",
                         help="where part 3 writes (or finds) the 1 B Llama's shards")
     parser.add_argument("--llama-steps", type=int, default=2)
@@ -355,10 +435,19 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md as it is")
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu-gb", type=float, default=80.0)
+    parser.add_argument("--node-batch", type=int, default=32, help="sequences per step, part 4")
+    parser.add_argument("--node-tokens", type=int, default=128, help="tokens per sequence, part 4")
     args = parser.parse_args()
     device = torch.device(args.device)
     lines = [f"Machine: {machine(torch.get_num_threads())}" + (f", {torch.cuda.get_device_name(device)}"
                                                                if device.type == "cuda" else ""), ""]
+    if args.part == "nodes":
+        lines += plan_nodes(args.gpus_per_node, args.gpu_gb, args.node_batch, args.node_tokens)
+        publish(section(NODES_START, NODES_END, lines), NODES_START, NODES_END, "## A model bigger than one node",
+                not args.no_write)
+        return
     if args.part == "llama":
         lines += plan_llama(device, 8, 8, 128, 8)
         lines += train_llama(device, 4, 8, 128, 4, args.llama_steps, Path(args.checkpoint_dir))

@@ -2,6 +2,8 @@
 
     lightning-antichain plan torchvision.models.resnet50 --model-kwargs '{"num_classes": 10}' \\
         --stages 4 --input-shape 3,32,32 --batch-size 32 --chunks 4 --json
+    lightning-antichain plan torchvision.models.resnet50 --ranks 8 --per-node 4 --stages auto --schedule auto \
+        --input-shape 3,32,32 --batch-size 64   # the layout of 8 processes on 2 nodes, as stages="auto" weighs it
     lightning-antichain consolidate checkpoints/epoch=0-step=6.ckpt   # shards -> one file for plain Lightning
 
 Progress and the table go to stderr and stdout respectively; with ``--json`` stdout holds exactly
@@ -64,7 +66,19 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "model", help="import path of a callable returning an nn.Module, e.g. torchvision.models.resnet50"
     )
-    plan.add_argument("--stages", type=int, required=True, help="number of pipeline stages (devices)")
+    plan.add_argument("--stages", type=_stages, required=True,
+                      help="number of pipeline stages (devices); with --ranks, processes per pipeline, or auto")
+    plan.add_argument("--ranks", type=int,
+                      help="plan stages as processes: this many ranks (the strategy with schedule=), each on its "
+                           "device, as replicas x stages; --stages auto weighs every layout")
+    plan.add_argument("--schedule", default="auto",
+                      help="with --ranks: the schedule of torch.distributed.pipelining, or auto (the default) to weigh "
+                           "them all")
+    plan.add_argument("--per-node", type=int, help="with --ranks: ranks per node (default: all on one)")
+    plan.add_argument("--internode", type=float,
+                      help="with --ranks: the link between nodes in GB/s (default 25 from a GPU, else --bandwidth)")
+    plan.add_argument("--replication", choices=["ddp", "fsdp"], default="ddp",
+                      help="with --ranks: how a stage's replicas keep in step (fsdp shards the optimizer state)")
     plan.add_argument("--input-shape", type=_shape, help="shape of one sample, e.g. 3,32,32")
     plan.add_argument("--batch-size", type=int, default=32, help="samples per training step")
     plan.add_argument("--chunks", type=_chunks, default=DEFAULTS.chunks,
@@ -111,6 +125,48 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plan_layout(args: argparse.Namespace) -> int:
+    """``plan --ranks N``: the layout search the strategy runs for ``stages="auto"`` (or a fixed
+    ``--stages`` with ``--schedule auto``), on a batch of ``--batch-size`` random samples."""
+    from .planner.layout_cost import Links
+    from .planner.layout_search import LayoutSearch, layout_search, plan_layouts
+    from .planner.planning import INTERNODE_GPU_GBPS, default_bandwidth_gbps
+    from .runtime.process_schedules import process_schedule
+
+    if args.ranks < 1 or args.batch_size < 1 or (args.stages != "auto" and args.ranks % args.stages):
+        raise ValueError("--ranks and --batch-size must be at least 1, and --stages a divisor of --ranks (or auto)")
+    if args.input_shape is None:
+        raise ValueError("--input-shape is required")
+    _check_device(args.device)
+    per_node = args.per_node or args.ranks
+    kind, _, index = args.device.partition(":")
+    first = int(index or 0)
+
+    def devices_of(layout: Any, schedule: Any) -> list[torch.device]:
+        ranks = [layout.rank(0, schedule.rank_of(s, layout.pp)) for s in range(schedule.num_stages(layout.pp))]
+        return [torch.device(kind, first + r % per_node) if kind == "cuda" else torch.device(kind) for r in ranks]
+
+    search = layout_search(args.stages, args.schedule, None) or LayoutSearch(args.stages, (
+        process_schedule(args.schedule),))
+    on_gpu = kind == "cuda"
+    within = args.bandwidth if args.bandwidth is not None else default_bandwidth_gbps([torch.device(args.device)])
+    across = args.internode if args.internode is not None else (INTERNODE_GPU_GBPS if on_gpu else within)
+    options = PipelineOptions(
+        method=args.method, bandwidth_gbps=args.bandwidth, memory_gb=args.memory,
+        optimizer_multiplier=args.optimizer_multiplier, profile_cache=args.profile_cache,
+        use_profile_cache=not args.no_profile_cache, calibrate=False, cpu_threads=args.cpu_threads,
+        progress=not args.quiet)
+    model = _build_model(args.model, args.model_kwargs)
+    example = torch.randn(args.batch_size, *args.input_shape)
+    planned = plan_layouts(model, (example,), {}, args.ranks, devices_of, search, Links(per_node, within, across),
+                           options, replication=args.replication, profile_device=torch.device(args.device))
+    plan = planned.plan
+    if args.output:
+        plan.save(args.output)
+    print(plan.to_json() if args.json else plan.table())
+    return 0
+
+
 def _consolidate(args: argparse.Namespace) -> int:
     source = Path(args.checkpoint)
     if not is_sharded_checkpoint(source):
@@ -122,6 +178,15 @@ def _consolidate(args: argparse.Namespace) -> int:
     torch.save(ShardedCheckpoint(source).whole(), output)
     print(output)
     return 0
+
+
+def _stages(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'must be a whole number or "auto", got {text!r}') from None
 
 
 def _stage_devices(device: str, stages: int) -> list[str]:
@@ -231,6 +296,11 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     from .planner.planning import plan_model
+
+    if args.ranks is not None:
+        return _plan_layout(args)
+    if args.stages == "auto":
+        raise ValueError("--stages auto weighs the layouts of stages as processes: give --ranks too")
 
     auto = args.chunks == "auto"
     if args.stages < 1 or (not auto and args.chunks < 1) or args.batch_size < 1:

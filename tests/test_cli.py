@@ -187,6 +187,8 @@ RESNET = ["torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32
         ([*RESNET, "--chunks", "2", "--load-profile", "missing.json"], "--load-profile missing.json: no such file"),
         ([*RESNET[:-1], "--output", "no/such/dir/plan.json"], "--output no/such/dir/plan.json: the directory"),
         (["torchvision.models.resnet18", "--stages", "2", "--input-shape", "-3,32,32"], "dimensions must be positive"),
+        ([*RESNET[:2], "auto", *RESNET[3:]], "--stages auto weighs the layouts of stages as processes: give --ranks"),
+        ([*RESNET[:2], "3", *RESNET[3:], "--ranks", "4"], "--stages a divisor of --ranks"),
     ],
 )
 def test_every_user_error_is_one_line_and_status_2(args, message):
@@ -323,3 +325,21 @@ def test_a_plan_saved_by_the_command_trains_a_fresh_capture_with_plan(tmp_path):
         runs.append(model.losses)
     assert fit.strategy.plan.num_stages == 2
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=0)
+
+
+def test_the_command_weighs_the_layouts_of_ranks_on_two_nodes_as_the_strategy_does(tmp_path):
+    """``--ranks 4 --per-node 2 --stages auto``: every layout of 4 processes over 2 nodes, with
+    every schedule, each with its prediction or why it could not run; the chosen one named in the
+    plan, whose stage count is its pipeline's."""
+    result = run_main("plan", "torchvision.models.resnet18", "--model-kwargs", '{"num_classes": 10}', "--ranks", "4",
+                      "--per-node", "2", "--stages", "auto", "--input-shape", "3,32,32", "--batch-size", "16",
+                      "--no-profile-cache", "--quiet", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    layouts = plan["layouts"]
+    assert {(row["dp"], row["pp"]) for row in layouts} == {(1, 4), (2, 2), (4, 1)}
+    assert {row["schedule"] for row in layouts} == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv"}
+    chosen = [row for row in layouts if "lost" not in row]
+    assert len(chosen) == 1 and chosen[0]["dp"] == plan["layout"]["dp"]
+    assert len(plan["stages"]) == plan["layout"]["pp"] * plan["layout"]["virtual_stages"]
+    assert all(row.get("predicted_step_s") is not None or row["lost"] for row in layouts)
