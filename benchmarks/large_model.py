@@ -333,7 +333,12 @@ def plan_nodes(gpus: int, gpu_gb: float, batch: int, tokens: int, most_nodes: in
             if plan is not None:
                 break
             nodes *= 2
-    lines += ["", f"Searched in {time.perf_counter() - started:.0f} s."]
+    state = 16 * count
+    lines += ["", f"Why one node cannot hold it: the weights, gradients and moments alone are {state / 1e12:.2f} TB; "
+              f"spread evenly over {gpus} GPUs (one pipeline of {gpus} stages, FSDP2 having nothing to shard over) "
+              f"that is {state / gpus / 1e9:.0f} GB a GPU, over its {gpu_gb:.0f} GB before any activation, and every "
+              "layout with replicas holds more per GPU. Searched in "
+              f"{time.perf_counter() - started:.0f} s; the plan of the layout chosen:"]
     if plan is not None:
         lines += ["", "```", plan.table(), "```"]
     return lines

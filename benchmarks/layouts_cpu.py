@@ -19,7 +19,6 @@ import argparse
 import copy
 import functools
 import os
-import queue
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes_cpu import build, free_port, loss_of  # noqa: E402
+from processes_cpu import build, collected, free_port, loss_of  # noqa: E402
 from report import machine  # noqa: E402
 
 
@@ -137,18 +136,7 @@ def main() -> None:
                      for r in range(args.ranks)]
         for process in processes:
             process.start()
-        rows = []
-        while len(rows) < layouts_per_model * len(args.models.split(",")):
-            try:
-                rows.append(results.get(timeout=5))
-            except queue.Empty:
-                failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-                if failed:
-                    for process in processes:
-                        process.kill()
-                    raise SystemExit(f"a rank failed (exit codes {failed}); its error is printed above") from None
-        for process in processes:
-            process.join(timeout=60)
+        rows = collected(processes, results, layouts_per_model * len(args.models.split(",")))
     print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, AdamW, the batch of 32 "
           f"split over the replicas; median of {args.repeats} interleaved steps\n")
     print("| model | layout | schedule | chunks | predicted ms | of it, reduction ms | measured ms "

@@ -265,6 +265,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def collected(processes: list, results: mp.Queue, expected: int) -> list:
+    """The ``expected`` rows the ranks put on ``results``, once every process has ended; where a
+    rank fails, every process is killed and the run stops."""
+    rows = []
+    while len(rows) < expected:
+        try:
+            rows.append(results.get(timeout=5))
+        except queue.Empty:
+            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if failed:
+                for process in processes:
+                    process.kill()
+                raise SystemExit(f"a rank failed (exit codes {failed}); its error is printed above") from None
+    for process in processes:
+        process.join(timeout=60)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -280,19 +298,7 @@ def main() -> None:
                  for r in range(args.ranks)]
     for process in processes:
         process.start()
-    rows = []
-    expected = (args.ranks * len(SCHEDULES) + len(BASELINES)) * len(args.models.split(","))
-    while len(rows) < expected:
-        try:
-            rows.append(results.get(timeout=5))
-        except queue.Empty:
-            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-            if failed:
-                for process in processes:
-                    process.kill()
-                raise SystemExit(f"a rank failed (exit codes {failed}); its error is printed above") from None
-    for process in processes:
-        process.join(timeout=60)
+    rows = collected(processes, results, (args.ranks * len(SCHEDULES) + len(BASELINES)) * len(args.models.split(",")))
     where = "gloo processes" if args.device == "cpu" else f"processes on {args.device}"
     print(f"Machine: {machine(1)}; {args.ranks} {where}, {args.chunks} micro-batches, "
           f"median of {args.repeats} interleaved steps\n")

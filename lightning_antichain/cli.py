@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "model", help="import path of a callable returning an nn.Module, e.g. torchvision.models.resnet50"
     )
-    plan.add_argument("--stages", type=_stages, required=True,
+    plan.add_argument("--stages", type=_count_or_auto, required=True,
                       help="number of pipeline stages (devices); with --ranks, processes per pipeline, or auto")
     plan.add_argument("--ranks", type=int,
                       help="plan stages as processes: this many ranks (the strategy with schedule=), each on its "
@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="with --ranks: how a stage's replicas keep in step (fsdp shards the optimizer state)")
     plan.add_argument("--input-shape", type=_shape, help="shape of one sample, e.g. 3,32,32")
     plan.add_argument("--batch-size", type=int, default=32, help="samples per training step")
-    plan.add_argument("--chunks", type=_chunks, default=DEFAULTS.chunks,
+    plan.add_argument("--chunks", type=_count_or_auto, default=DEFAULTS.chunks,
                       help='micro-batches per step, or "auto" (the default, as in the strategy) for the count with '
                            "the best predicted step")
     plan.add_argument("--device", default="cpu", help="device to profile on: cpu or cuda:N")
@@ -180,15 +180,6 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stages(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'must be a whole number or "auto", got {text!r}') from None
-
-
 def _stage_devices(device: str, stages: int) -> list[str]:
     """One device per stage of the kind profiled: for ``cuda:N``, the GPUs cuda:N..N+K-1; the same CPU otherwise."""
     kind, _, index = device.partition(":")
@@ -196,7 +187,7 @@ def _stage_devices(device: str, stages: int) -> list[str]:
     return [f"cuda:{first + k}" for k in range(stages)] if kind == "cuda" else [device] * stages
 
 
-def _chunks(text: str) -> int | str:
+def _count_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
     try:

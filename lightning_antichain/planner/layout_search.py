@@ -159,6 +159,7 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
             row["lost"] = (f"{'slower' if row['predicted_step_s'] > chosen['predicted_step_s'] else 'no faster'}: "
                            f"{1e3 * row['predicted_step_s']:.1f} ms against {1e3 * chosen['predicted_step_s']:.1f} ms")
     plan.layout = {k: chosen[k] for k in ("dp", "pp", "schedule", "virtual_stages", "replication")}
+    plan.predicted_step_s = chosen["predicted_step_s"]  # in its layout
     plan.layouts = rows
     plan.batch_size = size
     return Planned(plan, graph, cost)
