@@ -200,7 +200,8 @@ class Record(L.Callback):
         metrics = trainer.callback_metrics
         rank = trainer.global_rank
         shards = {n: p for n, p in module.named_parameters() if isinstance(p, DTensor)}  # FSDP2's, over replicas
-        params = {n: (p.full_tensor() if n in shards else p).detach().cpu() for n, p in module.named_parameters()}
+        params = {n: (p.full_tensor() if n in shards else p).detach() for n, p in module.named_parameters()}
+        params = {n: p if p.is_meta else p.cpu() for n, p in params.items()}  # on meta: another rank's stage
         optimizer = trainer.optimizers[0]
         moments = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
         (self.out / f"rank{rank}.json").write_text(json.dumps({
