@@ -102,14 +102,15 @@ class StateSpace:
         index = self.index
         successors = [[index[s] for s in self.graph.successors(v)] for v in self.nodes]
         member = self.membership
-        has_successor_inside = np.zeros_like(member)
+        by_node = np.ascontiguousarray(member.T)  # a node's states in one row: the gathers below read rows
+        has_successor_inside = np.zeros_like(by_node)
         for v, succ in enumerate(successors):
             if succ:
-                has_successor_inside[:, v] = member[:, succ].any(axis=1)
-        maximal = member & ~has_successor_inside
+                has_successor_inside[v] = by_node[succ].any(axis=0)
+        maximal = member & ~has_successor_inside.T
         contains = np.empty((len(self), len(self)), dtype=bool)
         for i in range(len(self)):
-            contains[:, i] = member[:, np.flatnonzero(maximal[i])].all(axis=1)
+            contains[:, i] = by_node[np.flatnonzero(maximal[i])].all(axis=0)
         return np.tril(contains, k=-1)
 
     @property

@@ -18,20 +18,29 @@ from .antichain import StateSpace
 from .cost_model import CostModel, DeviceSpec, InfeasiblePlanError, evaluate_stages, memory_of
 
 
-def stage_costs(space: StateSpace, spec: DeviceSpec, model: CostModel, index: int | None = None) -> np.ndarray:
+def stage_costs(space: StateSpace, spec: DeviceSpec, model: CostModel, index: int | None = None,
+                times: np.ndarray | None = None) -> np.ndarray:
     """``T[j, i]``: time of the stage ``D_j minus D_i`` on ``spec``; ``inf`` if not a valid stage.
 
     Valid means ``D_i`` is a strict subset of ``D_j`` and the stage fits the device's memory as
     stage ``index`` of the pipeline (under 1F1B, earlier stages hold more micro-batches).
+    ``times``: :func:`stage_times` for ``spec``'s speed, where the caller has them already.
     """
-    compute = (space.compute[:, None] - space.compute[None, :]) / spec.speed
-    transfer = model.transfer_s(space.cut_bytes[:, None] + space.cut_bytes[None, :])
-    valid = space.contains() & ~space.forbidden[:, None] & ~space.forbidden[None, :]
-    cost = np.where(valid, compute + transfer, np.inf)
+    cost = stage_times(space, spec.speed, model) if times is None else times
     if spec.memory_bytes is not None:
+        cost = cost.copy()
         memory = _stage_memory(space, model, index)
         cost[memory > spec.memory_bytes] = np.inf
     return cost
+
+
+def stage_times(space: StateSpace, speed: float, model: CostModel) -> np.ndarray:
+    """``T[j, i]``: time of the stage ``D_j minus D_i`` on a device of ``speed``, memory aside;
+    ``inf`` where it is not a stage."""
+    compute = (space.compute[:, None] - space.compute[None, :]) / speed
+    transfer = model.transfer_s(space.cut_bytes[:, None] + space.cut_bytes[None, :])
+    valid = space.contains() & ~space.forbidden[:, None] & ~space.forbidden[None, :]
+    return np.where(valid, compute + transfer, np.inf)
 
 
 def _stage_memory(space: StateSpace, model: CostModel, index: int | None = None) -> np.ndarray:
@@ -59,8 +68,9 @@ def solve_bottleneck(
     kinds = list(dict.fromkeys((s.speed, s.memory_bytes) for s in specs))
     counts = tuple(sum(1 for s in specs if (s.speed, s.memory_bytes) == k) for k in kinds)
     held = {model.held_by(i) for i in range(len(specs))}
-    by_held = {n: [stage_costs(space, DeviceSpec("", *k), model, _index_holding(model, n)) for k in kinds]
-               for n in held}
+    times = {speed: stage_times(space, speed, model) for speed in {k[0] for k in kinds}}
+    by_held = {n: [stage_costs(space, DeviceSpec("", *k), model, _index_holding(model, n), times[k[0]])
+                   for k in kinds] for n in held}
 
     def costs(kind: int, index: int) -> np.ndarray:
         return by_held[model.held_by(index)][kind]
@@ -74,7 +84,9 @@ def solve_bottleneck(
     if not math.isfinite(best):
         raise _infeasible(space, specs, model)
     ceiling = best * (1 + 1e-9) + 1e-15
-    capped = {n: [np.where(c <= ceiling, c, np.inf) for c in arrays] for n, arrays in by_held.items()}
+    once: dict[int, np.ndarray] = {}  # without memory limits, every count held shares one array
+    capped = {n: [once.setdefault(id(c), np.where(c <= ceiling, c, np.inf)) for c in arrays]
+              for n, arrays in by_held.items()}
     total = _run_program(lambda kind, index: capped[model.held_by(index)][kind], counts, start, combine=np.add)
     chain, kind_order = _backtrack(total, counts, last)
     pools = {k: [s for s in specs if (s.speed, s.memory_bytes) == k] for k in kinds}
