@@ -140,6 +140,7 @@ def test_replicas_of_a_pipeline_of_processes_train_as_plain_lightning_on_the_glo
         assert held == whole // 2 > 0
 
 
+@pytest.mark.slow  # the search itself is tested in test_layouts.py and through the plan command
 def test_stages_and_schedule_chosen_by_the_planner_train_as_plain_lightning(tmp_path, plain_with):
     """stages="auto", schedule="auto" on 4 processes: rank 0 weighs every layout on the first batch,
     every rank runs the one it chose (its mesh made then), and the fit equals plain Lightning."""

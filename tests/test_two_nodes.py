@@ -59,7 +59,7 @@ def plain_global(tmp_path_factory) -> dict:
     return report
 
 
-@pytest.mark.slow  # the two-node replicas' test stays in the default suite
+@pytest.mark.slow
 def test_one_pipeline_of_four_stages_spans_both_nodes_and_trains_as_plain_lightning(tmp_path, plain):
     done = two_nodes(tmp_path / "out")
     assert all(r.returncode == 0 for r in done), done[0].stderr[-3000:] + done[1].stderr[-3000:]
@@ -75,6 +75,7 @@ def test_one_pipeline_of_four_stages_spans_both_nodes_and_trains_as_plain_lightn
                                        rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.slow  # two torchrun launches; the replicas' Trainer test on one node stays in the default suite
 def test_two_replicas_of_two_stages_over_two_nodes_train_as_plain_lightning_on_the_global_batch(
         tmp_path, plain_global):
     done = two_nodes(tmp_path / "out", "--stages", "2", "--batch-size", "32")
