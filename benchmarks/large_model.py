@@ -300,8 +300,8 @@ def plan_nodes(gpus: int, gpu_gb: float, batch: int, tokens: int, most_nodes: in
         f"parameters; AdamW in bf16-mixed: {16 * count / 1e12:.2f} TB of weights, gradients and moments; nodes of "
         f"{gpus} GPUs of {gpu_gb:.0f} GB, 150 GB/s within a node, 25 GB/s across; FSDP2 over each stage's replicas; "
         f"batches of {batch} x {tokens} tokens; every layout, schedule and micro-batch count weighed, cut at "
-        "decoder-layer boundaries (`method=\"blocks\"`: the DP over all 5353 operations takes about 40 s a cut here, "
-        "and a search makes dozens):",
+        "decoder-layer boundaries (`method=\"blocks\"`: the DP over all 5353 operations is too slow here for the "
+        "dozens of cuts a search makes):",
         "",
         "| nodes | GPUs | fits | least memory per rank of any candidate | its layout | chosen | predicted peak per "
         "rank | layouts weighed | time |",
