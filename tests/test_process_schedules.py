@@ -60,3 +60,61 @@ def test_zbv_evaluates_by_forwards_that_only_wait_on_stages_run_before_them():
                 for rank, actions in runner.pipeline_order_with_comms.items()}
     assert computed == {0: [(0, 0), (0, 1), (0, 2), (3, 0), (3, 1), (3, 2)],
                         1: [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]}
+
+
+@pytest.fixture
+def group_of_one(tmp_path):
+    """A gloo process group of this process alone (torch's stages need one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])
+def test_pre_split_micro_batches_run_alike_through_step_and_through_the_path_for_older_torch(group_of_one, schedule):
+    """torch before 2.12 takes no pre-split micro-batches in ``step``; the path used there (its
+    ``_step_microbatches``) gives the float64 losses and gradients of ``step(arg_mbs=...)`` and of
+    the plain modules, for one stage per rank and for two virtual stages."""
+    import copy
+
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_antichain.runtime.process_schedules import run_pre_split, run_through_step_microbatches
+
+    torch.manual_seed(0)
+    chosen = process_schedule(schedule, 2 if schedule == "interleaved-1f1b" else None)
+    pieces = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double() for _ in range(chosen.num_stages(1))]
+    xs = [(torch.randn(3, 6, dtype=torch.float64),) for _ in range(2)]
+    targets = [torch.randn(3, 6, dtype=torch.float64) for _ in range(2)]
+
+    def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).square().sum()
+
+    plain = copy.deepcopy(pieces)
+    plain_losses = [loss_of(nn.Sequential(*plain)(x), t) for (x,), t in zip(xs, targets, strict=True)]
+    sum(plain_losses).backward()
+
+    def run(through) -> tuple[list[float], list[torch.Tensor]]:
+        modules = copy.deepcopy(pieces)
+        stages = [PipelineStage(m, i, len(modules), torch.device("cpu")) for i, m in enumerate(modules)]
+        losses = []
+
+        def loss_fn(out, target):
+            losses.append(loss_of(out, target))  # the first is torch's shape inference on its own values
+            return losses[-1]
+
+        runner = chosen.runs_with(stages if chosen.takes_a_list else stages[0], n_microbatches=2, loss_fn=loss_fn,
+                                    scale_grads=False)
+        through(runner, xs, targets, True)
+        return [loss.item() for loss in losses[-2:]], [p.grad for m in modules for p in m.parameters()]
+
+    expected = [p.grad for m in plain for p in m.parameters()]
+    for through in (run_pre_split, run_through_step_microbatches):
+        losses, grads = run(through)
+        assert losses == pytest.approx([loss.item() for loss in plain_losses], rel=1e-12)
+        for g, h in zip(grads, expected, strict=True):
+            torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)

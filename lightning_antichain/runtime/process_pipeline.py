@@ -27,7 +27,7 @@ from .action_clock import ActionClock
 from .batchnorm import deferred_batch_norm
 from .initialization import Initializer
 from .plan import Plan
-from .process_schedules import ProcessSchedule
+from .process_schedules import ProcessSchedule, run_pre_split
 from .process_stages import FlatStage, holders, place_rank, schedule_runner, split_for_ranks, torch_stages
 from .replication import Replication, replicated
 from .tied_parameters import TiedParameters
@@ -121,18 +121,18 @@ class ProcessPipeline:
                 self.schedule.evaluate_forward_only(runner, self.ranks, chunks)
             self._runners[(train, shape)] = runner, stages
         runner, stages = self._runners[(train, shape)]
-        inputs = {"arg_mbs": [self._first_inputs(*call) for call in calls]} if calls is not None else {}
+        inputs = [self._first_inputs(*call) for call in calls] if calls is not None else None
         self._targets = [torch.tensor(m) for m in range(chunks)]
-        targets = {"target_mbs": self._targets} if self.holds_last else {}
+        targets = self._targets if self.holds_last else None
         self._loss = loss
         try:
             if train:
                 modules = [m for stage in self.stages for m in stage.stage.submodules()]
                 with deferred_batch_norm(modules) if self.deferred_batch_norm else contextlib.nullcontext(), \
                         clock.timing(stages) if clock is not None else contextlib.nullcontext():
-                    runner.step(**inputs, **targets, return_outputs=False)
+                    run_pre_split(runner, inputs, targets, train=True)
             else:
-                runner.eval(**inputs, **targets)
+                run_pre_split(runner, inputs, targets, train=False)
         finally:
             self._loss, self._targets = None, []
 

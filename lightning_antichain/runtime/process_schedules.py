@@ -10,6 +10,7 @@ and the loss's gradient starts where the input's forward began. The steps themse
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -131,3 +132,37 @@ def process_schedule(name: str, virtual_stages: int | None = None) -> ProcessSch
                          + ("; use interleaved-1f1b or zb-h1 for more" if needs == 1 else ""))
     assert issubclass(runs_with, (PipelineScheduleSingle, PipelineScheduleMulti))
     return ProcessSchedule(key, runs_with, count, shape)
+
+
+def run_pre_split(runner: Any, arg_mbs: list[tuple] | None, target_mbs: list | None, train: bool) -> None:
+    """One batch through torch's ``runner`` from micro-batches already split (``None`` where this
+    rank holds neither the first stage nor the last): forward and backward when ``train``, else
+    forward only.
+
+    torch before 2.12 has no ``arg_mbs``/``target_mbs`` in ``step`` and ``eval``: they fell into
+    the whole-batch keyword inputs, which it tried to split (``IndexError: Dimension specified as 0
+    but tensor has no dimensions`` on torch 2.11). There the micro-batches go to the runner's
+    ``_step_microbatches`` with what ``step`` does first."""
+    given = {"arg_mbs": arg_mbs, "target_mbs": target_mbs}
+    given = {name: value for name, value in given.items() if value is not None}
+    if "arg_mbs" in inspect.signature(runner.step).parameters:
+        runner.step(**given, return_outputs=False) if train else runner.eval(**given)
+    else:
+        run_through_step_microbatches(runner, arg_mbs, target_mbs, train)
+
+
+def run_through_step_microbatches(runner: Any, arg_mbs: list[tuple] | None, target_mbs: list | None,
+                                  train: bool) -> None:
+    """:func:`run_pre_split` on a torch whose ``step`` takes whole batches only."""
+    stages = runner._stages if isinstance(runner, PipelineScheduleMulti) else [runner._stage]
+    had_backward = runner._has_backward
+    runner._has_backward = had_backward and train
+    try:
+        for stage in stages:
+            stage.has_backward = runner._has_backward
+            stage.clear_runtime_states()
+        takes = inspect.signature(runner._step_microbatches).parameters
+        runner._step_microbatches(arg_mbs, None, target_mbs, None,
+                                  **({"return_outputs": False} if "return_outputs" in takes else {}))
+    finally:
+        runner._has_backward = had_backward
