@@ -74,7 +74,7 @@ def group_of_one(tmp_path):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])
 def test_pre_split_micro_batches_run_alike_through_step_and_through_the_path_for_older_torch(group_of_one, schedule):
-    """torch before 2.12 takes no pre-split micro-batches in ``step``; the path used there (its
+    """torch 2.11 takes no pre-split micro-batches in ``step``; the path used there (its
     ``_step_microbatches``) gives the float64 losses and gradients of ``step(arg_mbs=...)`` and of
     the plain modules, for one stage per rank and for two virtual stages."""
     import copy

@@ -139,7 +139,7 @@ def run_pre_split(runner: Any, arg_mbs: list[tuple] | None, target_mbs: list | N
     rank holds neither the first stage nor the last): forward and backward when ``train``, else
     forward only.
 
-    torch before 2.12 has no ``arg_mbs``/``target_mbs`` in ``step`` and ``eval``: they fell into
+    torch 2.11 (and older) has no ``arg_mbs``/``target_mbs`` in ``step`` and ``eval``: they fell into
     the whole-batch keyword inputs, which it tried to split (``IndexError: Dimension specified as 0
     but tensor has no dimensions`` on torch 2.11). There the micro-batches go to the runner's
     ``_step_microbatches`` with what ``step`` does first."""
