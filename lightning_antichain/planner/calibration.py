@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ..capture.isolation import attributes_restored, side_effects_undone
 from ..capture.opgraph import OpGraph
@@ -102,13 +103,20 @@ def calibrate(
     from ..runtime.pipeline import Pipeline
 
     call_args, call_kwargs, dims = call_dims(module, args, kwargs, batch_dim)
+    options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False,
+                               "cpu_threads": cpu_threads}
+    if is_accelerator(plan.stages[0].device):
+        # the strategy hands the runtime batches on its root device, the first stage's, and takes the
+        # output there: timed with the batch in host memory, a step would also copy it in and the
+        # output out, and backward from an output in host memory
+        root = torch.device(plan.stages[0].device)
+        call_args, call_kwargs = tree_map_only(torch.Tensor, lambda t: t.to(root), (call_args, call_kwargs))
+        options["output_device"] = root
     micro_batches = microbatch.scatter((call_args, call_kwargs), plan.chunks, dims)
     count = len(micro_batches)
     recomputed = recomputed_micro_batches(recompute, count)
     shared = [shares_host(s.device) for s in plan.stages]
     devices = [s.device for s in plan.stages]
-    options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False,
-                               "cpu_threads": cpu_threads}
     rounds: list[tuple[float, list[dict[Task, float]], list[list[Timed]]]] = []
     operations: list[dict[str, tuple[float, float]]] = []
     with untouched(module), Pipeline(module, plan, chunks=plan.chunks, recompute=recompute, **options) as piped, \
