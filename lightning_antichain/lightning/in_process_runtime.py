@@ -2,14 +2,17 @@
 
 The pipelined module's forward becomes the Pipeline's (planned on the first batch, or on
 ``example_input_array``): the user's step runs once per batch on the joined output, and
-Lightning's backward enters the stages' backward. Replicas (one such process each) average their
-gradients before the optimizer steps; after it, a stage that held more than its memory budget
-is refused.
+Lightning's backward enters the stages' backward. Replicas (one such process each) keep each
+stage in step with torch's DDP, which reduces during the stage's last backward
+(:mod:`~lightning_antichain.runtime.stage_reduction`); after the optimizer step, a stage that held
+more than its memory budget is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -24,9 +27,9 @@ from ..capture.signature import split_inputs
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
+from ..runtime.stage_reduction import StageReduction, average_gradients
 from .forward_patch import ForwardPatch
 from .planned_pipeline import PlannedPipeline
-from .replicas import average_gradients
 
 TRAINING = "training_step"
 
@@ -59,6 +62,7 @@ class InProcessRuntime:
         self._checked_first_step = False
         self._in_training_step = False
         self._leftovers_placed = False
+        self._stage_groups: list[Any] = []  # a process group over the replicas per stage
 
     @property
     def plan(self) -> Plan | None:
@@ -93,6 +97,11 @@ class InProcessRuntime:
         self._calls += 1
         output = self.planned.forward(self.host.target(), args, kwargs, training_step=self._in_training_step)
         self.stages_placed()  # where the stages were placed by this call
+        pipeline = self.pipeline
+        if self._in_training_step and pipeline is not None and pipeline.reduction is None and self._replicated():
+            # after the first training forward: the one point where every replica holds its stages (a
+            # replica that did not plan captures them in that forward) and makes the same collectives
+            pipeline.reduction = self._reduction(pipeline)
         return output
 
     def step(self, hook: str, args: tuple, kwargs: dict) -> Any:
@@ -137,8 +146,10 @@ class InProcessRuntime:
 
             def closure(*args: Any, **kw: Any) -> Any:
                 result = run(*args, **kw)
-                params = [p for group in optimizer.param_groups for p in group["params"]]
-                average_gradients(params, host.root_device, host.world_size)
+                reduction = self.pipeline.reduction if self.pipeline is not None else None
+                held = reduction.held if reduction is not None else set()
+                params = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in held]
+                average_gradients(params, host.root_device)
                 return result
 
         result = Strategy.optimizer_step(host, optimizer, closure, model, **kwargs)
@@ -175,8 +186,31 @@ class InProcessRuntime:
         root = self.host.root_device
         self.host.lightning_module._apply(lambda t: t if t.is_meta or id(t) in staged else t.to(root))
 
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """No reduction between the replicas while Lightning accumulates gradients."""
+        reduction = self.pipeline.reduction if self.pipeline is not None else None
+        with reduction.paused() if reduction is not None else contextlib.nullcontext():
+            yield
+
+    def _replicated(self) -> bool:
+        return self.host.is_distributed and _distributed_is_initialized()
+
+    def _reduction(self, pipeline: Pipeline) -> StageReduction:
+        """Each stage's DDP over the replicas, on a process group of the stage's own (made once, in
+        the same order on every rank). A parameter that several stages read (a tied weight) is left
+        to the average after the backward."""
+        stages = [stage.parameters() for stage in pipeline.stages]
+        readers = Counter(id(p) for parameters in stages for p in parameters)
+        tied = {id(p) for p in pipeline.tied.parameters()}
+        while len(self._stage_groups) < len(stages):
+            self._stage_groups.append(torch.distributed.new_group())
+        return StageReduction([[p for p in parameters if readers[id(p)] == 1 and id(p) not in tied]
+                               for parameters in stages], self._stage_groups[:len(stages)])
+
     def teardown(self) -> None:
         self._forward_patch.uninstall()
         if self.pipeline is not None:
+            self.pipeline.reduction = None
             self.tasks_before += self.pipeline.tasks_run
             self.planned.close()  # modules go back to the CPU after; the plan is kept for the next run

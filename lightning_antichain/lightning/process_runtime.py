@@ -21,6 +21,7 @@ come.)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
@@ -172,6 +173,9 @@ class ProcessRuntime:
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         return Strategy.optimizer_step(self.host, optimizer, closure, model, **kwargs)  # each rank its parameters
+
+    def block_backward_sync(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()  # torch's stages reduce in each step's last backward
 
     def stages_placed(self) -> None:
         """Nothing to do: each rank places its own stages."""

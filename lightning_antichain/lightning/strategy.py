@@ -608,6 +608,14 @@ class AntichainPipelineStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         self.checkpoints.load_optimizers(self.optimizers, checkpoint["optimizer_states"])
 
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No reduction between replicas while Lightning accumulates gradients (in process; the
+        process runtime's DDP reduces in every step's last backward)."""
+        with self._runtime.block_backward_sync():
+            yield
+
     def stages_placed(self) -> None:
         """Each stage is real on its device (called by the runtime)."""
         self._runtime.stages_placed()

@@ -154,6 +154,9 @@ class PassState:
     seed: int | None = None
     #: the autocast settings of the forward, which a recomputed forward runs under again
     autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
+    #: the replicas' reduction when the backward starts, armed before each stage's last backward
+    #: (:class:`~lightning_antichain.runtime.stage_reduction.StageReduction`; ``None``: no replicas)
+    reduction: Callable[[], Any] = lambda: None
 
     def counting(self, k: int) -> Any:
         """Count what stage ``k``'s autograd saves inside the block, when measuring."""
@@ -414,6 +417,8 @@ def run_backward(
         first.put((m, output_grads[m], None))
     # the GPU whose autograd thread waits in this backward: its stages' backward must run there
     waiting = autograd_thread_device(g for grads in output_grads for g in grads)
+    final = [schedule.micro_batches(k, "backward")[-1] for k in range(len(stages))]
+    reduction = state.reduction()
 
     def backward(k: int, m: int, grads: tuple, event: Any) -> tuple:
         streams = stages[k].streams
@@ -429,7 +434,8 @@ def run_backward(
         grads = arrive(grads, event, streams, [False] * len(grads))
         pairs = [(o, g) for o, g in zip(outputs, grads)
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
-
+        if reduction is not None and m == final[k] and pairs:
+            reduction.before_last_backward(k, [o for o, _ in pairs])
         if pairs and waiting is not None and same_device(waiting, streams.device):
             pool.call_on_caller(functools.partial(_differentiate, pairs, streams))
         elif pairs:

@@ -139,6 +139,10 @@ class Pipeline(nn.Module):
         self.recompute = recompute
         self.deferred_batch_norm = deferred_batch_norm
         self.output_device = None if output_device is None else torch.device(output_device)
+        #: the replicas' per-stage DDP (:class:`~lightning_antichain.runtime.stage_reduction.StageReduction`),
+        #: set by whoever runs replicas of this pipeline (before a backward, as late as after its
+        #: forward); ``None``: gradients stay this process's
+        self.reduction: Any = None
         self.leaf_modules = tuple(leaf_modules)
         self._devices = [torch.device(d) for d in (devices or [s.device for s in plan.stages])]
         if len(self._devices) != plan.num_stages:
@@ -281,7 +285,9 @@ class Pipeline(nn.Module):
         """What a training (autograd) pass records for its backward: the step's record, activation
         counters, the random seed."""
         held = self._start_measuring(batch.run) if self.measure_activations else None
-        state = PassState(StepRecord.for_stages(len(batch.run.stages)), held=held, seed=batch.seed)
+        pipeline = weakref.ref(self)  # the workers may hold the state: it must not keep the pipeline alive
+        state = PassState(StepRecord.for_stages(len(batch.run.stages)), held=held, seed=batch.seed,
+                          reduction=lambda: getattr(pipeline(), "reduction", None))
         self.last_step = state.record
         return state
 

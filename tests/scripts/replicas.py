@@ -121,6 +121,7 @@ def main():
     parser.add_argument("--start-method", default="popen")
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--model", choices=["tiny", "gpt2"], default="tiny")
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=)")
     args = parser.parse_args()
     torch.manual_seed(0)
     strategy = (
@@ -139,6 +140,7 @@ def main():
         devices=args.devices,
         strategy=strategy,
         max_steps=10,
+        accumulate_grad_batches=args.accumulate,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
