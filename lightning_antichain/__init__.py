@@ -12,7 +12,7 @@ from .planner.cost_graph import CostGraphError, load_cost_graph, save_cost_graph
 from .planner.cost_model import CostModel, DeviceSpec, InfeasiblePlanError
 from .planner.partition import partition, plan_from_balance
 from .planner.profiler import profile
-from .planner.public import plan
+from .planner.public import plan, plan_layout
 from .runtime.batch_dims import BatchDependenceError, check_micro_batchable
 from .runtime.budget import StageOverBudgetError
 from .runtime.checkpoint_files import load_checkpoint
@@ -55,6 +55,7 @@ __all__ = [
     "partition",
     "plan",
     "plan_from_balance",
+    "plan_layout",
     "profile",
     "save_cost_graph",
     "trace",

@@ -128,29 +128,13 @@ def _parser() -> argparse.ArgumentParser:
 def _plan_layout(args: argparse.Namespace) -> int:
     """``plan --ranks N``: the layout search the strategy runs for ``stages="auto"`` (or a fixed
     ``--stages`` with ``--schedule auto``), on a batch of ``--batch-size`` random samples."""
-    from .planner.layout_cost import Links
-    from .planner.layout_search import LayoutSearch, layout_search, plan_layouts
-    from .planner.planning import INTERNODE_GPU_GBPS, default_bandwidth_gbps
-    from .runtime.process_schedules import process_schedule
+    from .planner.public import plan_layout
 
     if args.ranks < 1 or args.batch_size < 1 or (args.stages != "auto" and args.ranks % args.stages):
         raise ValueError("--ranks and --batch-size must be at least 1, and --stages a divisor of --ranks (or auto)")
     if args.input_shape is None:
         raise ValueError("--input-shape is required")
     _check_device(args.device)
-    per_node = args.per_node or args.ranks
-    kind, _, index = args.device.partition(":")
-    first = int(index or 0)
-
-    def devices_of(layout: Any, schedule: Any) -> list[torch.device]:
-        ranks = [layout.rank(0, schedule.rank_of(s, layout.pp)) for s in range(schedule.num_stages(layout.pp))]
-        return [torch.device(kind, first + r % per_node) if kind == "cuda" else torch.device(kind) for r in ranks]
-
-    search = layout_search(args.stages, args.schedule, None) or LayoutSearch(args.stages, (
-        process_schedule(args.schedule),))
-    on_gpu = kind == "cuda"
-    within = args.bandwidth if args.bandwidth is not None else default_bandwidth_gbps([torch.device(args.device)])
-    across = args.internode if args.internode is not None else (INTERNODE_GPU_GBPS if on_gpu else within)
     options = PipelineOptions(
         method=args.method, bandwidth_gbps=args.bandwidth, memory_gb=args.memory,
         optimizer_multiplier=args.optimizer_multiplier, profile_cache=args.profile_cache,
@@ -158,9 +142,9 @@ def _plan_layout(args: argparse.Namespace) -> int:
         progress=not args.quiet)
     model = _build_model(args.model, args.model_kwargs)
     example = torch.randn(args.batch_size, *args.input_shape)
-    planned = plan_layouts(model, (example,), {}, args.ranks, devices_of, search, Links(per_node, within, across),
-                           options, replication=args.replication, profile_device=torch.device(args.device))
-    plan = planned.plan
+    plan = plan_layout(model, example, args.ranks, options, device=args.device, per_node=args.per_node,
+                       stages=args.stages, schedule=args.schedule, replication=args.replication,
+                       internode_gbps=args.internode)
     if args.output:
         plan.save(args.output)
     print(plan.to_json() if args.json else plan.table())

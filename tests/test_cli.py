@@ -330,10 +330,17 @@ def test_a_plan_saved_by_the_command_trains_a_fresh_capture_with_plan(tmp_path):
 def test_the_command_weighs_the_layouts_of_ranks_on_two_nodes_as_the_strategy_does(tmp_path):
     """``--ranks 4 --per-node 2 --stages auto``: every layout of 4 processes over 2 nodes, with
     every schedule, each with its prediction or why it could not run; the chosen one named in the
-    plan, whose stage count is its pipeline's."""
+    plan, whose stage count is its pipeline's; and ``la.plan_layout`` on the same profile makes the
+    same plan (one path for the command, the library and the strategy)."""
+    import torch
+    import torchvision
+
+    import lightning_antichain as la
+
+    cache = tmp_path / "profiles"
     result = run_main("plan", "torchvision.models.resnet18", "--model-kwargs", '{"num_classes": 10}', "--ranks", "4",
                       "--per-node", "2", "--stages", "auto", "--input-shape", "3,32,32", "--batch-size", "16",
-                      "--no-profile-cache", "--quiet", "--json")
+                      "--profile-cache", str(cache), "--quiet", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     layouts = plan["layouts"]
@@ -343,3 +350,7 @@ def test_the_command_weighs_the_layouts_of_ranks_on_two_nodes_as_the_strategy_do
     assert len(chosen) == 1 and chosen[0]["dp"] == plan["layout"]["dp"]
     assert len(plan["stages"]) == plan["layout"]["pp"] * plan["layout"]["virtual_stages"]
     assert all(row.get("predicted_step_s") is not None or row["lost"] for row in layouts)
+    library = la.plan_layout(torchvision.models.resnet18(num_classes=10), torch.randn(16, 3, 32, 32), 4, per_node=2,
+                             profile_cache=str(cache), calibrate=False, progress=False)
+    assert library.layout == plan["layout"]
+    assert [stage.nodes for stage in library.stages] == [stage["nodes"] for stage in plan["stages"]]

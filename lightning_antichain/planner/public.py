@@ -1,4 +1,5 @@
-"""``la.plan``: the planning the strategy and the ``plan`` command do, as one call.
+"""``la.plan`` and ``la.plan_layout``: the planning the strategy and the ``plan`` command do, as
+one call each (a pipeline on given devices; the layout of replicas and stages for a count of ranks).
 
 ``la.profile`` + ``la.partition`` predict from the profile alone. The strategy and the command
 also check the batch, read and fill the profile cache, time the optimizer, measure the stages of
@@ -64,3 +65,53 @@ def planned_for_call(module: nn.Module, args: tuple, kwargs: dict, devices: Sequ
     if kwargs and args:  # keyword form: name the positional arguments too
         args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
     return plan_model(module, args, kwargs, devices, options, optimizers=optimizers)
+
+
+def plan_layout(
+    module: nn.Module,
+    batch: Any,
+    ranks: int,
+    options: PipelineOptions | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    per_node: int | None = None,
+    stages: int | str = AUTO,
+    schedule: str = AUTO,
+    virtual_stages: int | None = None,
+    replication: str = "ddp",
+    internode_gbps: float | None = None,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    **settings: Any,
+) -> Plan:
+    """The plan of the fastest layout of ``ranks`` processes that fits, for whole batches like
+    ``batch``: ``stages="auto"`` weighs every ``dp x pp``, ``schedule="auto"`` every schedule (both
+    the defaults, as in the ``plan`` command), and each even micro-batch count, as the strategy does
+    with those settings (``plan.layout`` the
+    layout, ``plan.layouts`` every candidate and why it lost). ``device``: the kind of device each
+    rank has (``"cuda"``: rank ``r`` on GPU ``r % per_node``), where the model is also profiled;
+    ``per_node``: ranks per node (default: all on one), their links at ``bandwidth_gbps`` and
+    across nodes at ``internode_gbps`` (default: the strategy's)."""
+    from ..runtime.process_schedules import process_schedule
+    from .layout_cost import Links
+    from .layout_search import LayoutSearch, layout_search, plan_layouts
+    from .planning import INTERNODE_GPU_GBPS, default_bandwidth_gbps
+
+    options = (options or PipelineOptions()).replace(**settings)
+    if ranks < 1 or (stages != AUTO and (not isinstance(stages, int) or stages < 1 or ranks % stages)):
+        raise ValueError(f"ranks={ranks} must be at least 1, and stages={stages!r} 'auto' or a divisor of it")
+    device = torch.device(device)
+    per_node = per_node or ranks
+    first = device.index or 0
+
+    def devices_of(layout: Any, chosen: Any) -> list[torch.device]:
+        held = [layout.rank(0, chosen.rank_of(s, layout.pp)) for s in range(chosen.num_stages(layout.pp))]
+        return [torch.device(device.type, first + r % per_node) if device.type == "cuda" else device for r in held]
+
+    search = layout_search(stages, schedule, virtual_stages) or LayoutSearch(
+        int(stages), (process_schedule(schedule, virtual_stages),))
+    within = options.bandwidth_gbps if options.bandwidth_gbps is not None else default_bandwidth_gbps([device])
+    across = internode_gbps if internode_gbps is not None else (
+        INTERNODE_GPU_GBPS if device.type == "cuda" else within)
+    args, kwargs = split_inputs(batch)
+    return plan_layouts(module, args, kwargs, ranks, devices_of, search, Links(per_node, within, across), options,
+                        optimizers=optimizers, replication=replication, profile_device=device).plan
