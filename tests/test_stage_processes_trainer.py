@@ -227,8 +227,12 @@ def test_a_checkpoint_moves_between_schedules_process_counts_runtimes_and_plain_
 def test_a_checkpoint_moves_between_layouts_of_replicas_and_stages(tmp_path):
     """2 FSDP2 replicas x 2 stages (shards) -> one pipeline of 4 -> 2 DDP replicas x 2 (one file)
     -> plain -> 2 FSDP2 replicas x 2, one epoch each, with AdamW: the losses are an uninterrupted
-    plain run's. Sharded weights and moments are saved whole under the plain names and sharded
-    again on loading; the batch is the step's whole batch in every layout."""
+    plain run's. FSDP2's weights and moments go into the shards as the replicas hold them (each
+    replica writes its half, through torch.distributed.checkpoint) under the plain names, and are
+    read whole by name and sharded again on loading; the batch is the step's whole batch in every
+    layout."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     whole = fit(tmp_path / "whole", "--plain", "--max-epochs", "5", "--adam", "--batch-size", "32")
     replicas = ("--devices", "4", "--stages", "2", "--schedule", "1f1b")
     legs = [(*replicas, "--replication", "fsdp"), ("--devices", "4", "--schedule", "1f1b"), (*replicas, "--one-file"),
@@ -241,6 +245,10 @@ def test_a_checkpoint_moves_between_layouts_of_replicas_and_stages(tmp_path):
                       "--save", str(ckpt), *resume)
         got += reports[0]["losses"]
         previous = ckpt
+        if epoch == 1:  # every weight and moment of a stage in two halves, one from each replica
+            stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+            halves = {key: len(meta.chunks) for key, meta in stored.items() if key.endswith(("weight", "exp_avg"))}
+            assert halves and set(halves.values()) == {2}, halves
     torch.testing.assert_close(f64(got), f64(whole[0]["losses"]), rtol=1e-6, atol=0)
 
 

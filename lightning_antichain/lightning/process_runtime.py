@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from ..capture import capture_call
-from ..capture.pytrees import flatten, map_tensors
+from ..capture.pytrees import flatten, iter_tensors, map_tensors
 from ..device import is_accelerator
 from ..planner.layout_cost import Links
 from ..planner.layout_search import LayoutSearch, plan_layouts
@@ -53,7 +53,7 @@ from ..runtime.options import PipelineOptions
 from ..runtime.plan import Plan
 from ..runtime.process_pipeline import ProcessPipeline
 from ..runtime.process_schedules import ProcessSchedule, process_schedule
-from ..runtime.replication import Replication
+from ..runtime.replication import Replication, is_shard
 from .forward_patch import ForwardPatch
 from .global_norm import clip_by_global_norm
 from .micro_batch_steps import MicroBatchSteps
@@ -345,8 +345,10 @@ class ProcessRuntime:
         checkpoint of shards: what its stages train, and on rank 0 also what no stage holds."""
         if self.pipeline is None or self.steps is None:
             return state if self.host.global_rank == 0 else type(state)()
-        keeps = self._share(self._owned_keys())
-        return type(state)((k, v) for k, v in state.items() if keeps(k))
+        owned = self._owned_keys()
+        keeps = self._share(owned)
+        # a replica's part of a sharded tensor is its own to write, whichever replica it is
+        return type(state)((k, v) for k, v in state.items() if keeps(k) or (k in owned and is_shard(v)))
 
     def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         """This rank's share of ``optimizer``'s ``state_dict`` in a checkpoint of shards: the
@@ -355,7 +357,8 @@ class ProcessRuntime:
         if mine is None:
             return state if self.host.global_rank == 0 else {**state, "state": {}}
         keeps = self._share(mine)
-        return {**state, "state": {i: v for i, v in state["state"].items() if keeps(i)}}
+        return {**state, "state": {i: v for i, v in state["state"].items()
+                                   if keeps(i) or (i in mine and any(is_shard(t) for t in iter_tensors(v)))}}
 
     def stepped(self, optimizer: Any) -> set[int] | None:
         """The indices in ``optimizer``'s ``state_dict`` of the parameters this rank steps

@@ -18,7 +18,7 @@ from torch import nn
 from ..capture.pytrees import map_tensors
 from ..runtime.materialize import has_meta_state, load_lazily, load_state_dict
 from ..runtime.optimizer_state import state_with_parameters
-from ..runtime.replication import full
+from ..runtime.replication import full, is_shard
 from ..runtime.sharded_checkpoint import (
     ShardedCheckpoint,
     ShardedOptimizerStates,
@@ -51,12 +51,17 @@ class StrategyCheckpoints:
         self._waiting: OptimizerStates | None = None
 
     def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """What this rank saves of the LightningModule's ``state``: CPU tensors, all of them (one
-        file, on rank 0) or its share (shards). A tensor sharded over replicas (FSDP2's) is saved
-        whole, under its name, so the checkpoint loads into any layout."""
-        state = type(state)((k, full(v).detach().cpu() if isinstance(v, torch.Tensor) and not v.is_meta else v)
+        """What this rank saves of the LightningModule's ``state``: all of it (one file, on rank 0)
+        or its share (shards). A tensor sharded over replicas (FSDP2's) goes into shards as the
+        replicas hold it, each writing its part (``torch.distributed.checkpoint`` records where
+        each lies), and into one file whole; either way under its name, so the checkpoint loads
+        into any layout."""
+        state = type(state)((k, self._saved(v) if isinstance(v, torch.Tensor) and not v.is_meta else v)
                             for k, v in state.items())  # on meta: another rank's stage, saved by that rank
         return self.runtime.own_state(state) if self.sharded else self.runtime.gathered_state(state)
+
+    def _saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach() if self.sharded and is_shard(tensor) else full(tensor).detach().cpu()
 
     def optimizer_state(self, optimizers: list[Any], optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         """What this rank saves of ``optimizer``'s ``state``; what was loaded, if no step has
@@ -64,7 +69,7 @@ class StrategyCheckpoints:
         if self._waiting is not None:
             i = optimizers.index(optimizer)
             return self._waiting.read(i) if isinstance(self._waiting, ShardedOptimizerStates) else self._waiting[i]
-        state = map_tensors(lambda t: full(t).detach().cpu(), state)
+        state = map_tensors(self._saved, state)
         return (self.runtime.own_optimizer_state(optimizer, state) if self.sharded
                 else self.runtime.gathered_optimizer_state(optimizer, state))
 

@@ -44,6 +44,13 @@ def full(value: Any) -> Any:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def is_shard(value: Any) -> bool:
+    """Whether ``value`` is a ``DTensor``: a share of a tensor spread over replicas (FSDP2's)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
 def local(value: Any) -> Any:
     """This rank's part of ``value`` where it is a ``DTensor``, else ``value``."""
     from torch.distributed.tensor import DTensor
