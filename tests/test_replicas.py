@@ -67,19 +67,11 @@ def test_replicas_accumulating_gradients_over_batches_match_plain(tmp_path):
     torch.testing.assert_close(replicated, plain, rtol=1e-5, atol=0)
 
 
-class Wide(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(4)))
-
-    def forward(self, x):
-        return self.layers(x)
-
-
 def in_process_overlap(rank: int, port: int, results) -> None:
     import os
 
     import torch.distributed as dist
+    from test_stage_replicas import Wide
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     import lightning_antichain as la
@@ -128,6 +120,7 @@ def test_in_process_replicas_reduce_each_stage_during_its_last_backward_and_aver
     import queue
 
     from test_process_stages import started, stop
+    from test_stage_replicas import Wide
 
     processes, results = started(in_process_overlap, 2)
     try:
