@@ -14,7 +14,8 @@ from lightning_antichain.planner.partition import METHODS
 
 
 def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunks=1, opt=2.0):
-    """Best bottleneck over every chain of down-sets and every order of the devices, by search."""
+    """Best bottleneck over every chain of down-sets and every order of the devices, by search; the
+    first stage's device also holds the joined output and its gradient (2 x chunks x the outputs)."""
     pinned = frozenset(v for v in graph.nodes if graph.nodes[v].get("pinned"))
     free = graph.subgraph(set(graph.nodes) - pinned)
     down_sets = [d | pinned for d in brute_force_down_sets(free)]
@@ -35,6 +36,8 @@ def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunk
             activations = sum(attr(v, "output_bytes") for v in nodes) + cut_bytes(before)
             params = sum(attr(v, "param_bytes") for v in nodes)
             need = params * (2 + opt) + sum(attr(v, "buffer_bytes") for v in nodes) + activations * chunks
+            if before == pinned:
+                need += 2 * chunks * sum(attr(v, "output_bytes") for v in outputs)
             if need > memory[device]:
                 return math.inf
         return compute + transfer

@@ -20,7 +20,7 @@ def cost():
 def held_bytes(plan: la.Plan, stage: la.Stage) -> int:
     trainable = stage.param_bytes - stage.frozen_bytes
     state = int(trainable * (2 + plan.optimizer_multiplier)) + stage.frozen_bytes + stage.buffer_bytes
-    return stage.memory_bytes - state
+    return stage.memory_bytes - state - stage.joined_output_bytes
 
 
 @pytest.mark.parametrize("recompute", ["never", "always"])
@@ -64,3 +64,18 @@ def test_la_plan_plans_for_the_schedule_and_does_not_run_it_in_process():
     assert stages[0].memory_bytes - stages[0].param_bytes * 4 - stages[0].buffer_bytes == stages[0].activation_bytes * 3
     with pytest.raises(ValueError, match="schedule must be one of"):
         la.plan(model, x, ["cpu"] * 3, chunks=8, schedule="zb-h3")
+
+
+def test_the_first_stage_holds_the_joined_output_and_its_gradient_where_one_process_takes_the_loss(cost):
+    """In process (GPipe) the micro-batches' outputs are joined on the first stage's device and the
+    whole batch's gradient comes back there: 2 x chunks x one micro-batch's output, on stage 0
+    alone; under 1F1B each micro-batch's loss is taken on the last stage and nothing is joined."""
+    output = sum(cost.nodes[v]["output_bytes"] for v in cost.graph["outputs"])
+    assert output > 0
+    joined = la.partition(cost, 3, chunks=8, schedule="gpipe")
+    apart = la.partition(cost, 3, chunks=8, schedule="1f1b")
+    assert [s.joined_output_bytes for s in joined.stages] == [2 * 8 * output, 0, 0]
+    assert [s.joined_output_bytes for s in apart.stages] == [0, 0, 0]
+    first = joined.stages[0]
+    state = int((first.param_bytes - first.frozen_bytes) * (2 + joined.optimizer_multiplier)) + first.buffer_bytes
+    assert first.memory_bytes == state + first.frozen_bytes + 8 * first.activation_bytes + 2 * 8 * output

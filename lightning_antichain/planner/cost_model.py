@@ -44,7 +44,9 @@ class CostModel:
     parameter byte: 0 for SGD, 1 for SGD with momentum, 2 for Adam. ``held`` is, by stage index,
     how many micro-batches the schedule has in flight on that stage at most
     (:func:`~lightning_antichain.runtime.schedule.in_flight`: ``K - k`` under 1F1B); empty: all
-    ``chunks``, as under GPipe.
+    ``chunks``, as under GPipe. ``joined_output_bytes``: what the first stage's device also holds
+    where one process joins the micro-batches' outputs there (the whole batch's output and its
+    gradient; 0 where each micro-batch's loss is taken apart, as with stages as processes).
     """
 
     chunks: int = 1
@@ -52,6 +54,7 @@ class CostModel:
     optimizer_multiplier: float = 2.0
     recompute: str = "never"
     held: tuple[int, ...] = ()
+    joined_output_bytes: float = 0.0
 
     def held_by(self, index: int | None) -> int:
         """Micro-batches stage ``index`` holds at most (``None``: the most any stage holds)."""
@@ -64,18 +67,20 @@ class CostModel:
         return 2.0 * nbytes / self.bandwidth
 
     def memory_bytes(self, params: Any, buffers: Any, activations: Any, inputs: Any, frozen: Any = 0,
-                     index: int | None = None) -> Any:
+                     index: int | None = None, first: Any = False) -> Any:
         """The peak of stage ``index`` (``None``: of whichever stage holds the most micro-batches):
         parameters with their gradients and optimizer state (none for the ``frozen`` part of
         ``params``, which trains no gradient: a LoRA model's base), buffers, and what it keeps for
         backward. Without recomputation that is the ``activations`` (inputs included) of every
         micro-batch it holds at once (:meth:`held_by`). With it, the peak comes at a backward,
         which recomputes one micro-batch's activations while the others keep only their
-        ``inputs``; ``"except_last"`` and ``"always"`` meet the same peak there."""
+        ``inputs``; ``"except_last"`` and ``"always"`` meet the same peak there. ``first``: whether
+        the stage is the first (an array: per stage), which also holds the joined output."""
         count = self.held_by(index)
         recomputes = self.recompute != "never" and count > 1
         held = inputs * (count - 1) + activations if recomputes else activations * count
-        return (params - frozen) * (2.0 + self.optimizer_multiplier) + frozen + buffers + held
+        joined = self.joined_output_bytes * first
+        return (params - frozen) * (2.0 + self.optimizer_multiplier) + frozen + buffers + held + joined
 
 
 def module_span(graph: nx.DiGraph, nodes: Sequence[Any]) -> list[str]:
@@ -196,7 +201,8 @@ def evaluate_stages(
                 backward_s=sum_attr("backward_s") / spec.speed,
                 transfer_s=float(model.transfer_s(in_bytes + out_bytes)),
                 memory_bytes=int(model.memory_bytes(sum_attr("param_bytes"), sum_attr("buffer_bytes"), activations,
-                                                    kept_inputs, sum_attr("frozen_bytes"), index=k)),
+                                                    kept_inputs, sum_attr("frozen_bytes"), index=k, first=k == 0)),
+                joined_output_bytes=int(model.joined_output_bytes) if k == 0 else 0,
                 param_bytes=int(sum_attr("param_bytes")),
                 frozen_bytes=int(sum_attr("frozen_bytes")),
                 modules=module_span(graph, nodes),

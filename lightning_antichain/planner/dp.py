@@ -52,8 +52,9 @@ def _stage_memory(space: StateSpace, model: CostModel, index: int | None = None)
     activations = diff(space.activation_bytes) + inputs
     if space.graph.graph.get("saved_counted"):
         activations = activations + space.cut_bytes[:, None]
+    first = (np.arange(len(space)) == 0)[None, :]  # a stage from state 0, the empty down-set, is the first
     return model.memory_bytes(diff(space.param_bytes), diff(space.buffer_bytes), activations, inputs,
-                              diff(space.frozen_bytes), index=index)
+                              diff(space.frozen_bytes), index=index, first=first)
 
 
 def solve_bottleneck(

@@ -50,7 +50,9 @@ class Stage:
     with recomputation, one micro-batch's ``activation_bytes`` and ``kept_input_bytes`` (a recomputed
     micro-batch's inputs) for each of the others. ``modules`` names the modules of the stage's
     first and last operations. ``input_bytes`` and ``output_bytes`` are the cuts
-    as shipped.
+    as shipped. ``joined_output_bytes``, on the first stage of a plan run in one process, is the
+    whole batch's output joined on that stage's device (the strategy's root device) and its
+    gradient, which ``memory_bytes`` counts too.
     """
 
     index: int
@@ -76,6 +78,7 @@ class Stage:
     #: (the input's gradient, the weights'); ``None``: ``backward_s`` split by share
     backward_input_s: float | None = None
     backward_weight_s: float | None = None
+    joined_output_bytes: int = 0
 
     def backward_halves(self) -> tuple[float, float]:
         """The seconds of the two halves of a split backward: as measured, else ``backward_s``
