@@ -91,6 +91,7 @@ def plan_layout(
     rank has (``"cuda"``: rank ``r`` on GPU ``r % per_node``), where the model is also profiled;
     ``per_node``: ranks per node (default: all on one), their links at ``bandwidth_gbps`` and
     across nodes at ``internode_gbps`` (default: the strategy's)."""
+    from ..device import is_accelerator
     from ..runtime.process_schedules import process_schedule
     from .layout_cost import Links
     from .layout_search import LayoutSearch, layout_search, plan_layouts
@@ -105,13 +106,13 @@ def plan_layout(
 
     def devices_of(layout: Any, chosen: Any) -> list[torch.device]:
         held = [layout.rank(0, chosen.rank_of(s, layout.pp)) for s in range(chosen.num_stages(layout.pp))]
-        return [torch.device(device.type, first + r % per_node) if device.type == "cuda" else device for r in held]
+        return [torch.device(device.type, first + r % per_node) if is_accelerator(device) else device for r in held]
 
     search = layout_search(stages, schedule, virtual_stages) or LayoutSearch(
         int(stages), (process_schedule(schedule, virtual_stages),))
     within = options.bandwidth_gbps if options.bandwidth_gbps is not None else default_bandwidth_gbps([device])
     across = internode_gbps if internode_gbps is not None else (
-        INTERNODE_GPU_GBPS if device.type == "cuda" else within)
+        INTERNODE_GPU_GBPS if is_accelerator(device) else within)
     args, kwargs = split_inputs(batch)
     return plan_layouts(module, args, kwargs, ranks, devices_of, search, Links(per_node, within, across), options,
                         optimizers=optimizers, replication=replication, profile_device=device).plan
