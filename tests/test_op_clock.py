@@ -103,6 +103,7 @@ def test_a_calibration_times_every_operation_of_the_plan_and_keeps_the_times_in_
     assert read is not None and read.operations == {k: tuple(v) for k, v in timed.items()}
 
 
+@pytest.mark.slow  # 28 s: two fresh interpreters
 def test_freed_cpu_memory_is_kept_for_reuse_by_worker_threads():
     """Worker threads that allocate and free activations fault them in again every step unless
     malloc keeps what was freed: counted in page faults, which do not depend on the machine's load."""

@@ -122,6 +122,7 @@ def test_float64_parity(name, stages, chunks):
     assert plan.num_stages == stages
 
 
+@pytest.mark.slow  # 13 s; the zoo's Trainer test runs DenseNet-121 through the pipeline in the default suite
 def test_densenet121_parity_on_a_small_input():
     model = frozen_norms(torchvision.models.densenet121(num_classes=5))
     CASES["densenet121"] = (lambda: model, lambda n: (torch.randn(n, 3, 32, 32),), {})

@@ -195,6 +195,7 @@ def test_a_stage_that_raises_stops_every_stage_process_within_seconds():
 
 
 @pytest.mark.processes
+@pytest.mark.slow  # 22 s; a raising stage process (above) and a failing Trainer rank stay in the default suite
 def test_a_stage_process_that_dies_stops_every_other_stage_process_within_seconds():
     """Rank 1 dies without a word (os._exit): ranks 0 and 2 fail on the closed connection, none hangs."""
     processes, errors = run_with_a_failing_rank("killed")

@@ -112,6 +112,7 @@ def in_process_overlap(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 26 s; the replicas' Trainer test above keeps DDP per stage in the default suite
 def test_in_process_replicas_reduce_each_stage_during_its_last_backward_and_average_the_gradients():
     """Each stage's DDP sends its buckets during the stage's last micro-batch's backward, the first
     before that backward reaches the stage's first layer (the reduction overlaps the backward; one

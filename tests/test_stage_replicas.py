@@ -63,7 +63,8 @@ def replica_process(rank: int, port: int, how: str, results: mp.Queue) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("how", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])  # DDP: the Trainer's test
+@pytest.mark.slow  # 25 s each; the DDP replicas' Trainer test stays in the default suite
+@pytest.mark.parametrize("how", ["ddp", "fsdp"])
 def test_each_stage_replicated_over_dp_by_torch_trains_as_the_plain_module(how):
     processes, results = started(replica_process, 4, how)
     reports = []
