@@ -25,11 +25,11 @@ step() {  # step NAME SECONDS COMMAND...: run it bounded, keep its output, note 
     echo "$name: exit $? after $((SECONDS - started)) s (limit $limit s)" | tee -a "$out/summary.txt"
 }
 
-step pytest-gpu 120 python -m pytest -m gpu -q -p no:cacheprovider --gpu-device "$device"
-step gpu-one 300 python benchmarks/gpu.py --device "$device" "${small[@]}" --repeats 5 --no-write --parts one
-step gpu-memory 80 python benchmarks/gpu.py --device "$device" "${small[@]}" --no-write --parts memory
+step pytest-gpu 110 python -m pytest -m gpu -q -p no:cacheprovider --gpu-device "$device"
+step gpu-one 330 python benchmarks/gpu.py --device "$device" "${small[@]}" --repeats 5 --no-write --parts one
+step gpu-memory 70 python benchmarks/gpu.py --device "$device" "${small[@]}" --no-write --parts memory
 step large-model 40 python benchmarks/large_model.py --device "$device" --part both --no-write
-step gpu-breakdown 50 python benchmarks/gpu_breakdown.py --device "$device" "${small[@]}" --parts overhead \
+step gpu-breakdown 40 python benchmarks/gpu_breakdown.py --device "$device" "${small[@]}" --parts overhead \
     --out "$out/breakdown"
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
 # the device tool brings back at most 8 files: every text output in one file, the traces in one archive
