@@ -211,6 +211,7 @@ def _fit(devices: int) -> TutorialModule:
     return model
 
 
+@pytest.mark.slow  # 14 s; the Trainer parity tests of the default suite cover the path
 def test_the_tutorial_model_trains_through_the_trainer_like_plain_lightning():
     plain, piped = _fit(1), _fit(2)
     assert len(plain.losses) == 10

@@ -408,6 +408,7 @@ def test_gradient_accumulation_and_recomputation_under_stage_processes_equal_pla
         assert report["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-6)
 
 
+@SLOW  # 24 s; in process, models built on meta train in the default suite (test_hf_meta.py, the zoo)
 def test_gpt2_built_on_meta_is_made_real_stage_by_stage_each_rank_its_own_and_trains_as_plain(tmp_path, plain_with):
     """Built in configure_model() on the meta device (empty_init) and loaded from the plain model's
     initial weights, as a pretrained checkpoint goes in: each rank makes only its own stages'
