@@ -191,3 +191,21 @@ def test_a_plans_balance_given_back_as_balance_makes_the_same_split():
     operations = [planned.balance[0] - 1, *planned.balance[1:]]  # the input left out, as before
     assert [s.nodes for s in la.plan_from_balance(cost, operations, chunks=4).stages] == [
         s.nodes for s in planned.stages]
+
+
+def test_a_round_whose_measured_stages_left_no_time_is_printed_not_divided_by():
+    """Calibrated stage times are the measured tasks less the runtime's own cost per task, which a
+    busy moment can measure as more than a tiny model's tasks: a round's measured bound is then 0,
+    and the plan's table (printed by the strategy on every rank) must still print."""
+    import torch
+    from torch import nn
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    plan = la.partition(la.profile(m, torch.randn(2, 4), repeats=1, warmup=0, progress=False), 2, chunks=2)
+    plan.rounds = [dict(balance=[2, 2], profiled_bottleneck_s=1.0, profiled_lower_bound_s=1.0,
+                        measured_bottleneck_s=0.0, measured_lower_bound_s=0.0),
+                   dict(balance=[1, 3], profiled_bottleneck_s=1.0, profiled_lower_bound_s=0.5,
+                        measured_bottleneck_s=0.2, measured_lower_bound_s=0.1)]
+    table = plan.table()
+    assert "round 0: [2, 2] ops, predicted x1.000, measured bottleneck 0.00 ms (x1.000)" in table
+    assert "round 1: [1, 3] ops, predicted x2.000, measured bottleneck 200.00 ms (x2.000)" in table

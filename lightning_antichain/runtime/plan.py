@@ -278,9 +278,9 @@ class Plan:
             for i, row in enumerate(self.rounds):
                 lines.append(
                     f"  round {i}: {row['balance']} ops, predicted x"
-                    f"{row['profiled_bottleneck_s'] / row['profiled_lower_bound_s']:.3f}, measured bottleneck "
+                    f"{_ratio(row['profiled_bottleneck_s'], row['profiled_lower_bound_s']):.3f}, measured bottleneck "
                     f"{1e3 * row['measured_bottleneck_s']:.2f} ms (x"
-                    f"{row['measured_bottleneck_s'] / row['measured_lower_bound_s']:.3f})"
+                    f"{_ratio(row['measured_bottleneck_s'], row['measured_lower_bound_s']):.3f})"
                     + ("  <- chosen" if row.get("chosen") else ""))
         for reference, blocks in self.repeated_blocks.items():
             lines.append(f"profiled once: {_span(blocks)} ({len(blocks)} blocks) repeat {reference} operation for "
@@ -413,3 +413,9 @@ def _json_number(value: Any) -> Any:
     if isinstance(value, float) and math.isinf(value):
         return None
     return float(value)
+
+
+def _ratio(bottleneck: float, bound: float) -> float:
+    """A bottleneck over its lower bound, as :attr:`Plan.bound_ratio` reads one (1.0 where the
+    bound is 0: stages measured faster than the runtime's own cost per task leave no time)."""
+    return bottleneck / bound if bound > 0 else 1.0
