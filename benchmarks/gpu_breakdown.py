@@ -112,6 +112,47 @@ def kernel_time(run: Callable[[], None], steps: int, device: torch.device, table
     return busy, count, syncs
 
 
+def gpu_gaps(run: Callable[[], None], device: torch.device, steps: int, trace: Path | None = None) -> str:
+    """Where the GPU waits inside a step that starts on an idle GPU (as the clock times it): the
+    wait before the step's first kernel, the idle time between its kernels, and the longest gaps
+    with the kernels around them (torch.profiler; empty off CUDA). ``trace``: a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if device.type != "cuda":
+        return ""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.cuda.synchronize(device)
+            with record_function("benchmark_step"):
+                run()
+        torch.cuda.synchronize(device)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    events = prof.events()
+    starts = sorted(e.time_range.start for e in events if e.name == "benchmark_step")
+    on_gpu = torch.autograd.DeviceType.CUDA
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == on_gpu)
+    leads, idles, gaps = [], [], []
+    for k, begin in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else float("inf")
+        mine = [kern for kern in kernels if begin <= kern[0] < end]
+        if not mine:
+            continue
+        leads.append(mine[0][0] - begin)
+        reached = mine[0][1]
+        idle = 0.0
+        for (_, _, before), (start, stop, after) in zip(mine, mine[1:]):
+            if start > reached:
+                idle += start - reached
+                gaps.append((start - reached, (start - begin) / 1e3, before[:40], after[:40]))
+            reached = max(reached, stop)
+        idles.append(idle)
+    worst = sorted(gaps, reverse=True)[:4]
+    shown = "; ".join(f"{g / 1e3:.2f} ms at {at:.1f} ms, {a} -> {b}" for g, at, a, b in worst)
+    return (f"wait for the first kernel {statistics.median(leads) / 1e3:.2f} ms, idle between kernels "
+            f"{statistics.median(idles) / 1e3:.2f} ms per step; longest gaps: {shown}")
+
+
 def host_time(run: Callable[[], None], device: torch.device, repeats: int) -> float:
     """Median seconds until a step returns to the caller (no synchronisation after it)."""
     times = []
@@ -124,6 +165,13 @@ def host_time(run: Callable[[], None], device: torch.device, repeats: int) -> fl
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return statistics.median(times)
+
+
+def back_to_back(clock: Clock, run: Callable[[], None], steps: int) -> float:
+    """Seconds per step of ``steps`` steps timed as one, the host running ahead of the device as
+    in training that does not wait for each step's loss."""
+    run()
+    return clock.time(lambda: [run() for _ in range(steps)]) / steps
 
 
 def thread_cpu(run: Callable[[], None], steps: int, device: torch.device) -> dict[str, float]:
@@ -156,13 +204,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("breakdown"))
     parser.add_argument("--parts", default="overhead,prediction,memory,lock")
+    parser.add_argument("--models", default="ResNet-50,GPT-2 (12 x 768)", help="comma-separated, of the two")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     clock = Clock(device)
     zoo = models(args.small)
     print(f"Machine: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}; host {machine()}")
-    names = ("ResNet-50", "GPT-2 (12 x 768)")
+    names = tuple(args.models.split(","))
 
     def built(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
         build, batch, size = zoo[name]
@@ -194,6 +243,8 @@ def main() -> None:
                 kern = {
                     k: kernel_time(s, 3, device, args.out / f"profile_{tag(name)}_{k}.txt") for k, s in steps.items()
                 }
+                waits = {k: gpu_gaps(s, device, 3, args.out / f"trace_{tag(name)}_{k}.json") for k, s in steps.items()}
+                ahead = {k: back_to_back(clock, s, args.repeats) for k, s in steps.items()}
             print(
                 f"| {name} | {1e3 * medians['plain']:.1f} | {1e3 * medians['stage']:.1f} "
                 f"| {100 * (medians['stage'] / medians['plain'] - 1):+.1f}% | {1e3 * host['plain']:.1f} "
@@ -202,6 +253,12 @@ def main() -> None:
                 f"| {kern['plain'][2]:.0f} | {kern['stage'][2]:.0f} |",
                 flush=True,
             )
+            print(f"  back to back ({args.repeats} steps, no synchronisation between them): plain "
+                  f"{1e3 * ahead['plain']:.1f} ms, stage {1e3 * ahead['stage']:.1f} ms per step "
+                  f"({100 * (ahead['stage'] / ahead['plain'] - 1):+.1f}%)", flush=True)
+            for k, text in waits.items():
+                if text:
+                    print(f"  GPU waits, {k}: {text}", flush=True)
             del plain, model, pipe
 
     @guarded("prediction: profile, calibrated and measured step")
@@ -266,7 +323,7 @@ def main() -> None:
 
     @guarded("memory: the plan's terms against the allocator")
     def memory() -> None:
-        name = names[1]
+        name = names[-1]
         print(
             "| recompute | params+grads MB | activations MB x | kept inputs MB | predicted MB | peak MB "
             "| peak/predicted | measured act MB | after fwd MB | after loss MB | after bwd MB | reserved MB |"
@@ -335,7 +392,7 @@ def main() -> None:
 
     @guarded("lock: K stages sharing the GPU, CPU seconds per thread against kernel time")
     def lock() -> None:
-        name = names[1]
+        name = names[-1]
         chunks = min(8, zoo[name][2])
         for stages in (1, 2, 4):
             model, x = built(name)

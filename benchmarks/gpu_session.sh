@@ -25,12 +25,12 @@ step() {  # step NAME SECONDS COMMAND...: run it bounded, keep its output, note 
     echo "$name: exit $? after $((SECONDS - started)) s (limit $limit s)" | tee -a "$out/summary.txt"
 }
 
-step pytest-gpu 110 python -m pytest -m gpu -q -p no:cacheprovider --gpu-device "$device"
-step gpu-one 330 python benchmarks/gpu.py --device "$device" "${small[@]}" --repeats 5 --no-write --parts one
-step gpu-memory 70 python benchmarks/gpu.py --device "$device" "${small[@]}" --no-write --parts memory
-step large-model 40 python benchmarks/large_model.py --device "$device" --part both --no-write
-step gpu-breakdown 40 python benchmarks/gpu_breakdown.py --device "$device" "${small[@]}" --parts overhead \
-    --out "$out/breakdown"
+step gpu-one 320 python benchmarks/gpu.py --device "$device" "${small[@]}" --repeats 5 --no-write --parts one
+step gpu-memory 65 python benchmarks/gpu.py --device "$device" "${small[@]}" --no-write --parts memory
+step pytest-gpu 95 python -m pytest -m gpu -q -p no:cacheprovider --gpu-device "$device"
+step gpu-breakdown 55 python benchmarks/gpu_breakdown.py --device "$device" "${small[@]}" --parts overhead \
+    --models ResNet-50 --repeats 5 --out "$out/breakdown"
+[ "${SKIP_LARGE:-0}" = 1 ] || step large-model 40 python benchmarks/large_model.py --device "$device" --part both --no-write
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
 # the device tool brings back at most 8 files: every text output in one file, the traces in one archive
 for f in "$out"/*.txt; do echo "=== $(basename "$f")"; cat "$f"; done >"$out/session.log"

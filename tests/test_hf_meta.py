@@ -254,7 +254,7 @@ def test_lora_adapters_on_a_decoder_built_on_meta_train_like_plain_and_the_froze
         trainable = stage.param_bytes - stage.frozen_bytes
         held = stage.activation_bytes * plan.chunks
         assert stage.memory_bytes == (trainable * 4 + stage.frozen_bytes + stage.buffer_bytes + held
-                                      + stage.joined_output_bytes)
+                                      + stage.joined_output_bytes + stage.loss_workspace_bytes)
 
     plain = LoraLM("llama")
     plain.configure_model()

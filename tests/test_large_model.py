@@ -154,7 +154,8 @@ def test_each_stage_fits_a_budget_the_whole_model_does_not():
     assert len(measured.steps) == 2
     assert max(max(step) for step in measured.steps) <= budget < whole
     # to the byte; the joined output, beside the first stage on its device, is the batch's
-    assert measured.steps[-1] == [stage.memory_bytes - stage.joined_output_bytes for stage in fit.strategy.plan.stages]
+    beside = [s.joined_output_bytes + s.loss_workspace_bytes for s in fit.strategy.plan.stages]
+    assert measured.steps[-1] == [s.memory_bytes - b for s, b in zip(fit.strategy.plan.stages, beside)]
 
 
 def test_a_budget_no_split_meets_is_refused_with_what_to_change():

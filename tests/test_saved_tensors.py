@@ -16,7 +16,7 @@ def _held_prediction(plan: la.Plan) -> list[int]:
     """The part of each stage's predicted memory that is kept for backward (the joined output, on
     the first stage's device, is the batch's, not the stage's)."""
     return [s.memory_bytes - int(s.param_bytes * (2 + plan.optimizer_multiplier)) - s.buffer_bytes
-            - s.joined_output_bytes for s in plan.stages]
+            - s.joined_output_bytes - s.loss_workspace_bytes for s in plan.stages]
 
 
 def _loss(output) -> torch.Tensor:

@@ -20,7 +20,7 @@ def cost():
 def held_bytes(plan: la.Plan, stage: la.Stage) -> int:
     trainable = stage.param_bytes - stage.frozen_bytes
     state = int(trainable * (2 + plan.optimizer_multiplier)) + stage.frozen_bytes + stage.buffer_bytes
-    return stage.memory_bytes - state - stage.joined_output_bytes
+    return stage.memory_bytes - state - stage.joined_output_bytes - stage.loss_workspace_bytes
 
 
 @pytest.mark.parametrize("recompute", ["never", "always"])
@@ -69,13 +69,29 @@ def test_la_plan_plans_for_the_schedule_and_does_not_run_it_in_process():
 def test_the_first_stage_holds_the_joined_output_and_its_gradient_where_one_process_takes_the_loss(cost):
     """In process (GPipe) the micro-batches' outputs are joined on the first stage's device and the
     whole batch's gradient comes back there: 2 x chunks x one micro-batch's output, on stage 0
-    alone; under 1F1B each micro-batch's loss is taken on the last stage and nothing is joined."""
+    alone, and the loss's workspace (two more) meets all the stage keeps; under 1F1B each
+    micro-batch's loss is taken on the last stage and nothing is joined."""
     output = sum(cost.nodes[v]["output_bytes"] for v in cost.graph["outputs"])
     assert output > 0
     joined = la.partition(cost, 3, chunks=8, schedule="gpipe")
     apart = la.partition(cost, 3, chunks=8, schedule="1f1b")
     assert [s.joined_output_bytes for s in joined.stages] == [2 * 8 * output, 0, 0]
-    assert [s.joined_output_bytes for s in apart.stages] == [0, 0, 0]
+    assert [s.loss_workspace_bytes for s in joined.stages] == [2 * 8 * output, 0, 0]
+    assert [(s.joined_output_bytes, s.loss_workspace_bytes) for s in apart.stages] == [(0, 0)] * 3
     first = joined.stages[0]
     state = int((first.param_bytes - first.frozen_bytes) * (2 + joined.optimizer_multiplier)) + first.buffer_bytes
-    assert first.memory_bytes == state + first.frozen_bytes + 8 * first.activation_bytes + 2 * 8 * output
+    assert first.memory_bytes == state + first.frozen_bytes + 8 * first.activation_bytes + 4 * 8 * output
+
+
+@pytest.mark.parametrize("recompute", ["except_last", "always"])
+def test_the_loss_workspace_meets_what_the_stage_keeps_at_the_loss_backward(cost, recompute):
+    """The loss's backward runs before any stage's: ``except_last`` then keeps its last micro-batch
+    whole, so the workspace adds in full; ``always`` keeps only inputs then, so the workspace adds
+    only as far as it rises above the stage's later peak at a recomputation."""
+    output = sum(cost.nodes[v]["output_bytes"] for v in cost.graph["outputs"])
+    first = la.partition(cost, 3, chunks=8, schedule="gpipe", recompute=recompute).stages[0]
+    peak_at_recompute = 7 * first.kept_input_bytes + first.activation_bytes
+    at_loss = (8 * first.kept_input_bytes if recompute == "always" else peak_at_recompute) + 2 * 8 * output
+    assert first.loss_workspace_bytes == max(0, at_loss - peak_at_recompute)
+    state = int((first.param_bytes - first.frozen_bytes) * (2 + 2.0)) + first.buffer_bytes + first.frozen_bytes
+    assert first.memory_bytes == state + max(peak_at_recompute, at_loss) + 2 * 8 * output

@@ -47,6 +47,9 @@ class CostModel:
     ``chunks``, as under GPipe. ``joined_output_bytes``: what the first stage's device also holds
     where one process joins the micro-batches' outputs there (the whole batch's output and its
     gradient; 0 where each micro-batch's loss is taken apart, as with stages as processes).
+    ``loss_workspace_bytes``: what the loss's own computation holds there at its backward beyond
+    that output and its gradient (a cross-entropy's log-softmax and its gradient, a squared
+    error's square and its gradient), which meets whatever the stage keeps at that moment.
     """
 
     chunks: int = 1
@@ -55,6 +58,7 @@ class CostModel:
     recompute: str = "never"
     held: tuple[int, ...] = ()
     joined_output_bytes: float = 0.0
+    loss_workspace_bytes: float = 0.0
 
     def held_by(self, index: int | None) -> int:
         """Micro-batches stage ``index`` holds at most (``None``: the most any stage holds)."""
@@ -75,12 +79,28 @@ class CostModel:
         micro-batch it holds at once (:meth:`held_by`). With it, the peak comes at a backward,
         which recomputes one micro-batch's activations while the others keep only their
         ``inputs``; ``"except_last"`` and ``"always"`` meet the same peak there. ``first``: whether
-        the stage is the first (an array: per stage), which also holds the joined output."""
+        the stage is the first (an array: per stage), which also holds the joined output and the
+        loss's workspace (:meth:`loss_side_bytes`)."""
+        held = self.held_bytes(activations, inputs, index)
+        beside = self.loss_side_bytes(activations, inputs, index, first)
+        return (params - frozen) * (2.0 + self.optimizer_multiplier) + frozen + buffers + held + beside
+
+    def held_bytes(self, activations: Any, inputs: Any, index: int | None = None) -> Any:
+        """What stage ``index`` keeps for backward at its peak (see :meth:`memory_bytes`)."""
         count = self.held_by(index)
         recomputes = self.recompute != "never" and count > 1
-        held = inputs * (count - 1) + activations if recomputes else activations * count
-        joined = self.joined_output_bytes * first
-        return (params - frozen) * (2.0 + self.optimizer_multiplier) + frozen + buffers + held + joined
+        return inputs * (count - 1) + activations if recomputes else activations * count
+
+    def loss_side_bytes(self, activations: Any, inputs: Any, index: int | None = None, first: Any = False) -> Any:
+        """What the whole batch's loss adds to the first stage's peak on its device: the joined
+        output and its gradient, and the loss's workspace as far as it rises above the stage's own
+        peak. The loss's backward comes before any stage's, when the stage keeps all it holds
+        (``"never"``, and ``"except_last"``, whose last micro-batch is kept whole), or only its
+        micro-batches' inputs (``"always"``, whose peak comes later, at a recomputation)."""
+        count = self.held_by(index)
+        held = self.held_bytes(activations, inputs, index)
+        at_loss = inputs * count if self.recompute == "always" and count > 1 else held
+        return (self.joined_output_bytes + np.maximum(0.0, at_loss + self.loss_workspace_bytes - held)) * first
 
 
 def module_span(graph: nx.DiGraph, nodes: Sequence[Any]) -> list[str]:
@@ -203,6 +223,8 @@ def evaluate_stages(
                 memory_bytes=int(model.memory_bytes(sum_attr("param_bytes"), sum_attr("buffer_bytes"), activations,
                                                     kept_inputs, sum_attr("frozen_bytes"), index=k, first=k == 0)),
                 joined_output_bytes=int(model.joined_output_bytes) if k == 0 else 0,
+                loss_workspace_bytes=int(model.loss_side_bytes(activations, kept_inputs, k, k == 0)
+                                         - (model.joined_output_bytes if k == 0 else 0)),
                 param_bytes=int(sum_attr("param_bytes")),
                 frozen_bytes=int(sum_attr("frozen_bytes")),
                 modules=module_span(graph, nodes),

@@ -75,7 +75,7 @@ def partition(
     if bandwidth <= 0:
         raise ValueError(f"bandwidth_gbps must be positive, got {bandwidth_gbps}")
     model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)),
-                      held_micro_batches(schedule, stages, chunks), joined_output_bytes(graph, chunks, schedule))
+                      held_micro_batches(schedule, stages, chunks), *batch_loss_bytes(graph, chunks, schedule))
     free = [v for v in ordered_nodes(graph) if not graph.nodes[v]["pinned"]]
     if len(free) < stages:
         raise InfeasiblePlanError(
@@ -155,7 +155,7 @@ def plan_from_balance(
     specs = device_specs(len(balance), devices, None, memory_gb)
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
     model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)),
-                      held_micro_batches(schedule, len(balance), chunks), joined_output_bytes(graph, chunks, schedule))
+                      held_micro_batches(schedule, len(balance), chunks), *batch_loss_bytes(graph, chunks, schedule))
     bounds = np.cumsum([0, *balance])
     stage_nodes = [free[bounds[k] : bounds[k + 1]] for k in range(len(balance))]
     stage_nodes[0] = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]] + stage_nodes[0]
@@ -246,11 +246,14 @@ def _refusals(graph: nx.DiGraph) -> str:
     return "; ".join(refused) if isinstance(refused, list) else str(refused)
 
 
-def joined_output_bytes(graph: nx.DiGraph, chunks: int, schedule: str) -> float:
+def batch_loss_bytes(graph: nx.DiGraph, chunks: int, schedule: str) -> tuple[float, float]:
     """What the first stage's device holds beside the stage where one process runs the whole
-    batch's loss: the micro-batches' outputs joined into the batch's, and that output's gradient
-    (2 x ``chunks`` x one micro-batch's output); nothing where each micro-batch's loss is taken on
-    the last stage (stages as processes)."""
+    batch's loss: the micro-batches' outputs joined into the batch's and that output's gradient
+    (2 x ``chunks`` x one micro-batch's output), and the loss's workspace at its backward, taken
+    as two more of the output (what common losses keep and make: a cross-entropy's log-softmax
+    and its gradient, a squared error's square and its gradient); nothing where each
+    micro-batch's loss is taken on the last stage (stages as processes)."""
     if not runs_in_process(schedule):
-        return 0.0
-    return 2.0 * chunks * sum(graph.nodes[v]["output_bytes"] for v in graph.graph.get("outputs", []))
+        return 0.0, 0.0
+    output = chunks * sum(graph.nodes[v]["output_bytes"] for v in graph.graph.get("outputs", []))
+    return 2.0 * output, 2.0 * output

@@ -52,7 +52,8 @@ class Stage:
     first and last operations. ``input_bytes`` and ``output_bytes`` are the cuts
     as shipped. ``joined_output_bytes``, on the first stage of a plan run in one process, is the
     whole batch's output joined on that stage's device (the strategy's root device) and its
-    gradient, which ``memory_bytes`` counts too.
+    gradient, and ``loss_workspace_bytes`` what the loss's own computation adds to that device's
+    peak; ``memory_bytes`` counts both.
     """
 
     index: int
@@ -79,6 +80,7 @@ class Stage:
     backward_input_s: float | None = None
     backward_weight_s: float | None = None
     joined_output_bytes: int = 0
+    loss_workspace_bytes: int = 0
 
     def backward_halves(self) -> tuple[float, float]:
         """The seconds of the two halves of a split backward: as measured, else ``backward_s``
