@@ -54,6 +54,9 @@ class Captures:
         self.leaf_modules = leaf_modules
         self.runnables: dict[Hashable, Runnable] = {}
         self._reference: OpGraph | None = None  # a capture with the plan's own operations
+        #: the module and its submodules as the first call found them: walking the tree on every
+        #: step for their training flags cost a large model's step a millisecond of host time
+        self._modules: list[nn.Module] | None = None
 
     def given(self, graph: OpGraph) -> Runnable:
         """Make ``graph`` (captured by the caller) the runnable of the mode it was captured in."""
@@ -65,7 +68,9 @@ class Captures:
         if none was), or, where that graph does not hold for the call's first micro-batch (``None``
         where it saw a tensor, another constant) or for the caches the module holds now
         (:mod:`~lightning_antichain.capture.kept`), one captured for that call from that state."""
-        mode = training_flags(self.module)
+        if self._modules is None:
+            self._modules = list(self.module.modules())
+        mode = tuple(m.training for m in self._modules)
         run = self.runnables.get((mode, None))
         if run is None:
             run = self.runnables[(mode, None)] = self.use(self.capture_for(args, kwargs), (args, kwargs))
