@@ -181,8 +181,9 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     parser.add_argument("--chunk-counts", default="1,2,4,8", help="micro-batch counts of the one-stage table")
     parser.add_argument("--parts", default="one,memory,shared,simulated,processes",
-                        help="which tables: one (one stage), memory, shared (K stages on one GPU), simulated, "
-                             "processes (torch's schedules, one process per GPU)")
+                        help="which tables: one (one stage), compiled (one stage through torch.compile), memory, "
+                             "shared (K stages on one GPU), simulated, processes (torch's schedules, one process "
+                             "per GPU)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     cache = Path(tempfile.mkdtemp(prefix="gpu-benchmark-"))  # profiles shared by the tables, none from earlier runs
@@ -240,6 +241,45 @@ def main() -> None:
                          f"| {1e3 * accumulated:.1f} | {100 * (medians['pipe'] / accumulated - 1):+.1f}% |")
             print(lines[-1], flush=True)
             del plain, model, pipe
+    # 1b. compiled: the stage through torch.compile against the compiled plain module
+    lines += ["", "### One stage compiled (`compile_stages`) against the compiled plain module", "",
+              "Each compiled on its first steps (the warm-up), then timed; `torch.compile` defaults "
+              "(inductor), and `mode=\"reduce-overhead\"` (CUDA graphs) for the stage.", "",
+              "| model | chunks | plain ms | plain compiled ms | stage ms | stage compiled ms "
+              "| stage compiled, CUDA graphs ms | stage compiled / plain compiled |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name in ("ResNet-50", "GPT-2 (12 x 768)") if "compiled" in parts else ():
+        for chunks in map(int, args.chunk_counts.split(",")):
+            build, batch, size = zoo[name]
+            if size // chunks < 2:
+                continue
+            torch.manual_seed(0)
+            model, x = build(), batch(size)
+            xs = x.to(device)
+            plain = copy.deepcopy(model).to(device)
+            plain_compiled = torch.compile(copy.deepcopy(model).to(device))
+            plan = la.plan(model, x, [str(device)], chunks=chunks, profile_cache=str(cache), progress=False,
+                           calibrate=False)
+            steps = {"plain": step_of(plain, list(plain.parameters()), xs),
+                     "plain compiled": step_of(plain_compiled, list(plain_compiled.parameters()), xs)}
+            pipes = []
+            for label, compiled in (("stage", False), ("stage compiled", True),
+                                    ("stage graphs", {"mode": "reduce-overhead"})):
+                copied = copy.deepcopy(model)
+                pipe = la.Pipeline(copied, plan, chunks=chunks, compile_stages=compiled)
+                pipes.append(pipe)
+                steps[label] = step_of(pipe, list(copied.parameters()), xs)
+            try:
+                medians = interleaved(clock, steps, args.repeats, warmup=3)
+            finally:
+                for pipe in pipes:
+                    pipe.close()
+            ms = {k: f"{1e3 * v:.1f}" for k, v in medians.items()}
+            lines.append(f"| {name} | {chunks} | {ms['plain']} | {ms['plain compiled']} | {ms['stage']} "
+                         f"| {ms['stage compiled']} | {ms['stage graphs']} "
+                         f"| {medians['stage compiled'] / medians['plain compiled']:.3f} |")
+            print(lines[-1], flush=True)
+            del plain, plain_compiled, model, pipes
     # 2. memory per stage, predicted against measured, for each recompute mode
     lines += ["", "### Memory of one stage: predicted against the allocator's peak", "",
               "Parameters, gradients and activations (SGD without momentum keeps no state); the measured "

@@ -197,6 +197,47 @@ def thread_cpu(run: Callable[[], None], steps: int, device: torch.device) -> dic
     return dict(kinds)
 
 
+class LockProbe:
+    """How much of the time some thread holds the interpreter lock: a probe thread sleeps
+    ``period`` seconds at a time and times how long past each wake-up it waits before it runs
+    Python again. A wake that finds the lock free runs at once (the idle machine's wake-up
+    latency, measured first); one that finds it held waits until the holder lets go. The share
+    of wakes that waited past ``threshold`` over the idle latency samples the share of the time
+    the lock was held (torch's operators let it go while they run, the Python around them not)."""
+
+    def __init__(self, period: float = 0.002, threshold: float = 2e-4) -> None:
+        self.period, self.threshold = period, threshold
+        self.idle = statistics.median(self._waits(100))
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lock-probe", daemon=True)
+
+    def _waits(self, count: int) -> list[float]:
+        waits = []
+        for _ in range(count):
+            started = time.perf_counter()
+            time.sleep(self.period)
+            waits.append(time.perf_counter() - started - self.period)
+        return waits
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.extend(self._waits(1))
+
+    def __enter__(self) -> LockProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def held_share(self) -> float:
+        """The share of the probe's wakes that found the lock held."""
+        held = sum(1 for w in self.samples if w - self.idle > self.threshold)
+        return held / max(1, len(self.samples))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda:0")
@@ -403,12 +444,23 @@ def main() -> None:
                 wall = interleaved(clock, {"step": step}, args.repeats)["step"]
                 cpu = thread_cpu(step, args.repeats, device)
                 busy, count, _ = kernel_time(step, 2, device)
+                with LockProbe() as probe:
+                    probed = back_to_back(clock, step, args.repeats)
             spent = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v > 1e-4)
+            held = probe.held_share() * probed
             print(
                 f"K={stages}: step {1e3 * wall:.1f} ms, kernels {1e3 * busy:.1f} ms ({count:.0f}), "
-                f"CPU ms per step: {spent}",
+                f"CPU ms per step: {spent}; interpreter lock held {100 * probe.held_share():.0f}% of a step "
+                f"({1e3 * held:.0f} ms of {1e3 * probed:.0f} ms back to back; {len(probe.samples)} probe wakes, idle "
+                f"wake-up {1e6 * probe.idle:.0f} us)",
                 flush=True,
             )
+            if stages == 1:
+                per_gpu = busy / 8 * (chunks + 7) / chunks  # GPipe's fill and drain over 8 stages
+                print(f"  projected for 8 GPUs in one process: kernels {1e3 * per_gpu:.0f} ms per GPU with the "
+                      f"bubble, the lock {1e3 * held:.0f} ms per step: a step of at least "
+                      f"{1e3 * max(per_gpu, held):.0f} ms against {1e3 * wall:.0f} ms on one GPU "
+                      f"({wall / max(per_gpu, held):.1f}x)", flush=True)
             del model, pipe
 
     parts = {"overhead": overhead, "prediction": prediction, "memory": memory, "lock": lock}

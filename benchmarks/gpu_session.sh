@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/gpu_session.sh                  # on the GPU machine (device: cuda:0)
 #   DEVICE=cpu bash benchmarks/gpu_session.sh       # a dry run here, small inputs, tests on the CPU
+#   STEPS="compiled lock" bash benchmarks/gpu_session.sh   # a second call: the steps the first leaves out
 set -u
 export PYTHONUNBUFFERED=1  # a step stopped at its limit keeps every row it printed
 cd "$(dirname "$0")/.."
@@ -17,20 +18,26 @@ small=()
 # the GPU machine reaches no package index, so an editable install (which builds) fails there
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-step() {  # step NAME SECONDS COMMAND...: run it bounded, keep its output, note how it ended
+steps=" ${STEPS:-gpu-one gpu-memory pytest-gpu gpu-breakdown large-model} "
+step() {  # step NAME SECONDS COMMAND...: run it bounded (if STEPS names it), keep its output, note how it ended
     local name=$1 limit=$2
     shift 2
+    [[ "$steps" == *" $name "* ]] || return 0
     local started=$SECONDS
     timeout "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "$name: exit $? after $((SECONDS - started)) s (limit $limit s)" | tee -a "$out/summary.txt"
 }
 
-step gpu-one 320 python benchmarks/gpu.py --device "$device" "${small[@]}" --repeats 5 --no-write --parts one
+step gpu-one 300 python benchmarks/gpu.py --device "$device" "${small[@]}" --repeats 5 --no-write --parts one
 step gpu-memory 65 python benchmarks/gpu.py --device "$device" "${small[@]}" --no-write --parts memory
-step pytest-gpu 95 python -m pytest -m gpu -q -p no:cacheprovider --gpu-device "$device"
+step pytest-gpu 110 python -m pytest -m gpu -q -p no:cacheprovider --gpu-device "$device"
 step gpu-breakdown 55 python benchmarks/gpu_breakdown.py --device "$device" "${small[@]}" --parts overhead \
     --models ResNet-50 --repeats 5 --out "$out/breakdown"
-[ "${SKIP_LARGE:-0}" = 1 ] || step large-model 40 python benchmarks/large_model.py --device "$device" --part both --no-write
+step large-model 40 python benchmarks/large_model.py --device "$device" --part both --no-write
+step compiled 300 python benchmarks/gpu.py --device "$device" "${small[@]}" --repeats 5 --no-write --parts compiled \
+    --chunk-counts 1,4
+step lock 120 python benchmarks/gpu_breakdown.py --device "$device" "${small[@]}" --parts lock --repeats 5 \
+    --out "$out/breakdown"
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
 # the device tool brings back at most 8 files: every text output in one file, the traces in one archive
 for f in "$out"/*.txt; do echo "=== $(basename "$f")"; cat "$f"; done >"$out/session.log"

@@ -49,7 +49,7 @@ from ..runtime.layout import Layout
 from ..runtime.link_speed import measured_gbps
 from ..runtime.model_loss import with_items_in_batch
 from ..runtime.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
-from ..runtime.options import PipelineOptions
+from ..runtime.options import PipelineOptions, compile_arguments
 from ..runtime.plan import Plan
 from ..runtime.process_pipeline import ProcessPipeline
 from ..runtime.process_schedules import ProcessSchedule, process_schedule
@@ -438,7 +438,8 @@ class ProcessRuntime:
                                         host.root_device, group=self._pipeline_group(), replication=replication,
                                         initializer=Initializer(target, self.options.param_init_fn),
                                         recompute=self.options.recompute == "always",
-                                        deferred_batch_norm=self.options.deferred_batch_norm)
+                                        deferred_batch_norm=self.options.deferred_batch_norm,
+                                        compile_arguments=compile_arguments(self.options.compile_stages))
         with_replaced_parameters(host.optimizers, self.pipeline.replaced)
         host.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
         state_sharded_like_parameters(host.optimizers)

@@ -152,6 +152,10 @@ class AntichainPipelineStrategy(ParallelStrategy):
             gathered on rank 0. Default: shards with ``schedule=``, one file without. Either loads
             into any stage count, schedule or runtime; ``lightning-antichain consolidate DIR`` makes
             shards one file for plain Lightning.
+        compile_stages: run each stage's graph through ``torch.compile``: ``True`` with its
+            defaults, or a dict of its arguments (``{"mode": "reduce-overhead"}``: CUDA graphs,
+            which take the host's launches out of a step). Each stage compiles on its first
+            micro-batch. Planning and calibration time the stages uncompiled.
     """
 
     strategy_name = "antichain_pipeline"
@@ -188,6 +192,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
         save_distributed_checkpoint: bool | None = None,
         replication: Replication = "ddp",
         checkpoint: Literal["never", "except_last", "always"] | None = None,
+        compile_stages: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__()
         recompute = renamed_recompute(recompute, checkpoint)
@@ -201,7 +206,7 @@ class AntichainPipelineStrategy(ParallelStrategy):
             internode_gbps=internode_gbps, memory_gb=memory_gb,
             optimizer_multiplier=optimizer_multiplier, profile_cache=Path(profile_cache) if profile_cache else None,
             use_profile_cache=use_profile_cache, calibrate=calibrate, rebalance_rounds=rebalance_rounds,
-            cpu_threads=cpu_threads, param_init_fn=param_init_fn,
+            cpu_threads=cpu_threads, param_init_fn=param_init_fn, compile_stages=compile_stages,
         )
         #: what the planner chooses of the layout of stages as processes (stages= or schedule="auto")
         self.layout_search = layout_search(stages, schedule, virtual_stages) if schedule is not None else None

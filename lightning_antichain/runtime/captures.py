@@ -40,8 +40,10 @@ class Captures:
 
     def __init__(self, module: nn.Module, plan: Plan, devices: Sequence[torch.device], chunks: int,
                  batch_dim: Any, leaf_modules: tuple, param_init_fn: ParamInitFn | None = None,
-                 slots: Sequence[Hashable] | None = None) -> None:
+                 slots: Sequence[Hashable] | None = None, compile_arguments: dict[str, Any] | None = None) -> None:
         self.module = module
+        #: ``torch.compile``'s arguments for every stage cut (``compile_stages``); ``None``: eager
+        self.compile_arguments = compile_arguments
         self.initializer = Initializer(module, param_init_fn)
         self.plan = plan
         self._devices = list(devices)
@@ -101,6 +103,7 @@ class Captures:
         stage queues there (a tied parameter's gradient) is ordered whichever capture runs."""
         for stage in stages:
             stage.streams = self._streams.setdefault(stage.index, stage.streams)
+            stage.compile_arguments = self.compile_arguments
         place_stages(stages, initializer, self._slots, self.tied)
 
     def use(self, graph: OpGraph, call: tuple[tuple, dict] | None) -> Runnable:

@@ -37,10 +37,13 @@ class PipelineOptions:
     ``measure_activations`` (count what each stage keeps for backward), ``device_slots`` (which
     device each stage runs on, where stages on one torch device still stand for different ones,
     as CPU devices do: a parameter used on several gets a leaf on each; ``None``: the torch
-    devices), and ``param_init_fn``
+    devices), ``param_init_fn``
     (fills a module's new tensors when a model built on meta is made real, instead of Hugging
     Face's ``_init_weights`` or the module's ``reset_parameters()``; see
-    :mod:`~lightning_antichain.runtime.initialization`).
+    :mod:`~lightning_antichain.runtime.initialization`), and ``compile_stages`` (run each stage's
+    graph through ``torch.compile``: ``True`` with its defaults, or a dict of its arguments, such
+    as ``{"mode": "reduce-overhead"}`` for CUDA graphs; planning and calibration time the stages
+    uncompiled).
 
     Planning: ``balance`` (operations per stage instead of planning), ``method`` (the antichain DP
     or a baseline), ``schedule`` (the order the stages run their tasks in, which sets the predicted
@@ -67,6 +70,7 @@ class PipelineOptions:
     cpu_threads: int | None = None
     measure_activations: bool = False
     param_init_fn: Callable[[Any], None] | None = None
+    compile_stages: bool | Mapping[str, Any] = False
     device_slots: tuple[int, ...] | None = None
     balance: tuple[int, ...] | None = None
     method: str = "antichain"
@@ -113,6 +117,7 @@ class PipelineOptions:
                 f"balance lists how many operations each stage runs: one positive whole number per stage, got "
                 f"{balance!r}. Leave it out to let the planner choose."
             )
+        object.__setattr__(self, "compile_stages", checked_compile_stages(self.compile_stages))
         # Sequences become tuples, so that options compare, hash and print by value.
         object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules or ()))
         if balance is not None:
@@ -132,6 +137,40 @@ class PipelineOptions:
         if unknown:
             raise TypeError(f"unknown pipeline option(s) {unknown}; the options are {sorted(fields)}")
         return dataclasses.replace(self, **changes)
+
+
+#: what ``compile_stages`` may pass to ``torch.compile``
+COMPILE_ARGUMENTS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
+
+
+def checked_compile_stages(value: Any) -> bool | tuple[tuple[str, Any], ...]:
+    """``compile_stages`` as options hold it: a bool, or ``torch.compile``'s arguments as sorted
+    pairs (so that options still compare and hash by value)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)
+    if not isinstance(value, Mapping) or any(not isinstance(k, str) for k in value):
+        raise ValueError(f"compile_stages is True (torch.compile's defaults), False, or a dict of torch.compile's "
+                         f"arguments such as {{'mode': 'reduce-overhead'}}; got {value!r}")
+    unknown = sorted(set(value) - set(COMPILE_ARGUMENTS))
+    if unknown:
+        raise ValueError(f"compile_stages got {', '.join(map(repr, unknown))}, which torch.compile does not take per "
+                         f"stage; it takes {', '.join(COMPILE_ARGUMENTS)}")
+    return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(sorted(value.items())) if isinstance(value, Mapping) else value
+
+
+def compile_arguments(compile_stages: bool | tuple[tuple[str, Any], ...]) -> dict[str, Any] | None:
+    """The arguments to compile each stage's graph with, ``None``: run it uncompiled."""
+    if compile_stages is False:
+        return None
+    if compile_stages is True:
+        return {}
+    return {k: dict(v) if k == "options" and isinstance(v, tuple) else v for k, v in compile_stages}
 
 
 def renamed_recompute(recompute: str, checkpoint: str | None) -> str:

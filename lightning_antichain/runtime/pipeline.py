@@ -41,7 +41,7 @@ from .captures import Captures, Runnable
 from .cpu_threads import stage_threads
 from .engine import PassState, StepRecord, run_forward
 from .model_loss import WeightedSum, is_items_in_batch, join_weights, joins_as, with_items_in_batch
-from .options import PipelineOptions
+from .options import PipelineOptions, compile_arguments
 from .output_join import (
     Assigned,
     MicroOutputs,
@@ -155,7 +155,8 @@ class Pipeline(nn.Module):
                              "under 'gpipe': set plan.schedule = 'gpipe', or plan again without a schedule")
         #: every capture of the module made ready to run
         self._captures = Captures(module, plan, self._devices, chunks, batch_dim, self.leaf_modules,
-                                  options.param_init_fn, options.device_slots)
+                                  options.param_init_fn, options.device_slots,
+                                  compile_arguments(options.compile_stages))
         self._run: Runnable | None = None  # the one the last call ran
         if share_cpu_allocator and any(shares_host(d) for d in self._devices):
             keep_freed_memory()

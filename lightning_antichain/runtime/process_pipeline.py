@@ -41,13 +41,15 @@ class ProcessPipeline:
     (``recompute``: every stage keeps only its inputs and runs its forward again in backward;
     ``deferred_batch_norm``: BatchNorm running statistics from the whole batch, once per step;
     ``replication``: how and over which 1-D mesh of ranks each stage is kept in step with the
-    other replicas', :mod:`.replication`). ``rank``, ``ranks`` and ``group`` are the pipeline's:
-    its ranks alone."""
+    other replicas', :mod:`.replication`; ``compile_arguments``: each stage's graph through
+    ``torch.compile`` with these). ``rank``, ``ranks`` and ``group`` are the pipeline's: its ranks
+    alone."""
 
     def __init__(self, graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
                  device: torch.device, group: Any = None, initializer: Initializer | None = None,
                  recompute: bool = False, deferred_batch_norm: bool = False,
-                 replication: tuple[Replication, Any] | None = None) -> None:
+                 replication: tuple[Replication, Any] | None = None,
+                 compile_arguments: dict[str, Any] | None = None) -> None:
         self.graph, self.plan, self.schedule = graph, plan, schedule
         self.rank, self.ranks, self.device, self.group = rank, ranks, device, group
         every = split_for_ranks(graph, plan, schedule, ranks, device)
@@ -58,6 +60,8 @@ class ProcessPipeline:
                              "train without replicas, or keep the tie within one stage (colocate_tied=True)")
         self.tied = TiedParameters(holders(every, schedule, ranks), params, names, rank)
         self.stages: list[FlatStage] = place_rank(every, schedule, rank, ranks, initializer, recompute)
+        for stage in self.stages:
+            stage.stage.compile_arguments = compile_arguments
         self.tied.share_values()
         #: what torch's stages run: each stage, or its replicated wrapper over the other replicas' ranks
         self.modules: list[torch.nn.Module] = list(self.stages)

@@ -81,6 +81,10 @@ class SeededCall:
         self.__name__ = "seeded_" + "".join(c if c.isalnum() else "_" for c in name)
         self.__module__ = __name__
 
+    # eager under torch.compile (compile_stages): the draws must come from these generators, and
+    # dynamo would trace each random operation's call apart, guarding on its name (GPT-2's
+    # dropouts went past its recompile limit)
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = getattr(_local, "key", None)
         if key is None:

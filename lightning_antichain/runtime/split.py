@@ -13,7 +13,7 @@ being shipped between stages.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -58,6 +58,8 @@ class StageModule:
     random_nodes: tuple[str, ...] = ()
     #: set while the stage's operations are timed in context (:mod:`~lightning_antichain.runtime.op_clock`)
     clock: OpClock | None = None
+    #: ``torch.compile``'s arguments where the stage runs compiled (``compile_stages``); ``None``: eager
+    compile_arguments: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.streams is None:
@@ -68,7 +70,14 @@ class StageModule:
         if self.clock is not None:
             with watching(self.clock):
                 return flatten(self.clocked_module(*self.arguments(tuple(unflatten(leaves, spec)))))
-        return flatten(self.module(*self.arguments(tuple(unflatten(leaves, spec)))))
+        module = self.module if self.compile_arguments is None else self.compiled_module
+        return flatten(module(*self.arguments(tuple(unflatten(leaves, spec)))))
+
+    @cached_property
+    def compiled_module(self) -> Callable[..., Any]:
+        """The stage's graph through ``torch.compile`` (compiled on its first call, again for a
+        micro-batch of shapes its guards do not hold for)."""
+        return torch.compile(self.module, **(self.compile_arguments or {}))
 
     @cached_property
     def clocked_module(self) -> fx.GraphModule:

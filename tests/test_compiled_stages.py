@@ -1,0 +1,113 @@
+"""``compile_stages``: each stage's graph runs through ``torch.compile`` and trains exactly as the
+plain module does (float64), in the Pipeline and under the Trainer; bad arguments are refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from lit_models import TinyClassifier, loader, trainer
+from pipelined import assert_pipelined
+from torch import nn
+from torch._dynamo.utils import counters
+
+import lightning_antichain as la
+
+EAGER_AUTOGRAD = {"backend": "aot_eager"}  # dynamo and AOTAutograd without a C++ build: the tests' speed
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+
+def _compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_compiled_stages_train_like_the_plain_module_in_float64(recompute):
+    torch.manual_seed(0)
+    model = _mlp()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 8, dtype=torch.float64)
+    plan = la.partition(la.profile(model, x[:4], "cpu", progress=False), stages=2, chunks=2, devices=["cpu", "cpu"])
+    before = _compiled_graphs()
+    with la.Pipeline(model, plan, chunks=2, recompute=recompute, compile_stages=EAGER_AUTOGRAD) as pipe:
+        for _ in range(2):
+            pipe(x).square().mean().backward()
+        stages = pipe._run.stages
+    for _ in range(2):
+        plain(x).square().mean().backward()
+    assert len(stages) == 2 and all("compiled_module" in vars(stage) for stage in stages)
+    assert _compiled_graphs() - before >= 2  # each stage's graph went through dynamo
+    for mine, theirs in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_compiled_stages_draw_the_random_numbers_the_eager_stages_draw(recompute):
+    """Dropout runs eagerly inside a compiled stage, from the pipeline's own generators: the same
+    masks as the uncompiled pipeline, recomputed or not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.3),
+                          nn.Linear(16, 4)).double()
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 8, dtype=torch.float64)
+    plan = la.partition(la.profile(model, x[:4], "cpu", progress=False), stages=2, chunks=2, devices=["cpu", "cpu"])
+    for net, compiled in ((model, EAGER_AUTOGRAD), (twin, False)):
+        with la.Pipeline(net, plan, chunks=2, recompute=recompute, compile_stages=compiled) as pipe:
+            for step in range(2):
+                torch.manual_seed(step)
+                pipe(x).square().mean().backward()
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-12)
+
+
+def test_without_compile_stages_nothing_is_compiled():
+    torch.manual_seed(0)
+    model = _mlp()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    plan = la.partition(la.profile(model, x[:4], "cpu", progress=False), stages=2, chunks=2, devices=["cpu", "cpu"])
+    with la.Pipeline(model, plan, chunks=2) as pipe:
+        pipe(x).sum().backward()
+        assert not any("compiled_module" in vars(stage) for stage in pipe._run.stages)
+
+
+def test_the_strategy_compiles_its_stages_and_trains_like_plain_lightning():
+    losses = []
+    for strategy, devices in [("auto", 1), (la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False,
+                                                                          calibrate=False,
+                                                                          compile_stages=EAGER_AUTOGRAD), 2)]:
+        torch.manual_seed(0)
+        model = TinyClassifier()
+        t = trainer(strategy=strategy, devices=devices, max_steps=4, limit_val_batches=0)
+        before = _compiled_graphs()
+        t.fit(model, loader())
+        losses.append(torch.tensor(model.losses))
+    assert_pipelined(t)
+    assert _compiled_graphs() - before >= 2  # both stages ran compiled (the plain run compiles nothing)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ({"modee": "max-autotune"}, "compile_stages got 'modee', which torch.compile does not take"),
+    ("yes", "compile_stages is True"),
+])
+def test_compile_arguments_torch_compile_does_not_take_are_refused(value, message):
+    with pytest.raises(ValueError, match=message):
+        la.AntichainPipelineStrategy(compile_stages=value)
+
+
+@pytest.mark.slow  # inductor builds C++ kernels on the CPU: tens of seconds
+def test_stages_compiled_by_inductor_train_like_the_plain_module():
+    torch.manual_seed(0)
+    model = _mlp()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 8, dtype=torch.float64)
+    plan = la.partition(la.profile(model, x[:4], "cpu", progress=False), stages=2, chunks=2, devices=["cpu", "cpu"])
+    with la.Pipeline(model, plan, chunks=2, compile_stages=True) as pipe:
+        pipe(x).square().mean().backward()
+    plain(x).square().mean().backward()
+    for mine, theirs in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-9, atol=1e-12)
