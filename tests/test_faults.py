@@ -36,6 +36,7 @@ def run(tmp_path, name, *args):
     return losses(out)
 
 
+@pytest.mark.slow  # 45-49 s; checkpoints resuming in the default suite: test_strategy's and the failing stage process's
 def test_killed_run_resumes_like_plain_lightning(tmp_path):
     # 4 steps per epoch, a checkpoint at each epoch end, SIGKILL at step 6, resume from step 4.
     uninterrupted = run(tmp_path, "plain_full", [])

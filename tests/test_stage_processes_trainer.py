@@ -74,6 +74,7 @@ PREDICT = ("--predict",)  # predictions come back from the last stage, in order,
     pytest.param(4, "zb-h1", (), marks=SLOW),
     pytest.param(4, "zbv", PREDICT, marks=SLOW),
     pytest.param(2, "1f1b", ("--chunks", "auto"), marks=SLOW),  # the mean loss is the same for any count
+    pytest.param(2, "1f1b", ("--compile",), marks=SLOW, id="2-1f1b-compiled"),  # compile_stages per process
 ])
 def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain_with, devices, schedule, extra):
     plain = plain_with(*extra)
@@ -96,6 +97,8 @@ def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain
     assert all(c == calibration[0] for c in calibration) and calibration[0]["runtime"] == "processes"
     assert calibration[0]["steps"] == 3 and calibration[0]["schedule"] == schedule
     assert calibration[0]["measured_step_s"] > 0 and ranks[0]["plan"]["predicted_step_s"] > 0
+    if "--compile" in extra:
+        assert all(r["compiled_graphs"] > 0 for r in ranks)
     if "--predict" in extra:
         expected = f64(plain["predictions"])
         for rank in range(devices):

@@ -21,6 +21,7 @@ import lightning as L
 import torch
 import torchmetrics
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -220,6 +221,7 @@ class Record(L.Callback):
             "tied_across_devices": self.tied,
             "plan": trainer.strategy.plan.to_dict() if getattr(trainer.strategy, "plan", None) else None,
             "mesh": getattr(module, "mesh_seen", None),
+            "compiled_graphs": counters["stats"]["unique_graphs"],  # by torch.compile, with --compile
         }))
 
 
@@ -253,6 +255,7 @@ def main() -> None:
                         help="processes per pipeline (replicas: the rest), or auto")
     parser.add_argument("--replication", default="ddp", help="how a stage's replicas keep in step")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch of each replica")
+    parser.add_argument("--compile", action="store_true", help="compile_stages with AOTAutograd's eager backend")
     args = parser.parse_args()
     torch.manual_seed(0)
     schedule = None if args.schedule == "none" else args.schedule  # none: the in-process runtime
@@ -260,7 +263,8 @@ def main() -> None:
         schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False,
         leaf_modules=["fault"], recompute=args.recompute, empty_init=args.meta,
         save_distributed_checkpoint=False if args.one_file else None, balance=args.balance,
-        deferred_batch_norm=args.deferred_bn, stages=args.stages, replication=args.replication)
+        deferred_batch_norm=args.deferred_bn, stages=args.stages, replication=args.replication,
+        compile_stages={"backend": "aot_eager"} if args.compile else False)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
         precision="64-true", max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
