@@ -21,6 +21,12 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
 
 
+def _two_stages(model: nn.Module, samples: int = 8) -> tuple[torch.Tensor, la.Plan]:
+    """A float64 batch for ``model`` and its plan over two CPU stages in two micro-batches."""
+    x = torch.randn(samples, 8, dtype=torch.float64)
+    return x, la.partition(la.profile(model, x[:4], "cpu", progress=False), stages=2, chunks=2, devices=["cpu"] * 2)
+
+
 def _compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
@@ -30,8 +36,7 @@ def test_compiled_stages_train_like_the_plain_module_in_float64(recompute):
     torch.manual_seed(0)
     model = _mlp()
     plain = copy.deepcopy(model)
-    x = torch.randn(8, 8, dtype=torch.float64)
-    plan = la.partition(la.profile(model, x[:4], "cpu", progress=False), stages=2, chunks=2, devices=["cpu", "cpu"])
+    x, plan = _two_stages(model)
     before = _compiled_graphs()
     with la.Pipeline(model, plan, chunks=2, recompute=recompute, compile_stages=EAGER_AUTOGRAD) as pipe:
         for _ in range(2):
@@ -53,8 +58,7 @@ def test_compiled_stages_draw_the_random_numbers_the_eager_stages_draw(recompute
     model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 16), nn.Dropout(0.3),
                           nn.Linear(16, 4)).double()
     twin = copy.deepcopy(model)
-    x = torch.randn(8, 8, dtype=torch.float64)
-    plan = la.partition(la.profile(model, x[:4], "cpu", progress=False), stages=2, chunks=2, devices=["cpu", "cpu"])
+    x, plan = _two_stages(model)
     for net, compiled in ((model, EAGER_AUTOGRAD), (twin, False)):
         with la.Pipeline(net, plan, chunks=2, recompute=recompute, compile_stages=compiled) as pipe:
             for step in range(2):
@@ -70,8 +74,7 @@ def test_a_compiled_stage_takes_micro_batches_of_another_size_like_the_plain_mod
     torch.manual_seed(0)
     model = _mlp()
     plain = copy.deepcopy(model)
-    x = torch.randn(15, 8, dtype=torch.float64)
-    plan = la.partition(la.profile(model, x[:4], "cpu", progress=False), stages=2, chunks=2, devices=["cpu", "cpu"])
+    x, plan = _two_stages(model, samples=15)
     with la.Pipeline(model, plan, chunks=2, compile_stages=EAGER_AUTOGRAD) as pipe:
         for batch in (x[:8], x[8:]):
             pipe(batch).square().mean().backward()
@@ -84,8 +87,7 @@ def test_a_compiled_stage_takes_micro_batches_of_another_size_like_the_plain_mod
 def test_without_compile_stages_nothing_is_compiled():
     torch.manual_seed(0)
     model = _mlp()
-    x = torch.randn(8, 8, dtype=torch.float64)
-    plan = la.partition(la.profile(model, x[:4], "cpu", progress=False), stages=2, chunks=2, devices=["cpu", "cpu"])
+    x, plan = _two_stages(model)
     with la.Pipeline(model, plan, chunks=2) as pipe:
         pipe(x).sum().backward()
         assert not any("compiled_module" in vars(stage) for stage in pipe._run.stages)
@@ -121,8 +123,7 @@ def test_stages_compiled_by_inductor_train_like_the_plain_module():
     torch.manual_seed(0)
     model = _mlp()
     plain = copy.deepcopy(model)
-    x = torch.randn(8, 8, dtype=torch.float64)
-    plan = la.partition(la.profile(model, x[:4], "cpu", progress=False), stages=2, chunks=2, devices=["cpu", "cpu"])
+    x, plan = _two_stages(model)
     with la.Pipeline(model, plan, chunks=2, compile_stages=True) as pipe:
         pipe(x).square().mean().backward()
     plain(x).square().mean().backward()

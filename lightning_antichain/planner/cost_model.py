@@ -97,10 +97,11 @@ class CostModel:
         peak. The loss's backward comes before any stage's, when the stage keeps all it holds
         (``"never"``, and ``"except_last"``, whose last micro-batch is kept whole), or only its
         micro-batches' inputs (``"always"``, whose peak comes later, at a recomputation)."""
-        count = self.held_by(index)
-        held = self.held_bytes(activations, inputs, index)
-        at_loss = inputs * count if self.recompute == "always" and count > 1 else held
-        return (self.joined_output_bytes + np.maximum(0.0, at_loss + self.loss_workspace_bytes - held)) * first
+        workspace: Any = self.loss_workspace_bytes
+        if workspace and self.recompute == "always" and self.held_by(index) > 1:
+            # inputs x count at the loss against inputs x (count - 1) + activations at the stage's peak
+            workspace = np.maximum(0.0, inputs + workspace - activations)
+        return (self.joined_output_bytes + workspace) * first
 
 
 def module_span(graph: nx.DiGraph, nodes: Sequence[Any]) -> list[str]:
