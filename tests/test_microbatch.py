@@ -45,3 +45,34 @@ def test_scalar_outputs_cannot_be_gathered():
 def test_empty_batch_is_rejected():
     with pytest.raises(microbatch.MicroBatchError, match="empty"):
         microbatch.scatter(torch.zeros(0, 3), 2)
+
+
+def test_per_sample_lists_split_with_the_samples_where_asked():
+    """A DataLoader collates per-sample strings into a list: with ``lists=True`` (a step run per
+    micro-batch) it is split with the tensors; other lists and plain values reach every part."""
+    batch = {"x": torch.arange(10.0).view(10, 1), "names": [f"n{i}" for i in range(10)], "size": (32, 32),
+             "pair": Pair(torch.arange(10), [f"m{i}" for i in range(10)])}
+    parts = microbatch.scatter(batch, 4, lists=True)
+    assert [p["names"] for p in parts] == [["n0", "n1", "n2"], ["n3", "n4", "n5"], ["n6", "n7"], ["n8", "n9"]]
+    assert [p["x"].flatten().tolist() for p in parts][2] == [6.0, 7.0] and parts[3]["pair"].right == ["m8", "m9"]
+    assert all(p["size"] == (32, 32) for p in parts) and isinstance(parts[0]["pair"], Pair)
+    assert all(p["names"] == batch["names"] for p in microbatch.scatter(batch, 4))  # not asked: whole
+
+
+def test_step_results_join_into_the_whole_batchs():
+    """What a step returns per micro-batch, as its whole batch's: tensors on the dim that follows
+    the samples, per-sample lists concatenated, a floating-point scalar as the sample-weighted
+    mean, the same value once; values that differ and cannot be joined are refused."""
+    sizes = [3, 3, 2, 2]
+    x = torch.arange(10.0)
+    parts = microbatch.scatter({"x": x, "names": [str(i) for i in range(10)]}, 4, lists=True)
+    results = [{"y": p["x"].view(-1, 1) * 2, "t": p["x"].view(1, -1), "names": p["names"], "batch": 7,
+                "mean": p["x"].mean(), "pair": (p["x"], None)} for p in parts]
+    joined = microbatch.join_results(results, sizes)
+    assert torch.equal(joined["y"], x.view(-1, 1) * 2) and torch.equal(joined["t"], x.view(1, -1))
+    assert joined["names"] == [str(i) for i in range(10)] and joined["batch"] == 7 and joined["pair"][1] is None
+    assert joined["mean"].item() == pytest.approx(x.mean().item())
+    with pytest.raises(microbatch.MicroBatchError, match="differ between micro-batches"):
+        microbatch.join_results([1, 2, 3, 4], sizes)
+    with pytest.raises(microbatch.MicroBatchError, match="no dim that follows"):
+        microbatch.join_results([torch.ones(5) * i for i in range(4)], sizes)

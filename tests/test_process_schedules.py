@@ -118,3 +118,22 @@ def test_pre_split_micro_batches_run_alike_through_step_and_through_the_path_for
         assert losses == pytest.approx([loss.item() for loss in plain_losses], rel=1e-12)
         for g, h in zip(grads, expected, strict=True):
             torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
+
+
+def test_counts_a_schedule_does_not_take_run_in_gpipes_order_on_its_placement():
+    """1F1B and ZBV need one micro-batch per stage at least, the interleaved ones whole rounds;
+    GPipe's order runs any count on any placement: each rank's forwards in stage order, then its
+    backwards in reverse, so no task waits on one its rank runs later."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    assert process_schedule("1f1b").takes(2, 2) and not process_schedule("1f1b").takes(1, 2)
+    assert process_schedule("zbv").takes(4, 2) and not process_schedule("zbv").takes(3, 2)
+    assert process_schedule("interleaved-1f1b").takes(4, 2) and not process_schedule("interleaved-1f1b").takes(5, 2)
+    assert process_schedule("gpipe").takes(1, 4)
+    order = process_schedule("zbv").fill_drain_order(2, 2)
+    tasks = {rank: [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index, a.microbatch_index)
+                    for a in actions] for rank, actions in order.items()}
+    assert tasks[0] == [("F", 0, 0), ("F", 0, 1), ("F", 3, 0), ("F", 3, 1),
+                        ("B", 3, 1), ("B", 3, 0), ("B", 0, 1), ("B", 0, 0)]
+    assert tasks[1] == [("F", 1, 0), ("F", 1, 1), ("F", 2, 0), ("F", 2, 1),
+                        ("B", 2, 1), ("B", 2, 0), ("B", 1, 1), ("B", 1, 0)]

@@ -81,3 +81,42 @@ def test_metric_states_move_by_value_and_compute_alike_without_syncing():
     set_metric_states(target, metric_states(source))
     assert target.acc.compute() == source.acc.compute() == 0.75
     assert target.acc._update_count == 1 and not target.acc.sync_on_compute
+
+
+def test_values_logged_per_micro_batch_reduce_by_their_reduce_fx():
+    from lightning_antichain.lightning.step_logs import averaged_logs, reduced
+
+    assert reduced([1.0, 5.0], [3, 1], "mean") == pytest.approx(2.0)
+    assert reduced([1.0, 5.0], [3, 1], "sum") == 6.0 and reduced([1.0, 5.0], [3, 1], torch.sum) == 6.0
+    assert reduced([1.0, 5.0], [3, 1], "max") == 5.0 and reduced([1.0, 5.0], [3, 1], torch.min) == 1.0
+    module = Logging()
+    logs = StepLogs()
+    for samples, value in [(3, 1.0), (1, 5.0)]:
+        with logs.recording(module, samples):
+            module.log("seen", float(samples), reduce_fx="sum")
+            module.log("peak", torch.tensor(value), reduce_fx="max")
+    merged = {name: value for name, value, _ in logs.merged()}
+    assert merged == {"seen": (4.0, None), "peak": (5.0, "float32")}  # a Python number stays one
+    shares = averaged_logs([logs.merged(), logs.merged()], [4, 4])
+    assert {name: value for name, value, _ in shares} == {"seen": (8.0, None), "peak": (5.0, "float32")}
+
+
+def test_a_metrics_value_for_the_step_is_the_whole_batchs():
+    """Lightning logs a metric on_step as its value for the batch: with the step run per
+    micro-batch, that is a copy's, updated by every micro-batch's call, not the last call's."""
+    from lightning_antichain.lightning.step_logs import StepValues, set_step_values
+
+    module, other = Logging(), Logging()
+    values = StepValues()
+    preds, labels = torch.tensor([0, 1, 1, 1]), torch.tensor([0, 1, 0, 0])
+    for step in range(2):
+        with values.watching(module):
+            for part in (slice(0, 2), slice(2, 4)):
+                module.acc(preds[part], labels[part])
+        assert module.acc._forward_cache == 0.0  # the last micro-batch's own value
+        assert "forward" not in vars(module.acc)
+        found = values.values()
+        assert found["acc"].item() == 0.5  # the whole batch's
+        set_step_values(other, found)
+        assert other.acc._forward_cache.item() == 0.5
+    assert module.acc.compute().item() == 0.5 and module.acc._update_count == 4  # the epoch's state as before

@@ -9,6 +9,7 @@ stage it runs whole, with the module answering that micro-batch's output
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import LightningModule
@@ -31,12 +32,15 @@ class MicroBatchSteps:
         self.describe = describe
         self._output: Any = None
         self._mode: str | None = None
+        #: the arguments of the module's call the module answered last (:meth:`result_of`)
+        self.given_call: tuple[tuple, dict] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._mode == "take":
             raise _CallTaken(args, kwargs)
         if self._mode == "give":
             self._mode = "given"
+            self.given_call = args, kwargs
             return self._output
         if self._mode == "given":
             raise RuntimeError(f"the step called {self.describe} twice for one micro-batch; with one process per stage "
@@ -46,25 +50,29 @@ class MicroBatchSteps:
             "process per stage (schedule=...) its stages live in other processes; call it inside the steps."
         )
 
-    def call_of(self, hook: str, batch: Any, rest: tuple) -> tuple[tuple, dict]:
-        """The arguments the step ``hook`` calls the module with, for ``batch``."""
+    def call_of(self, hook: str, batch: Any, rest: tuple) -> tuple[tuple, dict] | None:
+        """The arguments the step ``hook`` calls the module with, for ``batch``; ``None`` where it
+        returns ``None`` before calling it: the step skips the batch, as Lightning lets it."""
         self._mode = "take"
         try:
             with discarded(self.module):
-                getattr(self.module, hook)(batch, *rest)
+                returned = getattr(self.module, hook)(batch, *rest)
         except _CallTaken as taken:
             return taken.args, taken.kwargs
         finally:
             self._mode = None
+        if returned is None:
+            return None
         raise RuntimeError(f"{hook} never called {self.describe}, so nothing was pipelined. Call it in {hook} (e.g. "
                            "self(x)), or set AntichainPipelineStrategy(module='name') to the submodule it calls.")
 
-    def result_of(self, hook: str, batch: Any, rest: tuple, output: Any, logs: StepLogs, samples: int) -> Any:
+    def result_of(self, hook: str, batch: Any, rest: tuple, output: Any, logs: StepLogs,
+                  weight: float | Callable[[Any], float]) -> Any:
         """What the step ``hook`` returns for ``batch`` when the module answers ``output``; its
-        ``self.log`` calls go to ``logs`` for a micro-batch of ``samples`` samples."""
+        ``self.log`` calls go to ``logs``, each value with ``weight`` (:meth:`StepLogs.recording`)."""
         self._output, self._mode = output, "give"
         try:
-            with logs.recording(self.module, samples):
+            with logs.recording(self.module, weight):
                 result = getattr(self.module, hook)(batch, *rest)
             if self._mode != "given":
                 raise RuntimeError(f"{hook} did not call {self.describe} on this micro-batch, though it did on the "

@@ -22,7 +22,9 @@ come.)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator
+import traceback
+import warnings
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
 
@@ -47,11 +49,12 @@ from ..runtime.batch_dims import first_micro_batch
 from ..runtime.initialization import Initializer
 from ..runtime.layout import Layout
 from ..runtime.link_speed import measured_gbps
-from ..runtime.model_loss import with_items_in_batch
+from ..runtime.materialize import release_tensors
+from ..runtime.model_loss import counted_items
 from ..runtime.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
 from ..runtime.options import PipelineOptions, compile_arguments
 from ..runtime.plan import Plan
-from ..runtime.process_pipeline import ProcessPipeline
+from ..runtime.process_pipeline import ProcessPipeline, equal_runs
 from ..runtime.process_schedules import ProcessSchedule, process_schedule
 from ..runtime.replication import Replication, is_shard
 from .forward_patch import ForwardPatch
@@ -59,7 +62,16 @@ from .global_norm import clip_by_global_norm
 from .micro_batch_steps import MicroBatchSteps
 from .rank_faults import explained
 from .same_batches import check_same_batch
-from .step_logs import StepLogs, averaged_logs, metric_states, replay, set_metric_states, unsynced
+from .step_logs import (
+    StepLogs,
+    StepValues,
+    averaged_logs,
+    metric_states,
+    replay,
+    set_metric_states,
+    set_step_values,
+    unsynced,
+)
 
 TRAINING = "training_step"
 PREDICTING = "predict_step"
@@ -118,18 +130,31 @@ class ProcessRuntime:
         self.steps: MicroBatchSteps | None = None
         self._forward_patch = ForwardPatch()
         self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        #: each metric's value for the whole batch of a step (what Lightning logs on_step)
+        self._step_values = StepValues()
+        #: whether the module computes a loss over label tokens (a Hugging Face model given labels=)
+        self._counts_items = False
 
     def setup(self, trainer: Any) -> None:
         """Make the module's forward answer inside the steps, and clipping by norm take every
         rank's gradients."""
         host = self.host
         module = host.lightning_module
+        if not module.automatic_optimization:
+            raise RuntimeError(
+                "manual optimization (automatic_optimization = False) runs the backward and the optimizers inside "
+                "training_step, but with schedule= the step runs once per micro-batch on the last stage's process "
+                "while torch's schedule runs every stage's backward. Use automatic optimization (return the loss), or "
+                "leave out schedule= (one process drives the stages, and manual optimization works as in plain "
+                "Lightning).")
         if self.steps is None or self.steps.module is not module:
             self.steps = MicroBatchSteps(module, host.describe_target())
             self.pipeline = None if self.pipeline is None or self.pipeline.graph.module is not host.target() else (
                 self.pipeline)
         if host.layout_search is None or self.plan is not None:  # else once the layout is chosen
             unsynced(module, self._replicas_group())
+        # every rank logs the whole batch's value already (step_logs): there is nothing to sync
+        warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True`")
         plugin = host.precision_plugin
         if getattr(plugin, "scaler", None) is not None:
             raise ValueError(
@@ -155,6 +180,9 @@ class ProcessRuntime:
             try:
                 return self._step(hook, host.target(), args, accumulate)
             except Exception as error:
+                if host.global_rank == 0:  # its store outlives its process groups: let go of them (rank_faults)
+                    self.pipeline = None
+                    traceback.clear_frames(error.__traceback__)
                 cause = explained(error, host.global_rank)
                 if cause is error:
                     raise
@@ -186,57 +214,120 @@ class ProcessRuntime:
 
     def _step(self, hook: str, target: nn.Module, args: tuple, accumulate: int) -> Any:
         assert self.steps is not None, "setup() first"
-        module = self.steps.module
         batch, rest = args[0], tuple(args[1:])
-        check_same_batch(batch, self.host.root_device)
-        if self.pipeline is None:
-            self._build(hook, target, batch, rest)
-        batch = self._replica_share(batch)
+        if self.pipeline is None and not self._build(hook, target, batch, rest):
+            check_same_batch(batch, self.host.root_device)
+            if hook == TRAINING:
+                raise RuntimeError(_skipped(hook, 0, 1))
+            return None  # an evaluation step skipped the batch before the module could be planned on it
+        share = self._replica_share(batch)
         pipeline, plan = self.pipeline, self.plan
         assert pipeline is not None and plan is not None
-        micro = microbatch.scatter(batch, plan.chunks)
+        micro = microbatch.scatter(share, plan.chunks, lists=True)
         sizes = [microbatch.batch_size(m) or 0 for m in micro]
-        _refuse_uneven(sizes, plan.chunks)
-        total = sum(sizes)
         calls = [self.steps.call_of(hook, m, rest) for m in micro] if pipeline.holds_first else None
+        called = check_same_batch(batch, self.host.root_device, called=None if calls is None else sum(
+            c is not None for c in calls))
+        if called is not None and called < len(micro):
+            if called == 0 and hook != TRAINING:
+                return None  # an evaluation step that returned None before calling the module: skipped
+            raise RuntimeError(_skipped(hook, called, len(micro)))
+        return self._run(hook, share, micro, sizes, calls, rest, accumulate)
+
+    def _run(self, hook: str, batch: Any, micro: list[Any], sizes: list[int], calls: list[Any] | None, rest: tuple,
+             accumulate: int) -> Any:
+        """Run the micro-batches ``micro`` of ``batch``, of ``sizes`` samples, through the pipeline,
+        the step ``hook`` answering each one's output on the last stage's rank; what every rank
+        returns to Lightning (see :meth:`step`)."""
+        assert self.steps is not None and self.pipeline is not None and self.plan is not None
+        module, pipeline = self.steps.module, self.pipeline
+        total = sum(sizes)
+        shares = self._shares(hook, batch, sizes, rest)
         logs = StepLogs()
         losses: list[torch.Tensor] = []  # weighted as the schedule back-propagates them, read once after
         train = hook == TRAINING
         results: list[Any] = [None] * len(micro)
+        skipped: list[bool] = [False] * len(micro)
 
         def loss(output: Any, m: int) -> torch.Tensor:
             assert self.steps is not None
-            result = self.steps.result_of(hook, micro[m], rest, output, logs, sizes[m])
+            share = shares(output, m)
+            result = self.steps.result_of(hook, micro[m], rest, output, logs, share)
+            if train and result is None:  # skipped after the module's call: no gradient from it
+                skipped[m] = True
+                return _zero_loss(output, self.host.root_device)
             if not train:
-                results[m] = map_tensors(lambda t: t.detach().cpu(), result) if hook == PREDICTING else None
+                results[m] = map_tensors(lambda t: t.detach().cpu(), result)
                 return torch.zeros((), device=self.host.root_device)
-            weighted = _loss_of(result, hook) * (sizes[m] / total)
+            value = _loss_of(result, hook)
+            weighted = value * share(value)
             losses.append(weighted.detach())
+            if isinstance(result, dict) and len(result) > 1:  # what else it returns goes to the batch-end hooks
+                results[m] = map_tensors(lambda t: t.detach().cpu(), {k: v for k, v in result.items() if k != "loss"})
             return weighted / accumulate
 
-        if train:
-            calibration = self.calibration
-            with torch.enable_grad(), self._gradients_stashed(pipeline.parameters()):
-                with calibration.timing(self.host.root_device) if calibration is not None else nullcontext() as clock:
-                    pipeline.run(_shape_of(micro), calls, loss, len(micro), train, clock=clock)
+        runs = equal_runs(sizes)
+        calibration = self.calibration if train and len(runs) == 1 and len(micro) == self.plan.chunks else None
+        with torch.enable_grad() if train else torch.no_grad(), \
+                self._gradients_stashed(pipeline.parameters()) if train else nullcontext(), \
+                self._step_values.watching(module) if pipeline.holds_last else nullcontext(), \
+                calibration.timing(self.host.root_device) if calibration is not None else nullcontext() as clock:
+            for run in runs:
+                pipeline.run(_shape_of(micro[run.start:run.stop]), None if calls is None else calls[run.start:run.stop],
+                             lambda output, m, start=run.start: loss(output, start + m), len(run), train, clock=clock)
+            if train:
                 pipeline.tied.sum_gradients()
-            if calibration is not None and calibration.done:
-                self._calibrated(calibration)
-        else:
-            with torch.no_grad():
-                pipeline.run(_shape_of(micro), calls, loss, len(micro), train)
+        if calibration is not None and calibration.done:
+            self._calibrated(calibration)
         mean = float(torch.stack(losses).sum()) if losses else 0.0
-        sent = [(mean, logs.merged(), metric_states(module), results)] if pipeline.holds_last else [None]
+        sent = [(mean, logs.merged(), metric_states(module), self._step_values.values(), results, skipped)
+                ] if pipeline.holds_last else [None]
         dist.broadcast_object_list(sent, group_src=pipeline.last_rank(), group=self._pipeline_group())
-        mean, merged, states, results = sent[0]  # type: ignore[misc]
+        mean, merged, states, values, results, skipped = sent[0]  # type: ignore[misc]
+        if any(skipped):
+            self._stashed = []
+            raise RuntimeError(_skipped(hook, len(skipped) - sum(skipped), len(skipped)))
         if not pipeline.holds_last:
             set_metric_states(module, states)
+        set_step_values(module, values)
+        total_samples = total
         if self.host.layout.dp > 1:  # the whole batch's, from every replica's share
-            mean, merged, results, total = self._over_replicas(mean, merged, results, total)
-        replay(module, merged, total, self.host.root_device)
-        if hook == PREDICTING:
-            return map_tensors(lambda t: t.to(self.host.root_device), joined(results))
-        return torch.tensor(mean, device=self.host.root_device) if train else None
+            mean, merged, results, total_samples = self._over_replicas(mean, merged, results, total)
+            sizes = sizes * self.host.layout.dp
+        replay(module, merged, total_samples, self.host.root_device)
+        joined = None if all(r is None for r in results) else microbatch.join_results(results, sizes)
+        joined = map_tensors(lambda t: t.to(self.host.root_device), joined)
+        if not train:
+            return joined
+        loss_value = torch.tensor(mean, device=self.host.root_device)
+        return loss_value if joined is None else {"loss": loss_value, **joined}
+
+    def _shares(self, hook: str, batch: Any, sizes: list[int], rest: tuple
+                ) -> Callable[[Any, int], Callable[[Any], float]]:
+        """For a micro-batch's output and index, the share of the whole batch that a value its step
+        computes has, where the values of the micro-batches join as their weighted sum: its share
+        of the samples, or, for the loss a Hugging Face model computes from ``labels=`` (a mean over
+        the label tokens that count), its share of those tokens, as the in-process runtime joins
+        it (:mod:`~lightning_antichain.runtime.model_loss`). Where the model computes such a loss,
+        the rank of the last stage counts the batch's tokens from the step's call of the module."""
+        assert self.steps is not None
+        total = sum(sizes)
+        target = self.host.target()
+        whole = self.steps.call_of(hook, batch, rest) if (
+            self._counts_items and self.pipeline is not None and self.pipeline.holds_last) else None
+        items = None if whole is None else counted_items(target, *whole)
+
+        def of(output: Any, m: int) -> Callable[[Any], float]:
+            model_loss = _model_loss(output) if items is not None else None
+
+            def share(value: Any) -> float:
+                if model_loss is not None and value is model_loss and self.steps.given_call is not None:
+                    return float(counted_items(target, *self.steps.given_call)) / max(float(items), 1.0)
+                return sizes[m] / total
+
+            return share
+
+        return of
 
     def links(self, measured_gbps: float | None = None) -> Links:
         """The links between ranks the planner charges: ``bandwidth_gbps`` within a node (default
@@ -256,7 +347,7 @@ class ProcessRuntime:
         layout = self.host.layout
         if layout.dp == 1:
             return batch
-        shares = microbatch.scatter(batch, layout.dp)
+        shares = microbatch.scatter(batch, layout.dp, lists=True)
         sizes = [microbatch.batch_size(share) or 0 for share in shares]
         if len(shares) != layout.dp or len(set(sizes)) > 1:
             raise ValueError(
@@ -271,7 +362,7 @@ class ProcessRuntime:
         shares = _everyone((mean, merged, results), self._replicas_group())
         count = len(shares)
         mean = sum(share[0] for share in shares) / count
-        merged = averaged_logs([share[1] for share in shares])
+        merged = averaged_logs([share[1] for share in shares], [total] * count)
         results = [r for share in shares for r in share[2]]
         return mean, merged, results, total * count
 
@@ -365,16 +456,43 @@ class ProcessRuntime:
         (``None`` before the stages are built: every rank holds every one alike)."""
         if self.pipeline is None:
             return None
-        owned = self.pipeline.owned()
+        owned = self._mine()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         return {i for i, p in enumerate(params) if id(p) in owned}
 
     def _owned_keys(self) -> set[str]:
-        """The LightningModule's ``state_dict`` keys whose tensors this rank's stages use."""
+        """The LightningModule's ``state_dict`` keys whose tensors this rank trains (:meth:`_mine`)."""
         assert self.pipeline is not None and self.steps is not None
-        owned = self.pipeline.owned()
+        owned = self._mine()
         return {key for key, value in self.steps.module.state_dict(keep_vars=True).items()
                 if isinstance(value, torch.Tensor) and id(value) in owned}
+
+    def _mine(self) -> set[int]:
+        """The ids of the LightningModule's parameters and buffers this rank trains and saves: those
+        its stages use, and, on the rank of the last stage, those no stage uses (a head or a loss
+        outside ``module=``, which the step uses after the module's call, there)."""
+        assert self.pipeline is not None and self.steps is not None
+        mine = self.pipeline.owned()
+        if self.pipeline.holds_last:
+            module = self.steps.module
+            mine |= {id(t) for t in [*module.parameters(), *module.buffers()] if id(t) not in self.pipeline.staged}
+        return mine
+
+    def _hold_own_only(self) -> None:
+        """Free what this rank does not train: the parameters and buffers of other ranks' stages,
+        and, but on the last stage's rank, the trainable parameters no stage uses. They go to the
+        meta device in place, so that reading one fails loudly instead of giving a value training
+        never changed; their optimizer state goes too. (Buffers and frozen parameters outside the
+        stages stay: the step may read them before it calls the module.)"""
+        assert self.pipeline is not None and self.steps is not None
+        module, mine, staged = self.steps.module, self._mine(), self.pipeline.staged
+        others = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in mine and not t.is_meta and (
+            id(t) in staged or (isinstance(t, nn.Parameter) and t.requires_grad))]
+        gone = {id(t) for t in others}
+        for optimizer in self.host.optimizers:
+            for param in [p for p in optimizer.state if id(p) in gone]:
+                del optimizer.state[param]
+        release_tensors(others)
 
     def _share(self, mine: set[Any]) -> Callable[[Any], bool]:
         """Which keys this rank writes to a checkpoint of shards: ``mine``, and on rank 0 those no
@@ -396,11 +514,17 @@ class ProcessRuntime:
         """The process group of this rank's stages' replicas (``None`` where there are none)."""
         return None if self.host.layout.dp == 1 else self.host.device_mesh["dp"].get_group()
 
-    def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> None:
+    def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> bool:
         """Plan on rank 0 (unless a plan was given) and send it to every rank, with the layout where
-        the planner chose it; build this rank's stages. ``batch`` is the whole batch."""
+        the planner chose it; build this rank's stages. ``batch`` is the whole batch. ``False``
+        where the step skips it (returns ``None`` before calling the module): every rank then
+        waits for the next batch, having found the same on the same batch."""
         assert self.steps is not None
         host = self.host
+        call = self.steps.call_of(hook, batch, rest)
+        if call is None:
+            return False
+        self._counts_items = counted_items(target, *call) is not None
         graph = None
         if self.plan is None:
             measured = None  # every rank takes part in timing the links the planner weighs layouts on
@@ -443,14 +567,16 @@ class ProcessRuntime:
         with_replaced_parameters(host.optimizers, self.pipeline.replaced)
         host.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
         state_sharded_like_parameters(host.optimizers)
+        self._hold_own_only()
+        return True
 
     def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple, measured_gbps: float | None) -> Any:
         """The plan for the layout given, or for the one the planner chooses on the whole ``batch``."""
         assert self.steps is not None
         host, options = self.host, self.options
         search = host.layout_search
-        if search is not None:
-            args, kwargs = with_items_in_batch(target, *self.steps.call_of(hook, batch, rest))
+        if search is not None:  # the module as the step calls it: once per micro-batch, as it is
+            args, kwargs = self.steps.call_of(hook, batch, rest)  # type: ignore[misc]
             with torch.enable_grad():
                 return plan_layouts(target, args, kwargs, host.world_size, host.stage_devices_of, search,
                                     self.links(measured_gbps), options, optimizers=host.optimizers,
@@ -458,7 +584,7 @@ class ProcessRuntime:
         whole = self.steps.call_of(hook, self._replica_share(batch), rest)
         devices = host.stage_devices_of(host.layout, self.schedule)
         with torch.enable_grad():
-            args, kwargs = planning_call(target, *whole, options)
+            args, kwargs = planning_call(target, *whole, options, count_items=False)
             return planned_for_call(target, args, kwargs, devices, options, self.host.optimizers)
 
 
@@ -488,17 +614,6 @@ def refuse_other_stage_count(stages: int, schedule: ProcessSchedule, ranks: int,
             f"{stages / schedule.virtual_stages:g} processes (devices=), or plan for {ranks}")
 
 
-def joined(results: list[Any]) -> Any:
-    """The micro-batches' predictions as one batch's: tensors (in any nesting) joined on their
-    first dim, in micro-batch order; anything else as the list of the micro-batches' results."""
-    leaves = [pytree.tree_flatten(r) for r in results]
-    spec = leaves[0][1]
-    if any(s != spec for _, s in leaves) or not all(
-            isinstance(v, torch.Tensor) and v.ndim > 0 for flat, _ in leaves for v in flat):
-        return results
-    return pytree.tree_unflatten([torch.cat(parts) for parts in zip(*(flat for flat, _ in leaves))], spec)
-
-
 def _gathered(part: Any) -> list[Any]:
     """Every rank's ``part``, on rank 0; an empty list elsewhere."""
     parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -524,13 +639,26 @@ def _shape_of(micro: list[Any]) -> tuple:
     return len(micro), tuple((tuple(v.shape), v.dtype) for v in leaves if isinstance(v, torch.Tensor))
 
 
-def _refuse_uneven(sizes: list[int], chunks: int) -> None:
-    if len(set(sizes)) > 1:
-        raise ValueError(
-            f"a batch of {sum(sizes)} samples splits into micro-batches of {sizes} samples, and with one process per "
-            "stage every micro-batch of a batch must have one size. Make the batch size a multiple of "
-            f"chunks={chunks}, and set drop_last=True in the DataLoader where the last batch is shorter."
-        )
+def _model_loss(output: Any) -> Any:
+    """The loss a model's output holds (a Hugging Face ``ModelOutput``'s ``loss``), or ``None``."""
+    if isinstance(output, Mapping):
+        return output.get("loss")
+    return getattr(output, "loss", None)
+
+
+def _zero_loss(output: Any, device: torch.device) -> torch.Tensor:
+    """A loss of 0 that reaches every output that needs a gradient: the schedule runs the backward
+    of a micro-batch whose step returned ``None`` too, and it must give no gradient."""
+    leaves = [v for v in pytree.tree_leaves(output) if isinstance(v, torch.Tensor) and v.requires_grad]
+    return sum(((v * 0).sum() for v in leaves), torch.zeros((), device=device, requires_grad=True))
+
+
+def _skipped(hook: str, called: int, count: int) -> str:
+    part = "" if called == 0 else f" for {count - called} of its {count} micro-batches"
+    return (f"{hook} returned None to skip this batch{part}. With schedule=, every stage is a process, and Lightning "
+            "skips no batch in a run of several processes (it refuses the same under DDP). Leave out schedule= (one "
+            "process drives the stages and skips as plain Lightning does), or train on every batch: filter the data "
+            "in the DataLoader instead, or return a loss of 0 (an optimizer with momentum still moves the weights).")
 
 
 def _loss_of(result: Any, hook: str) -> torch.Tensor:

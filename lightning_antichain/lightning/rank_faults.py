@@ -4,17 +4,21 @@ A rank whose step raises ends; the ranks waiting on it then fail in torch.distri
 connection, which says nothing of why. So a rank that raises a step's own error (not a lost
 connection) leaves it in the process group's store, which every rank reaches, before it ends; a
 rank that loses a connection looks there for a few seconds and raises the failing rank's error
-instead (:func:`explained`). A rank that dies without raising (killed, out of memory) leaves
-nothing: the others raise the lost connection, as torch reports it.
+instead (:func:`explained`). The store lives in rank 0's process: where rank 0 fails, it first
+closes its connections (the others' waits on it end), and stays until every other rank has read
+its error or a few seconds have passed. A rank that dies without raising (killed, out of memory)
+leaves nothing: the others raise the lost connection, as torch reports it.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch.distributed as dist
 
 KEY = "lightning_antichain/failed_rank_error"
+READ = "lightning_antichain/failed_rank_error_read"
 WAIT_S = 5.0
 
 
@@ -24,7 +28,8 @@ class StageProcessError(RuntimeError):
 
 def explained(error: Exception, rank: int) -> Exception:
     """The error this rank should raise for ``error``: its own where it is the step's own failure
-    (left in the store for the others), else the failing rank's, where one left it in time."""
+    (left in the store for the others), else the failing rank's, where one left it in time. The
+    caller must hold no process group of its own then (rank 0 ends them all)."""
     store = _store()
     if store is None:
         return error
@@ -35,17 +40,37 @@ def explained(error: Exception, rank: int) -> Exception:
         try:
             store.set(KEY, f"rank {rank}: {type(cause).__name__}: {cause}")
         except Exception:  # noqa: BLE001 - the store's host may be gone too; the error is raised as it is
-            pass
+            return error
+        if rank == 0:
+            _wait_until_read(store)
         return error
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         try:
             if store.check([KEY]):
-                return StageProcessError(f"the process of another stage failed, {store.get(KEY).decode()}")
+                found = StageProcessError(f"the process of another stage failed, {store.get(KEY).decode()}")
+                store.add(READ, 1)
+                return found
         except Exception:  # noqa: BLE001 - the store lives in rank 0's process, which may be the one gone
             return error
         time.sleep(0.1)
     return error
+
+
+def _wait_until_read(store: dist.Store) -> None:
+    """On rank 0, whose process holds the store: end every process group, so that the ranks
+    waiting on this one fail now, and wait until each has read the error (or ``WAIT_S`` passed)."""
+    others = dist.get_world_size() - 1
+    dist.destroy_process_group()
+    gc.collect()  # a process group's connections close when its last reference goes
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if store.add(READ, 0) >= others:
+                return
+        except Exception:  # noqa: BLE001
+            return
+        time.sleep(0.05)
 
 
 def _store() -> dist.Store | None:

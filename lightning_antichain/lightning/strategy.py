@@ -595,6 +595,17 @@ class AntichainPipelineStrategy(ParallelStrategy):
         """The original keys, as CPU tensors: loadable with any device count, or without the strategy."""
         return self.checkpoints.model_state(super().lightning_module_state_dict())
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """The LightningModule's whole trained ``state_dict``, as CPU tensors, on global rank 0.
+
+        With ``schedule=``, a rank holds only its own stages' parameters; the others' are on the
+        meta device there (see docs/strategy.md, "What a rank holds"). Every rank must call this
+        (it gathers each tensor from the rank that trains it); rank 0 gets the whole state, ready
+        for ``torch.save`` or ``model.load_state_dict``, and the other ranks their own view, as
+        ``model.state_dict()`` gives it. In process, it is the module's state on the CPU."""
+        assert self.lightning_module is not None
+        return self.checkpoints.whole_model_state(self.lightning_module.state_dict())
+
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return self.checkpoints.optimizer_state(self.optimizers, optimizer, super().optimizer_state(optimizer))

@@ -60,6 +60,13 @@ class StrategyCheckpoints:
                             for k, v in state.items())  # on meta: another rank's stage, saved by that rank
         return self.runtime.own_state(state) if self.sharded else self.runtime.gathered_state(state)
 
+    def whole_model_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The LightningModule's whole ``state``, every tensor whole on the CPU with the value its
+        rank trained, on rank 0 (every rank calls it; the others get theirs back as it is)."""
+        state = type(state)((k, full(v).detach().cpu() if isinstance(v, torch.Tensor) and not v.is_meta else v)
+                            for k, v in state.items())
+        return self.runtime.gathered_state(state)
+
     def _saved(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach() if self.sharded and is_shard(tensor) else full(tensor).detach().cpu()
 

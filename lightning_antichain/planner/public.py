@@ -47,12 +47,15 @@ def plan(
     return planned_for_call(module, args, kwargs, devices, options, optimizers).plan
 
 
-def planning_call(module: nn.Module, args: tuple, kwargs: dict, options: PipelineOptions) -> tuple[tuple, dict]:
+def planning_call(module: nn.Module, args: tuple, kwargs: dict, options: PipelineOptions, count_items: bool = True
+                  ) -> tuple[tuple, dict]:
     """What a call of a whole batch ``args, kwargs`` is planned on: the batch itself for
     ``chunks="auto"`` (it weighs how to split it), else its first micro-batch; with the whole
     batch's token count, as the pipeline passes it, where the module computes a Hugging Face loss
-    (:func:`~lightning_antichain.runtime.model_loss.with_items_in_batch`)."""
-    args, kwargs = with_items_in_batch(module, args, kwargs)
+    (:func:`~lightning_antichain.runtime.model_loss.with_items_in_batch`), unless ``count_items``
+    is off (stages as processes call the module as the step does, per micro-batch)."""
+    if count_items:
+        args, kwargs = with_items_in_batch(module, args, kwargs)
     if options.chunks == AUTO:
         return args, kwargs
     return first_micro_batch(module, args, kwargs, options.chunks, options.batch_dim)

@@ -270,10 +270,16 @@ def _unfilled_message(unfilled: list[tuple[nn.Module, str]], initializer: Initia
 def release(modules: Iterable[nn.Module]) -> None:
     """Send the tensors each of ``modules`` holds itself back to the meta device, freeing their memory."""
     for module in modules:
-        for tensor in own_state(module):
-            if not tensor.is_meta:
-                tensor.grad = None
-                _swap(tensor, torch.empty_like(tensor, device="meta"))
+        release_tensors(own_state(module))
+
+
+def release_tensors(tensors: Iterable[torch.Tensor]) -> None:
+    """Send ``tensors`` to the meta device in place (each stays the same object, so optimizers and
+    modules keep it), freeing their memory and their gradients'."""
+    for tensor in tensors:
+        if not tensor.is_meta:
+            tensor.grad = None
+            _swap(tensor, torch.empty_like(tensor, device="meta"))
 
 
 def _swap(tensor: torch.Tensor, value: torch.Tensor) -> None:

@@ -2,12 +2,15 @@
 
 Any nesting of tuples, lists and dicts is handled. Tensors with at least one dimension are split on
 their batch dim, dim 0 unless told otherwise (all of them must have the same batch size); scalars,
-0-dim tensors and other values are handed unchanged to every micro-batch. Sizes differ by at most
-one sample (``torch.tensor_split``): 10 samples in 4 chunks are 3, 3, 2, 2.
+0-dim tensors and other values are handed unchanged to every micro-batch, except, where asked
+(``lists=True``), a list of plain values with one entry per sample (the ``list[str]`` of names a
+DataLoader collates), which is split with the samples. Sizes differ by at most one sample
+(``torch.tensor_split``): 10 samples in 4 chunks are 3, 3, 2, 2.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,32 +40,52 @@ def batch_size(value: Any, dims: BatchDims = 0) -> int | None:
     return sizes.pop() if sizes else None
 
 
-def scatter(value: Any, chunks: int, dims: BatchDims = 0) -> list[Any]:
-    """``value`` split into ``min(chunks, batch size)`` micro-batches of the same structure."""
+def scatter(value: Any, chunks: int, dims: BatchDims = 0, lists: bool = False) -> list[Any]:
+    """``value`` split into ``min(chunks, batch size)`` micro-batches of the same structure;
+    with ``lists``, its lists of plain values with an entry per sample too (:func:`is_sample_list`)."""
     if chunks < 1:
         raise MicroBatchError(f"chunks must be at least 1, got {chunks}")
     size = batch_size(value, dims)
     count = chunks if size is None else min(chunks, size)
     if size == 0:
         raise MicroBatchError("cannot pipeline an empty batch")
-    return [_take(value, i, count, dims) for i in range(count)]
+    if not lists or size is None:
+        return [_take(value, i, count, dims) for i in range(count)]
+    bounds = [0, *itertools.accumulate(len(part) for part in torch.tensor_split(torch.arange(size), count))]
+    return [map_batched(value, dims, lambda t, d, i=i: torch.tensor_split(t, count, dim=d)[i],
+                        samples=(size, lambda entries, i=i: entries[bounds[i]:bounds[i + 1]])) for i in range(count)]
 
 
 def _take(value: Any, index: int, count: int, dims: BatchDims) -> Any:
     return map_batched(value, dims, lambda t, d: torch.tensor_split(t, count, dim=d)[index])
 
 
-def map_batched(value: Any, dims: BatchDims, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
-    """``value`` with ``fn(tensor, batch_dim)`` applied to every batched tensor, structure kept."""
+PLAIN = (bool, int, float, str, bytes, type(None))
+"""The types of the values a per-sample list holds."""
+
+
+def is_sample_list(value: Any, size: int | None) -> bool:
+    """Whether ``value`` is a list or tuple (not a named tuple) of ``size`` plain values: an entry
+    per sample of a batch of ``size``, such as the names a DataLoader collates into a ``list[str]``."""
+    return (size is not None and isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
+            and len(value) == size and all(isinstance(v, PLAIN) for v in value))
+
+
+def map_batched(value: Any, dims: BatchDims, fn: Callable[[torch.Tensor, int], torch.Tensor],
+                samples: tuple[int, Callable[[Any], Any]] | None = None) -> Any:
+    """``value`` with ``fn(tensor, batch_dim)`` applied to every batched tensor, structure kept;
+    ``samples``: a batch size and what to make of each per-sample list (:func:`is_sample_list`)."""
     if isinstance(value, torch.Tensor):
         assert isinstance(dims, int)
         return fn(value, dims) if _has_batch(value, dims) else value
+    if samples is not None and is_sample_list(value, samples[0]):
+        return type(value)(samples[1](value))
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(map_batched(v, _item_dims(dims, i), fn) for i, v in enumerate(value)))
+        return type(value)(*(map_batched(v, _item_dims(dims, i), fn, samples) for i, v in enumerate(value)))
     if isinstance(value, (tuple, list)):
-        return type(value)(map_batched(v, _item_dims(dims, i), fn) for i, v in enumerate(value))
+        return type(value)(map_batched(v, _item_dims(dims, i), fn, samples) for i, v in enumerate(value))
     if isinstance(value, dict):
-        return type(value)((k, map_batched(v, _item_dims(dims, k), fn)) for k, v in value.items())
+        return type(value)((k, map_batched(v, _item_dims(dims, k), fn, samples)) for k, v in value.items())
     return value
 
 
@@ -161,3 +184,45 @@ def output_batch_dim(chunks: Sequence[torch.Tensor], sizes: Sequence[int | None]
     if not candidates:
         return None
     return 0 if 0 in candidates else candidates[0]
+
+
+def join_results(results: Sequence[Any], sizes: Sequence[int]) -> Any:
+    """What a step hook returned for each micro-batch of ``sizes`` samples, as one result for their
+    whole batch, structure kept: tensors joined on the dim that follows the samples, per-sample
+    lists (:func:`is_sample_list`) concatenated, a 0-dim floating-point tensor (a loss, a mean) as
+    the mean weighted by the samples; anything else must be the same for every micro-batch. What
+    cannot be joined is refused, since any other value would differ from the whole batch's."""
+    first = results[0]
+    if all(isinstance(r, torch.Tensor) for r in results):
+        if first.dim() == 0 and first.is_floating_point():
+            total = sum(sizes)
+            return sum((r * (n / total) for r, n in zip(results[1:], sizes[1:])), first * (sizes[0] / total))
+        dim = output_batch_dim(results, sizes) if first.dim() > 0 else None
+        if dim is not None:
+            return torch.cat(list(results), dim=dim)
+        if all(r.shape == first.shape and torch.equal(r, first) for r in results[1:]):
+            return first
+        raise MicroBatchError(
+            f"a step returned a tensor of shape {tuple(first.shape)} with no dim that follows the micro-batches' "
+            f"samples ({list(sizes)}), and values that differ between them, so nothing tells what the whole batch's "
+            "would be. Return per-sample tensors (one row per sample) or a floating-point mean.")
+    if all(is_sample_list(r, n) for r, n in zip(results, sizes)):
+        return type(first)(v for r in results for v in r)
+    if isinstance(first, dict) and all(isinstance(r, dict) and r.keys() == first.keys() for r in results):
+        return type(first)((k, join_results([r[k] for r in results], sizes)) for k in first)
+    if isinstance(first, (list, tuple)) and all(type(r) is type(first) and len(r) == len(first) for r in results):
+        joined = [join_results([r[i] for r in results], sizes) for i in range(len(first))]
+        return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
+    if all(_same(r, first) for r in results[1:]):
+        return first
+    raise MicroBatchError(
+        f"a step returned {type(first).__name__} values that differ between micro-batches ({results[0]!r}, "
+        f"{results[1]!r}, ...), so nothing tells what the whole batch's would be. Return per-sample values (a tensor "
+        "with a row per sample, a list with an entry per sample) or a floating-point mean.")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare are not the same
+        return a is b

@@ -45,30 +45,40 @@ def with_items_in_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[t
     (or a peft model around one) whose loss divides by it and the call gives ``labels`` (and not
     the count already): the number of label tokens of the whole batch that count, as a 0-dim
     tensor every micro-batch receives."""
+    if ITEMS in kwargs:
+        return args, kwargs
+    counted = counted_items(module, args, kwargs)
+    return (args, kwargs) if counted is None else (args, {**kwargs, ITEMS: counted})
+
+
+def counted_items(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The number of label tokens that count in a call of ``module`` (a 0-dim tensor), where it is
+    a Hugging Face model (or a peft model around one) whose loss is their mean (it divides by
+    ``num_items_in_batch``) and the call gives ``labels``; ``None`` for any other module or call."""
     base = getattr(module, "get_base_model", None)  # peft's PeftModel passes its keywords on
     model = base() if callable(base) and not is_hugging_face_model(module) else module
-    if not isinstance(model, nn.Module) or not is_hugging_face_model(model) or ITEMS in kwargs:
-        return args, kwargs
+    if not isinstance(model, nn.Module) or not is_hugging_face_model(model):
+        return None
     try:
         loss = getattr(model.loss_function, "__name__", None)  # by loss_type, or the causal LM's by default
     except Exception:  # a model without Hugging Face's loss mapping
-        return args, kwargs
+        return None
     if loss not in COUNTED_LOSSES:
-        return args, kwargs
+        return None
     labels = kwargs.get("labels")
     if labels is None:
         try:
             labels = inspect.signature(original_forward(module)).bind(*args, **kwargs).arguments.get("labels")
         except TypeError:
-            return args, kwargs
+            return None
     takes_more = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(original_forward(module))
                      .parameters.values())
     if not isinstance(labels, torch.Tensor) or not takes_more:
-        return args, kwargs
+        return None
     shift = COUNTED_LOSSES[loss]
     shifted = kwargs.get("shift_labels")
     counted = shifted if isinstance(shifted, torch.Tensor) else labels[..., shift:]
-    return args, {**kwargs, ITEMS: (counted != IGNORE_INDEX).sum()}
+    return (counted != IGNORE_INDEX).sum()
 
 
 def is_items_in_batch(value: Any, kwargs: dict) -> bool:

@@ -11,29 +11,52 @@ torch's stages learn the shapes that cross each cut on their first step and keep
 whose micro-batches differ from the ones seen so far (a last, shorter batch; validation's batches)
 runs on stages of its own, made for that shape (``shape`` in :meth:`ProcessPipeline.run`): every
 rank derives it from the same batch, so they switch together and none waits for a message of
-another shape.
+another shape. The micro-batches of one run have one size; a batch that does not split evenly
+runs as one run per size (:func:`equal_runs`), and a count of micro-batches the schedule does not
+take runs in GPipe's order (:meth:`~.process_schedules.ProcessSchedule.fill_drain_order`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..capture import OpGraph
 from .action_clock import ActionClock
 from .batchnorm import deferred_batch_norm
+from .cut_values import CutLayout, cut_layouts, registered
 from .initialization import Initializer
 from .plan import Plan
-from .process_schedules import ProcessSchedule, run_pre_split
+from .process_schedules import ProcessSchedule, fill_drain_runner, run_pre_split
 from .process_stages import FlatStage, holders, place_rank, schedule_runner, split_for_ranks, torch_stages
 from .replication import Replication, replicated
+from .split import StageModule
 from .tied_parameters import TiedParameters
 
 #: a micro-batch's loss from its output, as the module returns it, and its index
 MicroBatchLoss = Callable[[Any, int], torch.Tensor]
+
+
+def _tensors_of(stage: StageModule) -> list[torch.Tensor]:
+    """The parameters and buffers ``stage`` uses: its own and those of the modules it calls."""
+    return [*stage.parameters(), *stage.buffers(), *(b for m in stage.submodules() for b in m.buffers())]
+
+
+def equal_runs(sizes: list[int]) -> list[range]:
+    """The micro-batches of a batch in runs of one size each, in order: torch's stages take one
+    shape per run. ``[3, 3, 2, 2]`` runs as ``range(0, 2)`` and ``range(2, 4)``."""
+    runs: list[range] = []
+    start = 0
+    for i in range(1, len(sizes) + 1):
+        if i == len(sizes) or sizes[i] != sizes[start]:
+            runs.append(range(start, i))
+            start = i
+    return runs
 
 
 class ProcessPipeline:
@@ -53,7 +76,11 @@ class ProcessPipeline:
         self.graph, self.plan, self.schedule = graph, plan, schedule
         self.rank, self.ranks, self.device, self.group = rank, ranks, device, group
         every = split_for_ranks(graph, plan, schedule, ranks, device)
+        #: every stage of the plan (this rank places its own only), to find what crosses each cut
+        self.every = every
         params = {id(p): p for stage in every for p in stage.parameters()}
+        #: the ids of the parameters and buffers any stage of the plan uses, this rank's or another's
+        self.staged: frozenset[int] = frozenset(id(t) for stage in every for t in _tensors_of(stage))
         names = {id(p): name for name, p in graph.module.named_parameters()}
         if replication is not None and any(len(r) > 1 for r in holders(every, schedule, ranks).values()):
             raise ValueError("weights tied across the ranks of a pipeline are not kept in step with replicas yet: "
@@ -101,11 +128,7 @@ class ProcessPipeline:
 
     def owned(self) -> set[int]:
         """The ids of the parameters and buffers this rank's stages use: the ones it trains."""
-        found = {id(p) for p in self.parameters()}
-        for stage in self.stages:
-            found |= {id(b) for b in stage.stage.buffers()}
-            found |= {id(b) for m in stage.stage.submodules() for b in m.buffers()}
-        return found
+        return {id(t) for stage in self.stages for t in _tensors_of(stage.stage)}
 
     def run(self, shape: Hashable, calls: list[tuple[tuple, dict]] | None, loss: MicroBatchLoss,
             chunks: int, train: bool, clock: ActionClock | None = None) -> None:
@@ -119,12 +142,18 @@ class ProcessPipeline:
         if self.holds_first and (calls is None or len(calls) != chunks):
             raise ValueError(f"the rank holding the first stage needs the calls of all {chunks} micro-batches")
         if (train, shape) not in self._runners:
+            layouts = self._layouts(calls[0] if calls else None, train)
+            self._give_layouts(layouts)
             stages = torch_stages(self.stages, self.plan.num_stages, self.device, self.group, self.modules)
-            runner = schedule_runner(self.schedule, stages, chunks, self._micro_batch_loss)
-            if not train and self.schedule.runs_by_table:
-                self.schedule.evaluate_forward_only(runner, self.ranks, chunks)
-            self._runners[(train, shape)] = runner, stages
-        runner, stages = self._runners[(train, shape)]
+            if not self.schedule.takes(chunks, self.ranks):  # a short batch, or the shorter run of an uneven one
+                runner = fill_drain_runner(self.schedule, stages, self.ranks, chunks, self._micro_batch_loss, train)
+            else:
+                runner = schedule_runner(self.schedule, stages, chunks, self._micro_batch_loss)
+                if not train and self.schedule.runs_by_table:
+                    self.schedule.evaluate_forward_only(runner, self.ranks, chunks)
+            self._runners[(train, shape)] = runner, stages, layouts
+        runner, stages, layouts = self._runners[(train, shape)]
+        self._give_layouts(layouts)
         inputs = [self._first_inputs(*call) for call in calls] if calls is not None else None
         self._targets = [torch.tensor(m) for m in range(chunks)]
         targets = self._targets if self.holds_last else None
@@ -140,15 +169,47 @@ class ProcessPipeline:
         finally:
             self._loss, self._targets = None, []
 
-    def _first_inputs(self, args: tuple, kwargs: dict) -> tuple:
+    def _layouts(self, call: tuple[tuple, dict] | None, train: bool) -> list[CutLayout] | None:
+        """What crosses each cut for micro-batches like ``call`` (given on the rank of the first
+        stage), found there on fake tensors and sent to the pipeline's other ranks
+        (:mod:`.cut_values`); ``None`` where the stages cannot run on fake tensors: torch's stages
+        then learn the shapes themselves, and only tensors can cross."""
+        found: list[CutLayout] | None = None
+        if call is not None:
+            try:
+                found = cut_layouts(self.every, self._values_of(*call), self.device, train)
+            except Exception as error:  # noqa: BLE001 - an operation that reads values, say
+                warnings.warn(f"the shapes crossing the cuts could not be found on fake tensors "
+                              f"({type(error).__name__}: {str(error)[:300]}); torch's stages learn them from a trial "
+                              "forward instead, and only tensors can cross a cut", stacklevel=2)
+        sent = [found]
+        dist.broadcast_object_list(sent, group_src=self.schedule.rank_of(0, self.ranks), group=self.group)
+        return None if sent[0] is None else [registered(layout) for layout in sent[0]]
+
+    def _give_layouts(self, layouts: list[CutLayout] | None) -> None:
+        for stage in self.stages:
+            k = stage.stage.index
+            stage.layouts = None if layouts is None else (layouts[k], layouts[k + 1])
+
+    def _values_of(self, args: tuple, kwargs: dict) -> tuple:
         """The first stage's arguments for a call of the module: its values crossing the first cut."""
         assert self._input_slots is not None
         values = self.graph.bind(args, kwargs)
         return tuple(values[i] for i in self._input_slots)
 
+    def _first_inputs(self, args: tuple, kwargs: dict) -> tuple:
+        """What torch's first stage takes for a call of the module: the values crossing the first
+        cut, as :meth:`_values_of` gives them, carried as its layout says."""
+        values = self._values_of(args, kwargs)
+        first = next(stage for stage in self.stages if stage.stage.index == 0)
+        return values if first.layouts is None else first.layouts[0].pack(values, self.device, "the module's call")
+
     def _micro_batch_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         assert self._loss is not None and self._output_names is not None and self.graph.signature is not None
         leaves = output if isinstance(output, tuple) else (output,)
+        last = next(stage for stage in self.stages if stage.stage.index == self.plan.num_stages - 1)
+        if last.layouts is not None:
+            leaves = last.layouts[1].unpack(leaves)
         micro_batch = next((m for m, t in enumerate(self._targets) if t is target), None)
         if micro_batch is None:
             # torch's first step infers the gradients' shapes from a forward and backward of

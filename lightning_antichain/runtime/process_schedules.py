@@ -79,6 +79,30 @@ class ProcessSchedule:
         backward actions included: such a schedule evaluates by :meth:`evaluate_forward_only`."""
         return issubclass(self.runs_with, _PipelineScheduleRuntime)
 
+    def takes(self, chunks: int, ranks: int) -> bool:
+        """Whether torch's class runs ``chunks`` micro-batches on ``ranks`` ranks: 1F1B and ZBV
+        need one per stage at least, the interleaved ones a whole number of rounds."""
+        if self.name in ("1f1b", "zbv"):
+            return chunks >= self.num_stages(ranks)
+        if self.takes_a_list:
+            return chunks % max(1, chunks // ranks) == 0
+        return True
+
+    def fill_drain_order(self, ranks: int, chunks: int, train: bool = True) -> dict[int, list[_Action]]:
+        """GPipe's order for this schedule's stages: on each rank, every micro-batch's forward
+        through its stages in pipeline order, then (``train``) every backward in reverse. It runs
+        any count of micro-batches on any placement of stages, since each task waits only on tasks
+        of earlier stages (later, in backward) that their ranks run first: the order for a batch
+        the schedule itself does not take (:meth:`takes`)."""
+        order: dict[int, list[_Action]] = {}
+        for rank in range(ranks):
+            held = sorted(self.stages_of(rank, ranks))
+            order[rank] = [_Action(s, _ComputationType.FORWARD, m) for s in held for m in range(chunks)]
+            if train:
+                order[rank] += [_Action(s, _ComputationType.FULL_BACKWARD, m) for s in reversed(held)
+                                for m in reversed(range(chunks))]
+        return order
+
     def evaluate_forward_only(self, runner: _PipelineScheduleRuntime, ranks: int, chunks: int) -> None:
         """Make ``runner`` (torch's, for this schedule) run forwards only: every micro-batch through
         a rank's first stage, then through its next, so each stage waits only on stages run before
@@ -134,6 +158,18 @@ def process_schedule(name: str, virtual_stages: int | None = None) -> ProcessSch
     return ProcessSchedule(key, runs_with, count, shape)
 
 
+def fill_drain_runner(schedule: ProcessSchedule, stages: list[Any], ranks: int, chunks: int,
+                      loss_fn: Any, train: bool) -> _PipelineScheduleRuntime:
+    """torch's runtime for tables of actions, running this rank's ``stages`` in
+    :meth:`ProcessSchedule.fill_drain_order` (``scale_grads=False``, as :func:`schedule_runner`)."""
+    runner = _PipelineScheduleRuntime(stages, chunks, loss_fn=loss_fn, scale_grads=False)
+    prepare = getattr(runner, "_prepare_schedule_with_comms", None) or runner._load_actions  # torch < 2.8
+    prepare(schedule.fill_drain_order(ranks, chunks, train=True))  # torch checks a training table's counts
+    if not train:
+        schedule.evaluate_forward_only(runner, ranks, chunks)
+    return runner
+
+
 def run_pre_split(runner: Any, arg_mbs: list[tuple] | None, target_mbs: list | None, train: bool) -> None:
     """One batch through torch's ``runner`` from micro-batches already split (``None`` where this
     rank holds neither the first stage nor the last): forward and backward when ``train``, else
@@ -146,7 +182,12 @@ def run_pre_split(runner: Any, arg_mbs: list[tuple] | None, target_mbs: list | N
     given = {"arg_mbs": arg_mbs, "target_mbs": target_mbs}
     given = {name: value for name, value in given.items() if value is not None}
     if "arg_mbs" in inspect.signature(runner.step).parameters:
-        runner.step(**given, return_outputs=False) if train else runner.eval(**given)
+        had_backward = runner._has_backward
+        runner._has_backward = had_backward and train  # what torch's eval() does, with no outputs merged
+        try:  # (joining the last stage's outputs fails on a 0-dim one, a loss, and nothing needs them)
+            runner.step(**given, return_outputs=False)
+        finally:
+            runner._has_backward = had_backward
     else:
         run_through_step_microbatches(runner, arg_mbs, target_mbs, train)
 

@@ -22,18 +22,15 @@ from torch.distributed.pipelining import PipelineStage
 from torch.utils.checkpoint import checkpoint
 
 from ..capture import OpGraph
-from ..capture.pytrees import flatten
+from ..capture.pytrees import flatten, unflatten
 from .batchnorm import recomputing
 from .cut_sizes import without_sizes
+from .cut_values import CutLayout, CutValueError
 from .initialization import Initializer
 from .plan import Plan
 from .process_schedules import ProcessSchedule
 from .replication import without_reduction_in_inference
 from .split import StageModule, place_stages, split_stages
-
-
-class CutValueError(TypeError):
-    """A value crossing a cut is not a tensor: torch's stages send tensors only."""
 
 
 class FlatStage(nn.Module):
@@ -50,29 +47,35 @@ class FlatStage(nn.Module):
         self.used = nn.ModuleList(stage.submodules())
         self.fetched = _Fetched(stage)
         self.recompute = recompute
+        #: how the values crossing the cuts before and after it are sent, for the micro-batches
+        #: running now (:mod:`.cut_values`); ``None``: tensors alone, as they come
+        self.layouts: tuple[CutLayout, CutLayout] | None = None
 
-    def forward(self, *values: torch.Tensor) -> Any:
+    def forward(self, *sent: torch.Tensor) -> Any:
+        sent = tuple(_Received.apply(v) if isinstance(v, torch.Tensor) and v.requires_grad else v for v in sent)
+        values = sent if self.layouts is None else self.layouts[0].unpack(sent)
         if len(values) != len(self.stage.inputs):
             raise CutValueError(f"stage {self.stage.index} takes {len(self.stage.inputs)} values "
                                 f"({', '.join(self.stage.inputs)}), got {len(values)}")
-        values = tuple(_Received.apply(v) if isinstance(v, torch.Tensor) and v.requires_grad else v for v in values)
         if self.recompute and torch.is_grad_enabled():  # keep the inputs only; run the forward again in backward
             leaves = list(checkpoint(self._leaves, *values, use_reentrant=False, context_fn=self._contexts))
         else:
             leaves = self._leaves(*values)
-        outside = [(name, type(v).__name__) for name, v in zip(self.stage.outputs, leaves)
-                   if not isinstance(v, torch.Tensor)]
-        if outside or len(leaves) != len(self.stage.outputs):
+        outputs = unflatten(leaves, self._output_spec)
+        if self.layouts is not None:
+            leaves = list(self.layouts[1].pack(tuple(outputs), self.stage.device, f"stage {self.stage.index}"))
+        elif len(leaves) != len(self.stage.outputs) or not all(isinstance(v, torch.Tensor) for v in leaves):
             raise CutValueError(
-                f"stage {self.stage.index} passes on values that are not single tensors "
-                f"({outside or 'nested values'}); torch.distributed.pipelining sends tensors only. Cut "
-                "elsewhere (a fixed balance=), or keep the operation that makes them with its readers."
-            )
+                f"stage {self.stage.index} passes on values that are not single tensors, and the shapes crossing "
+                "its cuts could not be found on fake tensors before the first step (see the warning), so they "
+                "cannot be carried. Cut elsewhere (a fixed balance=), or keep the operation that makes them with its "
+                "readers.")
         leaves = [_Sent.apply(v) for v in leaves]
         return leaves[0] if len(leaves) == 1 else tuple(leaves)
 
-    def _leaves(self, *values: torch.Tensor) -> list[Any]:
-        return self.stage(*flatten(tuple(values)))[0]
+    def _leaves(self, *values: Any) -> list[Any]:
+        leaves, self._output_spec = self.stage(*flatten(tuple(values)))
+        return leaves
 
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """The forward as is; its recomputation without a second update of BatchNorm statistics."""
@@ -167,9 +170,12 @@ def rank_flat_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank
 
 def torch_stages(flat: list[FlatStage], num_stages: int, device: torch.device, group: Any = None,
                  modules: list[nn.Module] | None = None) -> list[PipelineStage]:
-    """``flat`` as torch's stages, which learn the shapes crossing each cut on their first step;
-    ``modules``: what runs each (``flat`` itself, or its replicated wrapper: :mod:`.replication`)."""
-    stages = [PipelineStage(module, stage.stage.index, num_stages, device, group=group)
+    """``flat`` as torch's stages, given what crosses their cuts where each stage's ``layouts``
+    say (else they learn it on their first step); ``modules``: what runs each (``flat`` itself,
+    or its replicated wrapper: :mod:`.replication`)."""
+    stages = [PipelineStage(module, stage.stage.index, num_stages, device, group=group,
+                            **({} if stage.layouts is None else {"input_args": stage.layouts[0].sent,
+                                                                 "output_args": stage.layouts[1].sent}))
               for stage, module in zip(flat, modules or flat)]
     for stage in stages:
         without_reduction_in_inference(stage)

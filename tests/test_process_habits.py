@@ -1,0 +1,101 @@
+"""Lightning habits under stages as processes equal plain Lightning, or are refused on every rank.
+
+tests/scripts/habits.py trains in float64 on dict batches with a per-sample ``list[str]``, in
+batches that do not split into equal micro-batches (the last training batch holds 6 samples for 4
+micro-batches; evaluation batches of 5), logging with ``reduce_fx`` sum and max and
+``sync_dist=True``, a torchmetrics accuracy ``on_step`` (to a CSV file), and predicting dicts of a
+tensor, an int and the names. Every rank must see what plain Lightning on one device sees: the
+step losses, the logged values (the CSV file rank 0 writes, column by column), the predictions;
+each rank holds only its own stages' parameters (the others on meta, counted in bytes), and the
+strategy gives the whole trained model on demand.
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.processes
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "habits.py"
+
+
+def run(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    out.mkdir(parents=True)
+    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], capture_output=True, text=True,
+                            timeout=300, cwd=out)
+    return result, [json.loads(r.read_text()) for r in sorted(out.glob("rank*.json"))]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> dict:
+    result, (report,) = run(tmp_path_factory.mktemp("plain") / "out", "--plain")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return report
+
+
+def f64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def assert_same_values(ours: dict, theirs: dict, where: str) -> None:
+    assert ours.keys() == theirs.keys(), where
+    for key, value in theirs.items():
+        if value in ("", None):
+            assert ours[key] in ("", None), (where, key)
+        else:
+            assert float(ours[key]) == pytest.approx(float(value), rel=1e-6, abs=1e-12), (where, key)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=pytest.mark.slow), "none"])
+def test_every_habit_behaves_as_plain_lightning_on_every_rank(tmp_path, plain, schedule):
+    result, ranks = run(tmp_path / "out", "--schedule", schedule, "--devices", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(ranks) == (1 if schedule == "none" else 2)
+    for rank, report in enumerate(ranks):
+        torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
+        assert_same_values(report["callback_metrics"], plain["callback_metrics"], f"rank {rank}")
+        assert len(report["predictions"]) == len(plain["predictions"])
+        for ours, theirs in zip(report["predictions"], plain["predictions"]):
+            assert ours["batch"] == theirs["batch"] and ours["names"] == theirs["names"]  # joined, not per micro-batch
+            torch.testing.assert_close(f64(ours["probabilities"]), f64(theirs["probabilities"]), rtol=1e-6, atol=1e-12)
+    logged = ranks[0]["csv"]  # what the logger of rank 0 wrote: every step's row, every column
+    assert len(logged) == len(plain["csv"]) and "train_acc_step" in logged[0]
+    for row, (ours, theirs) in enumerate(zip(logged, plain["csv"])):
+        assert_same_values(ours, theirs, f"csv row {row}")
+    whole = ranks[0]["whole"]  # the strategy's full_state_dict() on rank 0: every trained tensor
+    assert whole.keys() == plain["parameters"].keys()
+    for name, values in plain["parameters"].items():
+        torch.testing.assert_close(torch.tensor(whole[name]), torch.tensor(values), rtol=1e-6, atol=1e-12)
+    if schedule == "none":
+        return
+    plain_bytes = sum(len(v) * 8 for v in plain["parameters"].values())
+    held = [set(r["parameters"]) for r in ranks]
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == set(plain["parameters"])
+    assert set(ranks[0]["meta"]) == held[1] and set(ranks[1]["meta"]) == held[0]  # the others' on meta
+    for report, names in zip(ranks, held):
+        assert report["held_bytes"] == sum(len(plain["parameters"][n]) * 8 for n in names) < plain_bytes
+        for name in names:  # what a rank holds is the trained value
+            torch.testing.assert_close(torch.tensor(report["parameters"][name]),
+                                       torch.tensor(plain["parameters"][name]), rtol=1e-6, atol=1e-12)
+    assert sum(r["held_bytes"] for r in ranks) == plain_bytes
+
+
+@pytest.mark.parametrize("case, says", [
+    ("manual", "RuntimeError: manual optimization (automatic_optimization = False)"),  # refused at setup
+    ("skip", "RuntimeError: training_step returned None to skip this batch"),  # at the batch it skips
+])
+def test_a_habit_processes_cannot_follow_stops_every_rank_with_what_to_do(tmp_path, case, says):
+    """Manual optimization runs the backward in the step, which torch's schedule runs; Lightning
+    skips no batch in a run of several processes. Every rank raises the same error, which says
+    what to do (the in-process runtime does both as plain Lightning): none waits on another."""
+    started = time.monotonic()
+    result, _ = run(tmp_path / "out", "--schedule", "1f1b", "--case", case)
+    assert result.returncode != 0 and time.monotonic() - started < 120
+    for rank in (0, 1):
+        assert f"[rank{rank}]: {says}" in result.stderr, result.stderr[-3000:]
+    assert "leave out schedule=" in result.stderr
