@@ -109,7 +109,7 @@ def test_a_metrics_value_for_the_step_is_the_whole_batchs():
     module, other = Logging(), Logging()
     values = StepValues()
     preds, labels = torch.tensor([0, 1, 1, 1]), torch.tensor([0, 1, 0, 0])
-    for step in range(2):
+    for _step in range(2):  # the copy starts again each step
         with values.watching(module):
             for part in (slice(0, 2), slice(2, 4)):
                 module.acc(preds[part], labels[part])

@@ -6,8 +6,10 @@ connection) leaves it in the process group's store, which every rank reaches, be
 rank that loses a connection looks there for a few seconds and raises the failing rank's error
 instead (:func:`explained`). The store lives in rank 0's process: where rank 0 fails, it first
 closes its connections (the others' waits on it end), and stays until every other rank has read
-its error or a few seconds have passed. A rank that dies without raising (killed, out of memory)
-leaves nothing: the others raise the lost connection, as torch reports it.
+its error or a few seconds have passed; another rank that fails gives rank 0 a moment to fail too
+before it ends, since a launcher may end every process once one has. A rank that dies without
+raising (killed, out of memory) leaves nothing: the others raise the lost connection, as torch
+reports it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch.distributed as dist
 
 KEY = "lightning_antichain/failed_rank_error"
 READ = "lightning_antichain/failed_rank_error_read"
+FIRST_FAILED = "lightning_antichain/rank_zero_failed"
 WAIT_S = 5.0
+GRACE_S = 2.0
 
 
 class StageProcessError(RuntimeError):
@@ -39,10 +43,14 @@ def explained(error: Exception, rank: int) -> Exception:
             cause = cause.__cause__
         try:
             store.set(KEY, f"rank {rank}: {type(cause).__name__}: {cause}")
+            if rank == 0:
+                store.set(FIRST_FAILED, "1")
+                _wait_until_read(store)
+            else:  # this rank's error is its own; it need not read another's
+                store.add(READ, 1)
+                _wait_for_first(store)
         except Exception:  # noqa: BLE001 - the store's host may be gone too; the error is raised as it is
             return error
-        if rank == 0:
-            _wait_until_read(store)
         return error
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
@@ -55,6 +63,15 @@ def explained(error: Exception, rank: int) -> Exception:
             return error
         time.sleep(0.1)
     return error
+
+
+def _wait_for_first(store: dist.Store) -> None:
+    """A few seconds for rank 0 to fail too, where it raises the same error (a refusal every rank
+    makes): a launcher that ends every process once one has ended (Lightning's) would otherwise
+    end rank 0 before it says why."""
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and not store.check([FIRST_FAILED]):
+        time.sleep(0.05)
 
 
 def _wait_until_read(store: dist.Store) -> None:

@@ -105,6 +105,7 @@ _NUMBER_TYPES = {kind.__name__: kind for kind in NUMBERS}
 def layout_of(values: tuple) -> CutLayout:
     """The :class:`CutLayout` of ``values`` (fake or real tensors)."""
     leaves, spec = flatten(values)
+    spec = flatten(unflatten(leaves, spec))[1]  # as a stage's outputs come rebuilt (a torch.Size as a tuple)
     kinds, examples = [], []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -120,14 +121,26 @@ def layout_of(values: tuple) -> CutLayout:
     return CutLayout(spec, tuple(kinds), tuple(examples))
 
 
-def cut_layouts(stages: Sequence[StageModule], inputs: tuple, device: torch.device, train: bool
-                ) -> list[CutLayout]:
+@dataclass(frozen=True)
+class CutLayouts:
+    """What crosses every cut of a plan for one shape of micro-batch (:func:`cut_layouts`)."""
+
+    #: ``[what the first stage takes, what it passes on, ..., what the last returns]``
+    cuts: tuple[CutLayout, ...]
+    #: the stages whose weights torch's split backward (zero-bubble schedules: input gradients
+    #: first, weight gradients later) would leave without a gradient: they back-propagate whole
+    whole_backward: frozenset[int] = frozenset()
+
+
+def cut_layouts(stages: Sequence[StageModule], inputs: tuple, device: torch.device, train: bool,
+                splits_backward: bool = False) -> CutLayouts:
     """The layout of every cut of ``stages`` (all of a plan's, in order) for a micro-batch whose
-    first stage takes ``inputs``: ``[what the first stage takes, what it passes on, ..., what the
-    last returns]``, from one run of every stage on fake tensors on ``device`` (with gradients
-    where ``train``). Raises where the stages cannot run on fake tensors (an operation that reads
-    values: ``nonzero``, ``.item()``)."""
+    first stage takes ``inputs``, from one run of every stage on fake tensors on ``device`` (with
+    gradients where ``train``; ``splits_backward``: under a schedule that takes input and weight
+    gradients apart, which stages it cannot, :func:`weights_missed`). Raises where the stages
+    cannot run on fake tensors (an operation that reads values: ``nonzero``, ``.item()``)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    whole: set[int] = set()
     with mode, torch.set_grad_enabled(train):
         values = pytree.tree_map(lambda v: _fake_like(v, device) if isinstance(v, torch.Tensor) else v, tuple(inputs))
         layouts = [layout_of(values)]
@@ -136,22 +149,64 @@ def cut_layouts(stages: Sequence[StageModule], inputs: tuple, device: torch.devi
             leaves, spec = flatten(tuple(values))
             outputs = functional_call(stage.module, state, stage.arguments(tuple(unflatten(leaves, spec))),
                                       tie_weights=True, strict=False)
+            if splits_backward and train and stage.index > 0 and weights_missed(leaves, outputs, state.values()):
+                whole.add(stage.index)
             values = tuple(outputs)
             layouts.append(layout_of(values))
-    return layouts
+            # the next stage receives them as torch's stages do: fresh leaves, needing gradients as sent
+            values = pytree.tree_map(lambda v: v.detach().requires_grad_(v.requires_grad) if isinstance(
+                v, torch.Tensor) else v, values)
+    return CutLayouts(tuple(layouts), frozenset(whole))
 
 
-def registered(layout: CutLayout) -> CutLayout:
-    """``layout``, with the dataclasses its spec nests registered with pytree in this process (a
-    layout received from another rank names types this one may not have flattened yet)."""
-    pending = [layout.spec]
+def weights_missed(inputs: list[Any], outputs: Any, weights: Any) -> bool:
+    """Whether torch's split backward would not give a stage's weights their gradients.
+
+    Zero-bubble schedules take a stage's input gradients first and its weight gradients later,
+    from the intermediate results where the weights' paths meet the inputs' (torch's
+    ``stage_backward_input`` and ``stage_backward_weight``). A weight whose path to the outputs
+    meets no input that needs a gradient (the stage's inputs need none; it makes an output from
+    weights alone, such as T5's position bias from integer buckets) is in no group, and torch
+    never computes its gradient (only the first stage is back-propagated whole); and where a
+    weight's groups share part of the graph, the weight pass runs through it twice and fails.
+    This runs torch's two passes on the fake run's graph and checks that every weight the outputs
+    reach got a gradient."""
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc,
+        construct_reverse_graph,
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    # copies: torch's input pass detaches the outputs in place, and these go on to the next stage
+    outputs = [t.clone() for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    weights = [w for w in weights if isinstance(w, torch.Tensor) and w.requires_grad]
+    if not outputs or not weights:
+        return False
+    reverse = construct_reverse_graph([fn for t in outputs if (fn := _get_grad_fn_or_grad_acc(t)) is not None])
+    reached = [w for w in weights if _get_grad_fn_or_grad_acc(w) in reverse]
+    for w in weights:
+        w.grad = None
+    try:
+        _, groups = stage_backward_input(outputs, [torch.ones_like(t) for t in outputs],
+                                         [t for t in inputs if isinstance(t, torch.Tensor)], iter(weights))
+        stage_backward_weight(iter(weights), groups)
+    except Exception:  # noqa: BLE001 - torch's passes fail on this graph: back-propagate it whole
+        return True
+    return any(w.grad is None for w in reached)
+
+
+def registered(layouts: CutLayouts) -> CutLayouts:
+    """``layouts``, with the dataclasses their specs nest registered with pytree in this process
+    (layouts received from another rank name types this one may not have flattened yet)."""
+    pending = [layout.spec for layout in layouts.cuts]
     while pending:
         spec = pending.pop()
         kind = spec.type
         if kind is not None and dataclasses.is_dataclass(kind) and kind not in pytree.SUPPORTED_NODES:
             pytree.register_dataclass(kind)
         pending.extend(spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs)
-    return layout
+    return layouts
 
 
 def _contiguous_strides(shape: Sequence[int]) -> list[int]:
@@ -164,8 +219,9 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
 
 
 def _named_state(stage: StageModule) -> list[tuple[str, torch.Tensor]]:
+    """The stage's parameters and buffers, each once (``functional_call`` ties the other names)."""
     module = stage.module
-    return [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return [*module.named_parameters(), *module.named_buffers()]
 
 
 def _fake_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

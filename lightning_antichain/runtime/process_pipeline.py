@@ -19,7 +19,6 @@ take runs in GPipe's order (:meth:`~.process_schedules.ProcessSchedule.fill_drai
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -29,7 +28,8 @@ import torch.distributed as dist
 from ..capture import OpGraph
 from .action_clock import ActionClock
 from .batchnorm import deferred_batch_norm
-from .cut_values import CutLayout, cut_layouts, registered
+from .cut_probe import probed_layouts
+from .cut_values import CutLayouts, cut_layouts, registered
 from .initialization import Initializer
 from .plan import Plan
 from .process_schedules import ProcessSchedule, fill_drain_runner, run_pre_split
@@ -169,27 +169,31 @@ class ProcessPipeline:
         finally:
             self._loss, self._targets = None, []
 
-    def _layouts(self, call: tuple[tuple, dict] | None, train: bool) -> list[CutLayout] | None:
+    def _layouts(self, call: tuple[tuple, dict] | None, train: bool) -> CutLayouts:
         """What crosses each cut for micro-batches like ``call`` (given on the rank of the first
-        stage), found there on fake tensors and sent to the pipeline's other ranks
-        (:mod:`.cut_values`); ``None`` where the stages cannot run on fake tensors: torch's stages
-        then learn the shapes themselves, and only tensors can cross."""
-        found: list[CutLayout] | None = None
+        stage): found there on fake tensors and sent to the pipeline's other ranks
+        (:mod:`.cut_values`), or, where the stages read values that fake tensors do not have,
+        from one real forward of ``call`` through the ranks (:mod:`.cut_probe`)."""
+        found: CutLayouts | None = None
         if call is not None:
             try:
-                found = cut_layouts(self.every, self._values_of(*call), self.device, train)
-            except Exception as error:  # noqa: BLE001 - an operation that reads values, say
-                warnings.warn(f"the shapes crossing the cuts could not be found on fake tensors "
-                              f"({type(error).__name__}: {str(error)[:300]}); torch's stages learn them from a trial "
-                              "forward instead, and only tensors can cross a cut", stacklevel=2)
+                found = cut_layouts(self.every, self._values_of(*call), self.device, train,
+                                    self.schedule.splits_backward)
+            except Exception:  # noqa: BLE001 - an operation that reads values (.item(), nonzero): probe instead
+                found = None
         sent = [found]
         dist.broadcast_object_list(sent, group_src=self.schedule.rank_of(0, self.ranks), group=self.group)
-        return None if sent[0] is None else [registered(layout) for layout in sent[0]]
+        if sent[0] is not None:
+            return registered(sent[0])
+        return probed_layouts(self.every, self.schedule, self.rank, self.ranks,
+                              None if call is None else self._values_of(*call), self.device, train, self.group,
+                              self.schedule.splits_backward)
 
-    def _give_layouts(self, layouts: list[CutLayout] | None) -> None:
+    def _give_layouts(self, layouts: CutLayouts) -> None:
         for stage in self.stages:
             k = stage.stage.index
-            stage.layouts = None if layouts is None else (layouts[k], layouts[k + 1])
+            stage.layouts = layouts.cuts[k], layouts.cuts[k + 1]
+            stage.whole_backward = k in layouts.whole_backward
 
     def _values_of(self, args: tuple, kwargs: dict) -> tuple:
         """The first stage's arguments for a call of the module: its values crossing the first cut."""

@@ -79,6 +79,11 @@ class ProcessSchedule:
         backward actions included: such a schedule evaluates by :meth:`evaluate_forward_only`."""
         return issubclass(self.runs_with, _PipelineScheduleRuntime)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether torch's class takes input and weight gradients apart (the zero-bubble ones)."""
+        return self.name in ("zb-h1", "zbv")
+
     def takes(self, chunks: int, ranks: int) -> bool:
         """Whether torch's class runs ``chunks`` micro-batches on ``ranks`` ranks: 1F1B and ZBV
         need one per stage at least, the interleaved ones a whole number of rounds."""

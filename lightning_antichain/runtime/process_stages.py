@@ -50,6 +50,9 @@ class FlatStage(nn.Module):
         #: how the values crossing the cuts before and after it are sent, for the micro-batches
         #: running now (:mod:`.cut_values`); ``None``: tensors alone, as they come
         self.layouts: tuple[CutLayout, CutLayout] | None = None
+        #: back-propagate whole even where the schedule splits input and weight gradients: its
+        #: weights are not all reached from its inputs (:func:`~.cut_values.cut_layouts`)
+        self.whole_backward = False
 
     def forward(self, *sent: torch.Tensor) -> Any:
         sent = tuple(_Received.apply(v) if isinstance(v, torch.Tensor) and v.requires_grad else v for v in sent)
@@ -175,11 +178,18 @@ def torch_stages(flat: list[FlatStage], num_stages: int, device: torch.device, g
     or its replicated wrapper: :mod:`.replication`)."""
     stages = [PipelineStage(module, stage.stage.index, num_stages, device, group=group,
                             **({} if stage.layouts is None else {"input_args": stage.layouts[0].sent,
-                                                                 "output_args": stage.layouts[1].sent}))
+                                                                 "output_args": stage.layouts[1].sent}),
+                            **({"dw_builder": _no_weight_pass} if stage.whole_backward else {}))
               for stage, module in zip(flat, modules or flat)]
     for stage in stages:
         without_reduction_in_inference(stage)
     return stages
+
+
+def _no_weight_pass() -> Callable[[], None]:
+    """torch's deferred weight pass of a stage back-propagated whole in its input pass (torch takes
+    a ``dw_builder`` to mean that): nothing left to do."""
+    return lambda: None
 
 
 def rank_stages(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
