@@ -24,6 +24,15 @@ busier or quieter weighs on both alike.
     python benchmarks/processes_cpu.py --ranks 2 --chunks 8
     python benchmarks/processes_cpu.py --device cuda --ranks 1   # on GPUs: rank r on GPU r % count,
                                                                  # NCCL where each rank has its own
+    python benchmarks/processes_cpu.py --part runtime   # the Trainer + strategy against torch's pipelining by hand
+    python benchmarks/processes_cpu.py --part split     # the DP's split against equal layers, a 32k-vocab Llama
+
+``--part runtime``: one plan (the DP's, 2 stages, 1F1B), trained by hand on torch's stages and
+schedule with an SGD step, and by the Trainer with the strategy (``plan=``, no calibration), in
+interleaved rounds; the median step of each after three steps to warm up. ``--part split``: a
+Hugging Face Llama with a 32k vocabulary, its loss from ``labels=``, cut by the DP and as torchtitan
+and NeMo AutoPipeline cut it (equal decoder layers per stage, the embedding with the first stage,
+the head with the last), both run by the process runtime's pipeline under 1F1B, in interleaved rounds.
 
 On GPUs (``benchmarks/gpu.py --parts processes`` runs it there) the in-process baseline puts its
 stages on the GPUs in turn, and every time is taken after the devices finish their work.
@@ -283,6 +292,196 @@ def collected(processes: list, results: mp.Queue, expected: int) -> list:
     return rows
 
 
+def time_steps(step, count: int) -> list[float]:
+    """The length of each of ``count`` calls of ``step``, every rank's together (the slowest's)."""
+    lengths = []
+    for _ in range(count):
+        dist.barrier()
+        started = time.perf_counter()
+        step()
+        elapsed = torch.tensor([time.perf_counter() - started])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        lengths.append(float(elapsed))
+    return lengths
+
+
+def runtime_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
+    """Rank ``rank`` of the runtime row: the same plan, schedule and micro-batches, trained by hand
+    on torch.distributed.pipelining (torch's stages and schedule, an SGD step, no Lightning) and by
+    the Trainer with the strategy (``schedule=``, ``plan=``), in interleaved rounds; each round's
+    steps after the first few, per step."""
+    import lightning as L
+
+    import lightning_antichain as la
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.runtime.process_schedules import process_schedule
+    from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                      WORLD_SIZE=str(ranks), RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    try:
+        model, x, y = build("gpt", torch.device("cpu"))
+        micro = len(x) // args.chunks
+        graph = capture_call(model, (x[:micro],), {})
+        plan_path = Path(args.out) / "runtime-plan.json"
+        if rank == 0:
+            cost = la.profile(model, x[:micro], op_graph=graph, progress=False)
+            la.partition(cost, ranks, chunks=args.chunks, schedule="1f1b").save(plan_path)
+        dist.barrier()
+        plan = la.Plan.load(plan_path)
+        schedule = process_schedule("1f1b")
+        stages = rank_stages(graph, plan, schedule, rank, ranks, torch.device("cpu"))
+        run = schedule_runner(schedule, stages, args.chunks, loss_of("gpt"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+
+        def by_hand() -> None:
+            for inputs, target in data:  # one batch: as a training loop reads it
+                if 0 in schedule.stages_of(rank, ranks):
+                    run.step(inputs, target=target if rank == ranks - 1 else None)
+                elif rank == ranks - 1:
+                    run.step(target=target, losses=[])
+                else:
+                    run.step()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        class Module(L.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = build("gpt", torch.device("cpu"))[0]
+
+            def forward(self, ids: torch.Tensor) -> torch.Tensor:
+                return self.net(ids)
+
+            def training_step(self, batch, batch_idx):
+                return loss_of("gpt")(self(batch[0]), batch[1])
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+        class Clock(L.Callback):
+            def __init__(self) -> None:
+                self.starts: list[float] = []
+
+            def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+                dist.barrier()
+                self.starts.append(time.perf_counter())
+
+        warm, steps = 3, args.steps
+        hand, lightning = [], []
+        for _ in range(args.repeats):
+            hand += time_steps(by_hand, warm + steps)[warm:]
+            clock = Clock()
+            trainer = L.Trainer(
+                accelerator="cpu", devices=ranks, max_steps=warm + steps + 1, logger=False, callbacks=[clock],
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                num_sanity_val_steps=0, limit_val_batches=0,
+                strategy=la.AntichainPipelineStrategy(schedule="1f1b", chunks=args.chunks, plan=str(plan_path),
+                                                      calibrate=False, use_profile_cache=False))
+            big = torch.utils.data.TensorDataset(x.repeat(warm + steps + 1, 1), y.repeat(warm + steps + 1, 1))
+            trainer.fit(Module(), torch.utils.data.DataLoader(big, batch_size=len(x)))
+            lengths = torch.tensor([b - a for a, b in zip(clock.starts, clock.starts[1:])])
+            dist.all_reduce(lengths, op=dist.ReduceOp.MAX)
+            lightning += lengths.tolist()[warm:]
+        if rank == 0:
+            results.put(("runtime", statistics.median(hand), statistics.median(lightning), len(hand)))
+    finally:
+        dist.destroy_process_group()
+
+
+def split_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
+    """Rank ``rank`` of the split row: a Hugging Face Llama with a 32k vocabulary under 1F1B, cut by
+    the DP and cut as torchtitan and NeMo AutoPipeline cut it (equal decoder layers per stage, the
+    embedding with the first, the norm and head with the last), both run alike
+    (:class:`~lightning_antichain.runtime.process_pipeline.ProcessPipeline`) in interleaved rounds."""
+    import transformers
+
+    import lightning_antichain as la
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.runtime import microbatch
+    from lightning_antichain.runtime.process_pipeline import ProcessPipeline
+    from lightning_antichain.runtime.process_schedules import process_schedule
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    try:
+        torch.manual_seed(0)
+        layers = args.layers
+        config = transformers.LlamaConfig(vocab_size=32000, hidden_size=128, intermediate_size=344,
+                                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=256, use_cache=False, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, 32000, (args.batch, 64))
+        micro = args.batch // args.chunks
+        graph = capture_call(model, (), {"input_ids": ids[:micro], "labels": ids[:micro]})
+        plans = [None, None]
+        if rank == 0:
+            cost = la.profile(model, {"input_ids": ids[:micro], "labels": ids[:micro]}, op_graph=graph,
+                              progress=False)
+            operations = [n for n in graph.nodes if n.kind != "placeholder"]
+            half = next(i for i, n in enumerate(operations) if n.owner.startswith(f"model.layers.{layers // 2}"))
+            plans = [la.partition(cost, ranks, chunks=args.chunks, schedule="1f1b").to_dict(),
+                     la.plan_from_balance(cost, [half, len(operations) - half], chunks=args.chunks).to_dict()]
+        dist.broadcast_object_list(plans, src=0)
+        schedule = process_schedule("1f1b")
+        pipelines = [ProcessPipeline(graph, la.Plan.from_dict(p), schedule, rank, ranks, torch.device("cpu"))
+                     for p in plans]
+        calls = microbatch.scatter(((), {"input_ids": ids, "labels": ids}), args.chunks)
+
+        def step(pipeline: ProcessPipeline):
+            def run() -> None:
+                model.zero_grad(set_to_none=True)
+                with torch.enable_grad():
+                    pipeline.run(("shape",), calls if pipeline.holds_first else None,
+                                 lambda output, m: output.loss / args.chunks, args.chunks, train=True)
+            return run
+
+        times: list[list[float]] = [[], []]
+        for repeat in range(args.repeats + 1):
+            for i, pipeline in enumerate(pipelines):
+                lengths = time_steps(step(pipeline), args.steps)
+                if repeat:  # the first round warms up
+                    times[i] += lengths
+        if rank == 0:
+            stages = [[len(s["nodes"]) for s in p["stages"]] for p in plans]
+            results.put(("split", statistics.median(times[0]), statistics.median(times[1]), stages,
+                         [p["predicted_step_s"] for p in plans]))
+    finally:
+        dist.destroy_process_group()
+
+
+def rows_main(args: argparse.Namespace) -> None:
+    """``--part runtime`` and ``--part split``: their row, printed."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    target = runtime_rank if args.part == "runtime" else split_rank
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    processes = [context.Process(target=target, args=(r, args.ranks, port, args, results)) for r in range(args.ranks)]
+    for process in processes:
+        process.start()
+    (row,) = collected(processes, results, 1)
+    print(f"Machine: {machine(1)}; {args.ranks} gloo processes, 1F1B, {args.chunks} micro-batches, median of "
+          f"{args.repeats} interleaved rounds of {args.steps} steps\n")
+    if args.part == "runtime":
+        _, hand_s, strategy_s, count = row
+        print("| GPT decoder, same plan | step ms | / by hand |\n|---|---|---|")
+        print(f"| torch.distributed.pipelining by hand | {1e3 * hand_s:.1f} | 1.00 |")
+        print(f"| Trainer + AntichainPipelineStrategy(schedule='1f1b') | {1e3 * strategy_s:.1f} "
+              f"| {strategy_s / hand_s:.3f} |")
+        return
+    _, auto_s, equal_s, stages, predicted = row
+    print(f"| Llama, 32k vocabulary, {args.layers} layers | operations per stage | predicted ms | step ms "
+          "| / automatic |\n|---|---|---|---|---|")
+    print(f"| automatic (the DP) | {stages[0]} | {1e3 * predicted[0]:.1f} | {1e3 * auto_s:.1f} | 1.00 |")
+    print(f"| equal layers, embedding first, head last | {stages[1]} | {1e3 * predicted[1]:.1f} "
+          f"| {1e3 * equal_s:.1f} | {equal_s / auto_s:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -290,7 +489,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="gpt,resnet50")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the ranks run")
+    parser.add_argument("--part", default="schedules", choices=["schedules", "runtime", "split"],
+                        help="schedules: each of torch's schedules on the plan (the default); runtime: the "
+                             "strategy's step against torch.distributed.pipelining by hand; split: the DP's split "
+                             "against equal decoder layers for a 32k-vocabulary Llama")
+    parser.add_argument("--steps", type=int, default=6, help="steps per round (runtime, split)")
+    parser.add_argument("--layers", type=int, default=8, help="the Llama's decoder layers (split)")
+    parser.add_argument("--batch", type=int, default=16, help="the Llama's batch of 64-token sequences (split)")
+    parser.add_argument("--out", default="benchmark-out", help="where the runtime row keeps its plan")
     args = parser.parse_args()
+    if args.part != "schedules":
+        rows_main(args)
+        return
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()

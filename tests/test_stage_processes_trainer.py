@@ -285,14 +285,13 @@ def test_process_mode_options_are_checked_when_given():
     assert strategy.options.schedule == "1f1b" and strategy.process_schedule.virtual_stages == 2
 
 
-@pytest.mark.parametrize("how, block, failing_rank", [
-    ("training_step", 2, 1),
-    pytest.param("forward", 4, 1, marks=SLOW),
-    pytest.param("backward", 2, 0, marks=SLOW),
-    pytest.param("killed", 4, 1, marks=SLOW),
+@pytest.mark.parametrize("how, block", [
+    ("training_step", 2),
+    pytest.param("forward", 4, marks=SLOW),
+    pytest.param("backward", 2, marks=SLOW),
+    pytest.param("killed", 4, marks=SLOW),
 ])
-def test_a_failing_stage_process_stops_every_process_and_the_checkpoint_before_resumes(
-        tmp_path, plain, how, block, failing_rank):
+def test_a_failing_stage_process_stops_every_process_and_the_checkpoint_before_resumes(tmp_path, plain, how, block):
     """The fault comes at step 8; a checkpoint was written at step 6, the end of the first epoch
     (Lightning resumes exactly from an epoch's end). Every process ends, the main one with the
     failing rank's error where that rank raised one."""
@@ -306,9 +305,10 @@ def test_a_failing_stage_process_stops_every_process_and_the_checkpoint_before_r
     said = ["\n".join(line for line in result.stderr.splitlines() if line.startswith(f"[rank{r}]:")) for r in (0, 1)]
     if how != "killed":  # every rank names the failing rank's error (the store lives in rank 0's process)
         failure = f"injected failure in {how if how == 'training_step' else 'a stage' + chr(39) + 's ' + how}"
-        assert failure in said[failing_rank]
-        assert f"StageProcessError: the process of another stage failed, rank {failing_rank}" in said[1 - failing_rank]
-        assert failure in said[1 - failing_rank]
+        # the rank whose stage holds the fault follows the plan, which follows the profile's timings
+        failing = next(r for r in (0, 1) if f"StageProcessError: the process of another stage failed, rank {r}"
+                       in said[1 - r])
+        assert failure in said[failing] and failure in said[1 - failing]
     assert not _running(str(out))  # no process of this run is left behind
     resumed = fit(tmp_path / "resumed", "--plain", "--resume", str(consolidated(out / "epoch=0-step=6.ckpt")))
     torch.testing.assert_close(losses_after(resumed), f64(plain["losses"][6:]), rtol=1e-6, atol=0)
