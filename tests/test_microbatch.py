@@ -76,3 +76,17 @@ def test_step_results_join_into_the_whole_batchs():
         microbatch.join_results([1, 2, 3, 4], sizes)
     with pytest.raises(microbatch.MicroBatchError, match="no dim that follows"):
         microbatch.join_results([torch.ones(5) * i for i in range(4)], sizes)
+
+
+def test_each_replica_gets_its_share_of_every_batch_in_the_samplers_order():
+    """Batches of 5 from 12 samples (5, 5, 2) shared by 2 replicas: 3 and 2, 3 and 2, 1 and 1;
+    a last batch smaller than the replicas is refused, saying to drop it."""
+    from lightning_antichain.lightning.replica_batches import ReplicaBatches
+
+    order = [11, 3, 7, 0, 5, 9, 1, 2, 10, 4, 6, 8]
+    shares = [list(ReplicaBatches(order, 5, False, 2, r)) for r in (0, 1)]
+    assert shares == [[[11, 3, 7], [9, 1, 2], [6]], [[0, 5], [10, 4], [8]]]
+    assert list(ReplicaBatches(order, 5, True, 2, 1)) == [[0, 5], [10, 4]]
+    assert len(ReplicaBatches(order, 5, True, 2, 0)) == 2 and len(ReplicaBatches(order, 5, False, 2, 0)) == 3
+    with pytest.raises(ValueError, match="cannot be shared by 3 pipeline replicas.*drop_last=True"):
+        list(ReplicaBatches(order, 5, False, 3, 0))

@@ -51,11 +51,8 @@ def assert_same_values(ours: dict, theirs: dict, where: str) -> None:
             assert float(ours[key]) == pytest.approx(float(value), rel=1e-6, abs=1e-12), (where, key)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=pytest.mark.slow), "none"])
-def test_every_habit_behaves_as_plain_lightning_on_every_rank(tmp_path, plain, schedule):
-    result, ranks = run(tmp_path / "out", "--schedule", schedule, "--devices", "2")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert len(ranks) == (1 if schedule == "none" else 2)
+def assert_as_plain(ranks: list[dict], plain: dict) -> None:
+    """What every rank saw, and what rank 0 logged and gives as the whole model, equal plain Lightning's."""
     for rank, report in enumerate(ranks):
         torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
         assert_same_values(report["callback_metrics"], plain["callback_metrics"], f"rank {rank}")
@@ -71,6 +68,14 @@ def test_every_habit_behaves_as_plain_lightning_on_every_rank(tmp_path, plain, s
     assert whole.keys() == plain["parameters"].keys()
     for name, values in plain["parameters"].items():
         torch.testing.assert_close(torch.tensor(whole[name]), torch.tensor(values), rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=pytest.mark.slow), "none"])
+def test_every_habit_behaves_as_plain_lightning_on_every_rank(tmp_path, plain, schedule):
+    result, ranks = run(tmp_path / "out", "--schedule", schedule, "--devices", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(ranks) == (1 if schedule == "none" else 2)
+    assert_as_plain(ranks, plain)
     if schedule == "none":
         return
     plain_bytes = sum(len(v) * 8 for v in plain["parameters"].values())
@@ -99,3 +104,26 @@ def test_a_habit_processes_cannot_follow_stops_every_rank_with_what_to_do(tmp_pa
     for rank in (0, 1):
         assert f"[rank{rank}]: {says}" in result.stderr, result.stderr[-3000:]
     assert "leave out schedule=" in result.stderr.lower()
+
+
+REPLICAS = ("--samples", "79", "--batch-size", "40", "--shuffle")  # shares of 20 and 19 in the second batch
+
+
+def test_each_replica_loads_only_its_share_and_the_layout_trains_as_plain_lightning(tmp_path):
+    """4 processes, 2 replicas of a pipeline of 2 (1F1B): a shuffled loader's batches of 40 (the
+    order plain Lightning draws, drawn by rank 0) are cut in two shares, and each replica's
+    processes load their share only, so 79 samples an epoch cost each process 40 or 39 loads,
+    not 79. The second batch's shares (20 and 19) split into micro-batches of unequal sizes, which
+    both replicas run in as many runs. Every habit equals plain Lightning on the whole batch."""
+    result, (plain,) = run(tmp_path / "plain", "--plain", *REPLICAS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result, ranks = run(tmp_path / "out", "--schedule", "1f1b", "--devices", "4", "--stages", "2", *REPLICAS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_as_plain(ranks, plain)
+    epochs = [plain["loaded"][:79], plain["loaded"][79:]]
+    batches = [epoch[i:i + 40] for epoch in epochs for i in range(0, 79, 40)]
+    for replica, mine in ((0, (0, 2)), (1, (1, 3))):  # rank = position x 2 + replica
+        share = [index for batch in batches for index in torch.tensor_split(torch.tensor(batch), 2)[replica].tolist()]
+        for rank in mine:
+            assert ranks[rank]["loaded"] == share, (rank, replica)
+    assert [len(r["loaded"]) for r in ranks] == [80, 78, 80, 78] and len(plain["loaded"]) == 158

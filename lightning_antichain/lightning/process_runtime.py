@@ -61,7 +61,7 @@ from .forward_patch import ForwardPatch
 from .global_norm import clip_by_global_norm
 from .micro_batch_steps import MicroBatchSteps
 from .rank_faults import explained
-from .same_batches import check_same_batch
+from .same_batches import StepAgreement, agree_on_step
 from .step_logs import (
     StepLogs,
     StepValues,
@@ -216,7 +216,7 @@ class ProcessRuntime:
         assert self.steps is not None, "setup() first"
         batch, rest = args[0], tuple(args[1:])
         if self.pipeline is None and not self._build(hook, target, batch, rest):
-            check_same_batch(batch, self.host.root_device)
+            self._agree(batch, 0)
             if hook == TRAINING:
                 raise RuntimeError(_skipped(hook, 0, 1))
             return None  # an evaluation step skipped the batch before the module could be planned on it
@@ -226,23 +226,32 @@ class ProcessRuntime:
         micro = microbatch.scatter(share, plan.chunks, lists=True)
         sizes = [microbatch.batch_size(m) or 0 for m in micro]
         calls = [self.steps.call_of(hook, m, rest) for m in micro] if pipeline.holds_first else None
-        called = check_same_batch(batch, self.host.root_device, called=None if calls is None else sum(
-            c is not None for c in calls))
-        if called is not None and called < len(micro):
-            if called == 0 and hook != TRAINING:
+        counted = [c for c in calls or () if c is not None] if self._counts_items else []
+        agreement = self._agree(share, sum(sizes), None if calls is None else sum(c is not None for c in calls) / len(
+            calls), float(sum(counted_items(target, *c) for c in counted)) if counted else None)
+        if agreement.called is not None and agreement.called < 1:
+            if agreement.called == 0 and hook != TRAINING:
                 return None  # an evaluation step that returned None before calling the module: skipped
+            called = sum(c is not None for c in calls) if calls is not None else 0
             raise RuntimeError(_skipped(hook, called, len(micro)))
-        return self._run(hook, share, micro, sizes, calls, rest, accumulate)
+        return self._run(hook, micro, sizes, calls, rest, accumulate, agreement)
 
-    def _run(self, hook: str, batch: Any, micro: list[Any], sizes: list[int], calls: list[Any] | None, rest: tuple,
-             accumulate: int) -> Any:
-        """Run the micro-batches ``micro`` of ``batch``, of ``sizes`` samples, through the pipeline,
-        the step ``hook`` answering each one's output on the last stage's rank; what every rank
-        returns to Lightning (see :meth:`step`)."""
+    def _agree(self, batch: Any, samples: int, called: float | None = None, items: float | None = None
+               ) -> StepAgreement:
+        """:func:`~.same_batches.agree_on_step` for this rank's replica."""
+        layout = self.host.layout if self.host.layout_search is None or self.plan is not None else Layout(
+            1, self.host.world_size)
+        return agree_on_step(batch, self.host.root_device, layout.dp, layout.replica(self.host.global_rank), samples,
+                             called, items)
+
+    def _run(self, hook: str, micro: list[Any], sizes: list[int], calls: list[Any] | None, rest: tuple,
+             accumulate: int, agreement: StepAgreement) -> Any:
+        """Run the micro-batches ``micro`` of ``sizes`` samples through the pipeline, the step
+        ``hook`` answering each one's output on the last stage's rank; what every rank returns to
+        Lightning (see :meth:`step`). ``agreement``: what every rank knows of the step."""
         assert self.steps is not None and self.pipeline is not None and self.plan is not None
         module, pipeline = self.steps.module, self.pipeline
-        total = sum(sizes)
-        shares = self._shares(hook, batch, sizes, rest)
+        shares = self._shares(sizes, agreement)
         logs = StepLogs()
         losses: list[torch.Tensor] = []  # weighted as the schedule back-propagates them, read once after
         train = hook == TRAINING
@@ -266,7 +275,8 @@ class ProcessRuntime:
                 results[m] = map_tensors(lambda t: t.detach().cpu(), {k: v for k, v in result.items() if k != "loss"})
             return weighted / accumulate
 
-        runs = equal_runs(sizes)
+        every = [len(equal_runs(microbatch.split_sizes(n, self.plan.chunks))) for n in agreement.samples]
+        runs = equal_runs(sizes, max(every))  # as many as every replica's: each run's last backward reduces
         calibration = self.calibration if train and len(runs) == 1 and len(micro) == self.plan.chunks else None
         with torch.enable_grad() if train else torch.no_grad(), \
                 self._gradients_stashed(pipeline.parameters()) if train else nullcontext(), \
@@ -290,11 +300,9 @@ class ProcessRuntime:
         if not pipeline.holds_last:
             set_metric_states(module, states)
         set_step_values(module, values)
-        total_samples = total
         if self.host.layout.dp > 1:  # the whole batch's, from every replica's share
-            mean, merged, results, total_samples = self._over_replicas(mean, merged, results, total)
-            sizes = sizes * self.host.layout.dp
-        replay(module, merged, total_samples, self.host.root_device)
+            mean, merged, results, sizes = self._over_replicas(mean, merged, results, sizes, agreement)
+        replay(module, merged, sum(agreement.samples), self.host.root_device)
         joined = None if all(r is None for r in results) else microbatch.join_results(results, sizes)
         joined = map_tensors(lambda t: t.to(self.host.root_device), joined)
         if not train:
@@ -302,28 +310,24 @@ class ProcessRuntime:
         loss_value = torch.tensor(mean, device=self.host.root_device)
         return loss_value if joined is None else {"loss": loss_value, **joined}
 
-    def _shares(self, hook: str, batch: Any, sizes: list[int], rest: tuple
-                ) -> Callable[[Any, int], Callable[[Any], float]]:
+    def _shares(self, sizes: list[int], agreement: StepAgreement) -> Callable[[Any, int], Callable[[Any], float]]:
         """For a micro-batch's output and index, the share of the whole batch that a value its step
         computes has, where the values of the micro-batches join as their weighted sum: its share
-        of the samples, or, for the loss a Hugging Face model computes from ``labels=`` (a mean over
-        the label tokens that count), its share of those tokens, as the in-process runtime joins
-        it (:mod:`~lightning_antichain.runtime.model_loss`). Where the model computes such a loss,
-        the rank of the last stage counts the batch's tokens from the step's call of the module."""
+        of the step's samples, or, for the loss a Hugging Face model computes from ``labels=`` (a
+        mean over the label tokens that count), its share of those tokens, as the in-process
+        runtime joins it (:mod:`~lightning_antichain.runtime.model_loss`). Replicas' shares count
+        ``dp`` times: their gradients are averaged over the replicas."""
         assert self.steps is not None
-        total = sum(sizes)
-        target = self.host.target()
-        whole = self.steps.call_of(hook, batch, rest) if (
-            self._counts_items and self.pipeline is not None and self.pipeline.holds_last) else None
-        items = None if whole is None else counted_items(target, *whole)
+        steps, target, dp = self.steps, self.host.target(), len(agreement.samples)
+        samples, items = sum(agreement.samples), None if agreement.items is None else sum(agreement.items)
 
         def of(output: Any, m: int) -> Callable[[Any], float]:
             model_loss = _model_loss(output) if items is not None else None
 
             def share(value: Any) -> float:
-                if model_loss is not None and value is model_loss and self.steps.given_call is not None:
-                    return float(counted_items(target, *self.steps.given_call)) / max(float(items), 1.0)
-                return sizes[m] / total
+                if model_loss is not None and value is model_loss and steps.given_call is not None:
+                    return dp * float(counted_items(target, *steps.given_call)) / max(float(items), 1.0)
+                return dp * sizes[m] / samples
 
             return share
 
@@ -343,9 +347,10 @@ class ProcessRuntime:
         return Links(len(devices), within, across)
 
     def _replica_share(self, batch: Any) -> Any:
-        """This rank's replica's part of the whole ``batch`` (all of it where there is one replica)."""
+        """This rank's replica's part of the whole ``batch`` (all of it where there is one replica,
+        or where each replica loads only its share: a layout given, not planned)."""
         layout = self.host.layout
-        if layout.dp == 1:
+        if layout.dp == 1 or self.host.layout_search is None:
             return batch
         shares = microbatch.scatter(batch, layout.dp, lists=True)
         sizes = [microbatch.batch_size(share) or 0 for share in shares]
@@ -356,15 +361,15 @@ class ProcessRuntime:
                 "and set drop_last=True in the DataLoader where the last batch is shorter.")
         return shares[layout.replica(self.host.global_rank)]
 
-    def _over_replicas(self, mean: float, merged: list, results: list, total: int) -> tuple[float, list, list, int]:
-        """The step's loss, logs and predictions over every replica's share: equal shares, so the
-        means of their means; the predictions in the batch's order; the whole batch's samples."""
-        shares = _everyone((mean, merged, results), self._replicas_group())
-        count = len(shares)
-        mean = sum(share[0] for share in shares) / count
-        merged = averaged_logs([share[1] for share in shares], [total] * count)
-        results = [r for share in shares for r in share[2]]
-        return mean, merged, results, total * count
+    def _over_replicas(self, mean: float, merged: list, results: list, sizes: list[int], agreement: StepAgreement
+                       ) -> tuple[float, list, list, list[int]]:
+        """The step's loss, logs and predictions over every replica's share: the loss the mean of
+        theirs (each weighted by its share already), the logs reduced over the shares, the
+        predictions in the batch's order, with every micro-batch's samples."""
+        shares = _everyone((mean, merged, results, sizes), self._replicas_group())
+        mean = sum(share[0] for share in shares) / len(shares)
+        merged = averaged_logs([share[1] for share in shares], list(agreement.samples))
+        return mean, merged, [r for share in shares for r in share[2]], [n for share in shares for n in share[3]]
 
     def _calibrated(self, calibration: StepCalibration) -> None:
         """Take the plan's stage times from every rank's timed actions (every rank calls it at the

@@ -69,6 +69,14 @@ def replica_loader(dataloader: Any, replicas: int, replica: int) -> DataLoader:
     shares: Sampler[list[int]] = ReplicaBatches(inner.sampler, inner.batch_size, inner.drop_last, replicas, replica)
     if indexed:
         shares = _IndexBatchSamplerWrapper(shares)  # type: ignore[arg-type]
-    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, inner.sampler)
+    if type(dataloader) is DataLoader:
+        return DataLoader(dataloader.dataset, batch_sampler=shares, **{
+            name: getattr(dataloader, name) for name in _KEPT if hasattr(dataloader, name)})
+    args, kwargs = _get_dataloader_init_args_and_kwargs(dataloader, inner.sampler)  # a subclass: as Lightning does
     kwargs.update(batch_sampler=shares, sampler=None, batch_size=1, shuffle=False, drop_last=False)
     return _reinstantiate_wrapped_cls(dataloader, *args, **kwargs)
+
+
+#: what a DataLoader keeps of its arguments, other than how it samples
+_KEPT = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+         "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")

@@ -4,14 +4,16 @@ With one process per stage, the first stage's rank computes the module's inputs 
 the last stage's rank computes the loss from its own: were they different batches, training would
 go on, wrong, and nothing would say so. A DataLoader that shuffles draws its order in each process
 on its own, so its ``RandomSampler`` draws from rank 0's generator on every rank, the order plain
-Lightning would draw there (:func:`same_order_everywhere`); and every step checks that the ranks
-hold one batch (:func:`check_same_batch`), with one small collective, so a loader that still
-differs stops training with a clear error on every rank at once.
+Lightning would draw there (:func:`same_order_everywhere`); and every step checks that the ranks of
+a pipeline hold one batch (:func:`agree_on_step`), with one small collective, so a loader that
+still differs stops training with a clear error on every rank at once. That collective also tells
+every rank what only some know: whether the step skips the batch, and each replica's share.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,34 +53,56 @@ def same_order_everywhere(dataloader: object) -> object:
                                                         sampler._num_samples))
 
 
-def check_same_batch(batch: Any, device: torch.device, group: Any = None, called: int | None = None) -> int | None:
-    """Raise on every rank, together, if the ranks do not hold the same ``batch``. ``called``: on a
-    rank that holds the first stage, how many of the batch's micro-batches the step called the
-    module on (``None`` elsewhere); every rank gets it back, so that all skip a batch the step
-    skips (``None`` where no rank knows). Ranks that know and disagree (replicas whose steps
-    skipped differently) raise, together."""
+@dataclass(frozen=True)
+class StepAgreement:
+    """What every rank knows of a step after :func:`agree_on_step`."""
+
+    #: the share of the step's micro-batches the step called the module on (``None``: no rank knows)
+    called: float | None
+    #: the samples of each replica's share of the batch, by replica
+    samples: tuple[int, ...]
+    #: the label tokens each replica's share counts (:mod:`~..runtime.model_loss`), ``None`` where not counted
+    items: tuple[float, ...] | None
+
+
+def agree_on_step(batch: Any, device: torch.device, replicas: int = 1, replica: int = 0, samples: int = 0,
+                  called: float | None = None, items: float | None = None) -> StepAgreement:
+    """One small collective over every rank before a step. It raises on every rank, together, if
+    the ranks of a pipeline replica do not hold the same ``batch`` (replica ``replica`` of
+    ``replicas``, whose share of the step holds ``samples`` samples); and it gives every rank what
+    the ranks holding a first stage found: ``called``, the share of the micro-batches the step
+    called the module on (so that all refuse a batch the step skips), and ``items``, the label
+    tokens their share counts. Replicas whose steps skipped differently raise, together."""
     leaves, _ = flatten(batch)
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     shapes = float(sum(hash(tuple(t.shape)) % 1_000_003 for t in tensors))
     values = sum((t.detach().double().sum() for t in tensors if t.numel()), torch.zeros((), dtype=torch.float64,
                                                                                           device=device))
     unknown = -float("inf")
+    slots = torch.full((replicas, 6), unknown, dtype=torch.float64, device=device)
+    content = torch.stack([torch.nan_to_num(values).to(device), torch.tensor(shapes, dtype=torch.float64,
+                                                                             device=device)])
+    slots[replica, :4] = torch.cat([content, -content])
+    slots[replica, 4] = float(samples)
+    if items is not None:
+        slots[replica, 5] = float(items)
     counts = [unknown, unknown] if called is None else [float(called), -float(called)]
-    probe = torch.stack([torch.nan_to_num(values).to(device), torch.tensor(shapes, dtype=torch.float64, device=device)])
-    both = torch.cat([probe, -probe, torch.tensor(counts, dtype=torch.float64, device=device)])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(both[:2], -both[2:4]):
+    both = torch.cat([slots.flatten(), torch.tensor(counts, dtype=torch.float64, device=device)])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    slots = both[:-2].view(replicas, 6).cpu()
+    if not torch.equal(slots[:, :2], -slots[:, 2:4]):
         raise RuntimeError(
-            "the stages' processes got different batches in this step. With schedule=, every process must get the same "
-            "batches in the same order: use a DataLoader without shuffle, or a sampler that draws the same order in "
-            "every process (a torch.Generator seeded alike, or lightning.seed_everything before the Trainer)."
+            "the stages' processes got different batches in this step. With schedule=, every process of a pipeline "
+            "must get the same batches in the same order: use a DataLoader without shuffle, or a sampler that draws "
+            "the same order in every process (a torch.Generator seeded alike, or lightning.seed_everything before the "
+            "Trainer)."
         )
-    most, least = float(both[4]), -float(both[5])
-    if most == unknown:
-        return None
+    most, least = float(both[-2]), -float(both[-1])
     if most != least:
         raise RuntimeError(
-            f"the step called the pipelined module on {int(least)} of this batch's micro-batches in one pipeline "
-            f"replica and on {int(most)} in another; with replicas, a step must skip a batch (return None before "
+            f"the step called the pipelined module on {least:.0%} of this batch's micro-batches in one pipeline "
+            f"replica and on {most:.0%} in another; with replicas, a step must skip a batch (return None before "
             "calling the module) in all of them or in none")
-    return int(most)
+    found = slots[:, 5].tolist()
+    return StepAgreement(None if most == unknown else most, tuple(int(n) for n in slots[:, 4].tolist()),
+                         None if any(n == unknown for n in found) else tuple(found))

@@ -52,6 +52,7 @@ from ..runtime.replication import REPLICATIONS, Replication
 from .in_process_runtime import InProcessRuntime
 from .planned_pipeline import PlannedPipeline
 from .process_runtime import ProcessRuntime, options_for_processes, refuse_other_stage_count
+from .replica_batches import replica_loader
 from .same_batches import same_order_everywhere
 from .strategy_checkpoints import StrategyCheckpoints
 
@@ -396,7 +397,15 @@ class AntichainPipelineStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return dataloader if self.process_schedule is None else same_order_everywhere(dataloader)
+        """With ``schedule=``: the same order in every process (:mod:`.same_batches`), and, where
+        replicas of a pipeline train side by side in a layout given (not planned), each replica's
+        share of every batch only (:mod:`.replica_batches`)."""
+        if self.process_schedule is None:
+            return dataloader
+        dataloader = same_order_everywhere(dataloader)
+        if self.layout_search is not None or self.layout.dp == 1:
+            return dataloader
+        return replica_loader(dataloader, self.layout.dp, self.layout.replica(self.global_rank))
 
     @override
     def _configure_launcher(self) -> None:

@@ -51,9 +51,16 @@ def scatter(value: Any, chunks: int, dims: BatchDims = 0, lists: bool = False) -
         raise MicroBatchError("cannot pipeline an empty batch")
     if not lists or size is None:
         return [_take(value, i, count, dims) for i in range(count)]
-    bounds = [0, *itertools.accumulate(len(part) for part in torch.tensor_split(torch.arange(size), count))]
+    bounds = [0, *itertools.accumulate(split_sizes(size, chunks))]
     return [map_batched(value, dims, lambda t, d, i=i: torch.tensor_split(t, count, dim=d)[i],
                         samples=(size, lambda entries, i=i: entries[bounds[i]:bounds[i + 1]])) for i in range(count)]
+
+
+def split_sizes(size: int, chunks: int) -> list[int]:
+    """The sizes of the micro-batches :func:`scatter` makes of ``size`` samples: ``min(chunks,
+    size)`` of them, differing by one sample at most, the larger first."""
+    count = max(min(chunks, size), 1)
+    return [size // count + (1 if i < size % count else 0) for i in range(count)]
 
 
 def _take(value: Any, index: int, count: int, dims: BatchDims) -> Any:

@@ -47,15 +47,22 @@ def _tensors_of(stage: StageModule) -> list[torch.Tensor]:
     return [*stage.parameters(), *stage.buffers(), *(b for m in stage.submodules() for b in m.buffers())]
 
 
-def equal_runs(sizes: list[int]) -> list[range]:
+def equal_runs(sizes: list[int], count: int = 1) -> list[range]:
     """The micro-batches of a batch in runs of one size each, in order: torch's stages take one
-    shape per run. ``[3, 3, 2, 2]`` runs as ``range(0, 2)`` and ``range(2, 4)``."""
+    shape per run. ``[3, 3, 2, 2]`` runs as ``range(0, 2)`` and ``range(2, 4)``. At least
+    ``count`` runs, splitting the longest where there are fewer (replicas of a pipeline run as many
+    runs as each other: a replicated stage reduces its gradients in each run's last backward)."""
     runs: list[range] = []
     start = 0
     for i in range(1, len(sizes) + 1):
         if i == len(sizes) or sizes[i] != sizes[start]:
             runs.append(range(start, i))
             start = i
+    while len(runs) < count and any(len(run) > 1 for run in runs):
+        longest = max(range(len(runs)), key=lambda i: len(runs[i]))
+        run = runs[longest]
+        half = run.start + len(run) // 2
+        runs[longest: longest + 1] = [range(run.start, half), range(half, run.stop)]
     return runs
 
 

@@ -37,11 +37,13 @@ class Samples(Dataset):
         gen = torch.Generator().manual_seed(seed)
         self.x = torch.randn(count, 16, generator=gen, dtype=torch.float64)
         self.y = (self.x[:, :4] + 0.3 * torch.randn(count, 4, generator=gen, dtype=torch.float64)).argmax(1)
+        self.loaded: list[int] = []  # every sample this process loads, in order
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> dict:
+        self.loaded.append(i)
         return {"x": self.x[i], "y": self.y[i], "names": NAMES[i % len(NAMES)]}
 
 
@@ -119,12 +121,17 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--case", default="all")
+    parser.add_argument("--stages", type=int, default=None, help="processes per pipeline (the rest: replicas)")
+    parser.add_argument("--samples", type=int, default=70, help="training samples")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--shuffle", action="store_true", help="shuffle the training data")
     args = parser.parse_args()
     out = Path(args.out)
     torch.manual_seed(0)
     schedule = None if args.schedule == "none" else args.schedule
     strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
-        schedule=schedule, chunks=args.chunks, use_profile_cache=False, calibrate=False, rebalance_rounds=0)
+        schedule=schedule, chunks=args.chunks, use_profile_cache=False, calibrate=False, rebalance_rounds=0,
+        stages=args.stages)
     record = Record()
     trainer = L.Trainer(
         accelerator="cpu", devices=1 if args.plain else args.devices, strategy=strategy, precision="64-true",
@@ -132,7 +139,10 @@ def main() -> None:
         enable_checkpointing=False, logger=L.pytorch.loggers.CSVLogger(out, name="logs", version=0),
         log_every_n_steps=1, callbacks=[record])
     module = Habits(args.case)
-    train, val = DataLoader(Samples(70, 0), batch_size=16), DataLoader(Samples(21, 1), batch_size=8)
+    L.seed_everything(0)
+    training = Samples(args.samples, 0)
+    train = DataLoader(training, batch_size=args.batch_size, shuffle=args.shuffle)
+    val = DataLoader(Samples(21, 1), batch_size=8)
     trainer.fit(module, train, val)
     predictions = trainer.predict(module, DataLoader(Samples(21, 2), batch_size=8))
     rank = trainer.global_rank
@@ -152,6 +162,7 @@ def main() -> None:
         "parameters": {n: p.flatten().tolist() for n, p in params.items() if not p.is_meta},
         "meta": sorted(n for n, p in params.items() if p.is_meta),
         "held_bytes": sum(p.numel() * p.element_size() for p in params.values() if not p.is_meta),
+        "loaded": training.loaded,
         "whole": {n: v.flatten().tolist() for n, v in whole.items() if not v.is_meta} if rank == 0 else None,
     }))
 
