@@ -380,7 +380,7 @@ def runtime_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, res
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 num_sanity_val_steps=0, limit_val_batches=0,
                 strategy=la.AntichainPipelineStrategy(schedule="1f1b", chunks=args.chunks, plan=str(plan_path),
-                                                      calibrate=False, use_profile_cache=False))
+                                                      module="net", calibrate=False, use_profile_cache=False))
             big = torch.utils.data.TensorDataset(x.repeat(warm + steps + 1, 1), y.repeat(warm + steps + 1, 1))
             trainer.fit(Module(), torch.utils.data.DataLoader(big, batch_size=len(x)))
             lengths = torch.tensor([b - a for a, b in zip(clock.starts, clock.starts[1:])])
@@ -389,7 +389,8 @@ def runtime_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, res
         if rank == 0:
             results.put(("runtime", statistics.median(hand), statistics.median(lightning), len(hand)))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def split_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
@@ -451,7 +452,8 @@ def split_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, resul
             results.put(("split", statistics.median(times[0]), statistics.median(times[1]), stages,
                          [p["predicted_step_s"] for p in plans]))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def rows_main(args: argparse.Namespace) -> None:

@@ -62,6 +62,7 @@ from .global_norm import clip_by_global_norm
 from .micro_batch_steps import MicroBatchSteps
 from .rank_faults import explained
 from .same_batches import StepAgreement, agree_on_step
+from .small_broadcast import broadcast_object
 from .step_logs import (
     StepLogs,
     StepValues,
@@ -290,10 +291,10 @@ class ProcessRuntime:
         if calibration is not None and calibration.done:
             self._calibrated(calibration)
         mean = float(torch.stack(losses).sum()) if losses else 0.0
-        sent = [(mean, logs.merged(), metric_states(module), self._step_values.values(), results, skipped)
-                ] if pipeline.holds_last else [None]
-        dist.broadcast_object_list(sent, group_src=pipeline.last_rank(), group=self._pipeline_group())
-        mean, merged, states, values, results, skipped = sent[0]  # type: ignore[misc]
+        sent = (mean, logs.merged(), metric_states(module), self._step_values.values(), results, skipped
+                ) if pipeline.holds_last else None
+        mean, merged, states, values, results, skipped = broadcast_object(
+            sent, pipeline.last_rank(), self._pipeline_group(), self.host.root_device)
         if any(skipped):
             self._stashed = []
             raise RuntimeError(_skipped(hook, len(skipped) - sum(skipped), len(skipped)))
