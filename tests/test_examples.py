@@ -116,8 +116,9 @@ def cifar_in_process(tmp_path_factory) -> list[dict[str, str]]:
     return _example_run(tmp_path_factory.mktemp("cifar"), "cifar10", None, *CIFAR_UNEVEN)
 
 
+@pytest.mark.slow  # 55 s with its reference; test_process_habits.py runs uneven batches under processes by default
 @pytest.mark.processes
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_the_cifar10_example_trains_under_stages_as_processes_as_in_process(tmp_path, cifar_in_process, schedule):
     """ResNet-18 on batches of 38 (eight micro-batches of 5, 5, 5, 5, 5, 5, 4, 4; BatchNorm per
     micro-batch in both runtimes), in float64: every logged loss and accuracy, training and
