@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
 from ..capture.pytrees import flatten, unflatten
+from .microbatch import same_value
 from .split import StageModule
 
 #: Python numbers crossing a cut, by type: the dtype of the 0-dim tensor that carries each
@@ -76,7 +77,7 @@ class CutLayout:
             if kind == "tensor":
                 sent.append(leaf)
             elif kind == "constant":
-                if not _same(leaf, example):
+                if not same_value(leaf, example):
                     raise CutValueError(
                         f"{where} passes on {leaf!r} where the first micro-batch of this shape gave {example!r}: a "
                         "value crossing a cut that is not a tensor or a number must not change. Cut elsewhere (a "
@@ -231,10 +232,3 @@ def _fake_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if tensor.requires_grad and (fake.is_floating_point() or fake.is_complex()):
         fake.requires_grad_(True)
     return fake
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that do not compare are not the same
-        return a is b

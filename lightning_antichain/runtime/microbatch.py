@@ -220,7 +220,7 @@ def join_results(results: Sequence[Any], sizes: Sequence[int]) -> Any:
     if isinstance(first, (list, tuple)) and all(type(r) is type(first) and len(r) == len(first) for r in results):
         joined = [join_results([r[i] for r in results], sizes) for i in range(len(first))]
         return type(first)(*joined) if hasattr(first, "_fields") else type(first)(joined)
-    if all(_same(r, first) for r in results[1:]):
+    if all(same_value(r, first) for r in results[1:]):
         return first
     raise MicroBatchError(
         f"a step returned {type(first).__name__} values that differ between micro-batches ({results[0]!r}, "
@@ -228,7 +228,8 @@ def join_results(results: Sequence[Any], sizes: Sequence[int]) -> Any:
         "with a row per sample, a list with an entry per sample) or a floating-point mean.")
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two plain values are equal (those that do not compare are not)."""
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - values that do not compare are not the same
