@@ -198,7 +198,7 @@ def train_small(device: torch.device, stages: int, batch: int, chunks: int, step
     gpu = device.type == "cuda"
     shared = gpu and torch.cuda.device_count() - (device.index or 0) < stages  # all stages on one GPU
     gpus = [device.index or 0] if shared else [(device.index or 0) + k for k in range(stages)]
-    strategy = la.AntichainPipelineStrategy(chunks=chunks, empty_init=True, use_profile_cache=False, calibrate=False,
+    strategy = la.AntichainPipelineStrategy(chunks=chunks, empty_init=True, profile_cache=False, calibrate=False,
                                             memory_gb=budget * (stages if shared else 1) / 1e9,
                                             placement=[0] * stages if shared else None)
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=gpus if gpu else stages, strategy=strategy,
@@ -395,7 +395,7 @@ def train_llama(device: torch.device, stages: int, batch: int, tokens: int, chun
     gpu = device.type == "cuda"
     shared = gpu and torch.cuda.device_count() - (device.index or 0) < stages
     gpus = [device.index or 0] if shared else [(device.index or 0) + k for k in range(stages)]
-    strategy = la.AntichainPipelineStrategy(chunks=chunks, empty_init=True, module="net", use_profile_cache=False,
+    strategy = la.AntichainPipelineStrategy(chunks=chunks, empty_init=True, module="net", profile_cache=False,
                                             calibrate=False, placement=[0] * stages if shared else None,
                                             memory_gb=1e3)  # a limit turns on the run-time count
     trainer = L.Trainer(accelerator="gpu" if gpu else "cpu", devices=gpus if gpu else stages, strategy=strategy,

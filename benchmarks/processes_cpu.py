@@ -380,7 +380,7 @@ def runtime_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, res
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 num_sanity_val_steps=0, limit_val_batches=0,
                 strategy=la.AntichainPipelineStrategy(schedule="1f1b", chunks=args.chunks, plan=str(plan_path),
-                                                      module="net", calibrate=False, use_profile_cache=False))
+                                                      module="net", calibrate=False, profile_cache=False))
             big = torch.utils.data.TensorDataset(x.repeat(warm + steps + 1, 1), y.repeat(warm + steps + 1, 1))
             trainer.fit(Module(), torch.utils.data.DataLoader(big, batch_size=len(x)))
             lengths = torch.tensor([b - a for a, b in zip(clock.starts, clock.starts[1:])])

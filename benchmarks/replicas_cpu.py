@@ -71,7 +71,8 @@ def child(args: argparse.Namespace) -> None:
     data = torch.utils.data.TensorDataset(
         torch.randn(args.batch_size * args.steps, 3, 32, 32), torch.randint(0, 10, (args.batch_size * args.steps,))
     )
-    strategy = "auto" if args.plain else la.AntichainPipelineStrategy(chunks=args.chunks, stages=args.stages)
+    strategy = "auto" if args.plain else la.AntichainPipelineStrategy(chunks=args.chunks,
+                                                                      pipeline_parallel_size=args.stages)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,

@@ -44,7 +44,7 @@ def trainer_path(name: str) -> tuple[bool, str, str]:
     """Whether the Trainer's pipelined losses match plain Lightning's, the frontend, and the cell."""
     try:
         plain, _ = _losses(name, "auto")
-        strategy = la.AntichainPipelineStrategy(chunks=CHUNKS, module="net", use_profile_cache=False, calibrate=False)
+        strategy = la.AntichainPipelineStrategy(chunks=CHUNKS, module="net", profile_cache=False, calibrate=False)
         losses, fit = _losses(name, strategy)
     except Exception as exc:
         return False, "failed", f"failed: {type(exc).__name__}"

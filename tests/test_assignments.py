@@ -203,7 +203,7 @@ def _fit(devices: int) -> TutorialModule:
     model = TutorialModule()
     tokens = torch.randint(0, VOCAB, (80, 7), generator=torch.Generator().manual_seed(2))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
-    strategy = "auto" if devices == 1 else la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False)
+    strategy = "auto" if devices == 1 else la.AntichainPipelineStrategy(chunks=4, profile_cache=False)
     t = trainer(strategy=strategy, devices=devices, max_steps=10)
     t.fit(model, loader)
     if devices > 1:

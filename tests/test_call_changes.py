@@ -54,7 +54,7 @@ def _data(n: int = 64) -> DataLoader:
 
 
 def _strategy(**kwargs) -> la.AntichainPipelineStrategy:
-    return la.AntichainPipelineStrategy(**{"chunks": 2, "use_profile_cache": False, "calibrate": False, **kwargs})
+    return la.AntichainPipelineStrategy(**{"chunks": 2, "profile_cache": False, "calibrate": False, **kwargs})
 
 
 @pytest.mark.parametrize("frontend", ["fx", "export"])

@@ -95,7 +95,7 @@ def test_without_compile_stages_nothing_is_compiled():
 
 def test_the_strategy_compiles_its_stages_and_trains_like_plain_lightning():
     losses = []
-    for strategy, devices in [("auto", 1), (la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False,
+    for strategy, devices in [("auto", 1), (la.AntichainPipelineStrategy(chunks=4, profile_cache=False,
                                                                           calibrate=False,
                                                                           compile_stages=EAGER_AUTOGRAD), 2)]:
         torch.manual_seed(0)

@@ -74,6 +74,6 @@ def accuracy(strategy, devices):
 
 def test_pipelined_digits_reach_95_percent_like_single_device():
     single = accuracy("auto", 1)
-    piped = accuracy(la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False), 2)
+    piped = accuracy(la.AntichainPipelineStrategy(chunks=4, profile_cache=False), 2)
     assert piped >= 0.95
     assert abs(piped - single) <= 0.01

@@ -74,7 +74,7 @@ def test_a_stage_raising_ends_the_fit_with_that_exception():
     try:
         t = trainer(
             devices=3,
-            strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False),
+            strategy=la.AntichainPipelineStrategy(chunks=4, profile_cache=False),
             max_steps=5,
             callbacks=[ArmAt()],
         )
@@ -99,7 +99,7 @@ class NaNAtStep(TinyClassifier):
 
 def test_a_nan_loss_behaves_as_without_the_strategy():
     runs = []
-    for strategy, devices in [("auto", 1), (la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False), 2)]:
+    for strategy, devices in [("auto", 1), (la.AntichainPipelineStrategy(chunks=4, profile_cache=False), 2)]:
         torch.manual_seed(0)
         model = NaNAtStep()
         trainer(devices=devices, strategy=strategy, max_steps=6).fit(model, loader())

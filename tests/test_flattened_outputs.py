@@ -46,7 +46,7 @@ def test_lightnings_demo_transformer_trains_through_the_strategy_like_plain_ligh
     model = DemoTransformer()
     plain = DemoTransformer()
     plain.load_state_dict(model.state_dict())
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False)
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False)
     fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=3)
     fit.fit(model, tokens())
     assert_pipelined(fit)

@@ -146,7 +146,7 @@ def test_strategy_trains_like_plain_lightning_under_each_precision(gpu_device, p
         pytest.skip("16-mixed needs a GPU")
     runs = {}
     for name, strategy in (("plain", "auto"), ("piped", la.AntichainPipelineStrategy(chunks=4,
-                                                                                   use_profile_cache=False))):
+                                                                                   profile_cache=False))):
         torch.manual_seed(0)
         model = TinyClassifier()
         trainer = L.Trainer(accelerator=accelerator, devices=[gpu_device.index or 0] if accelerator == "gpu" else 1,
@@ -288,7 +288,7 @@ def test_the_root_device_gets_no_stage_before_the_pipeline_places_it(gpu_device,
     root GPU is never handed the whole model first. Four stages share the GPU (placement)."""
     accelerator = "gpu" if gpu_device.type == "cuda" else "cpu"
     probe = _StagesNotBefore()
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, placement=[0, 0, 0, 0],
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, placement=[0, 0, 0, 0],
                                             empty_init=empty_init)
     trainer = L.Trainer(accelerator=accelerator, devices=[gpu_device.index or 0] if accelerator == "gpu" else 1,
                         strategy=strategy, max_steps=3, logger=False, enable_checkpointing=False,
@@ -370,7 +370,7 @@ def test_a_hugging_face_decoder_built_on_meta_is_loaded_from_its_shards_into_sta
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             seen.append({p.device.type for p in pl_module.net.parameters()})
 
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True, placement=[0, 0])
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, empty_init=True, placement=[0, 0])
     trainer = L.Trainer(accelerator=accelerator, devices=[gpu_device.index or 0] if accelerator == "gpu" else 1,
                         strategy=strategy, precision="64-true", max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

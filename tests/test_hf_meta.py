@@ -98,7 +98,7 @@ def plain_losses(name: str, state: dict[str, torch.Tensor]) -> list[float]:
 
 
 def pipelined(model: CausalLM, **options) -> L.Trainer:
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, **options)
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, **options)
     fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=STEPS)
     fit.fit(model, data())
     return fit

@@ -82,7 +82,7 @@ def test_a_model_built_in_configure_model_is_never_whole_before_its_stages_and_t
     monkeypatch.setattr(captures, "place_stages", placing)
     model = Deep()
     steps = 6
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True)
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, empty_init=True)
     fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=steps)
     with LiveBytes() as live:
         fit.fit(model, loader())
@@ -97,7 +97,7 @@ def test_a_model_built_in_configure_model_is_never_whole_before_its_stages_and_t
 
 @pytest.mark.parametrize("how", ["init_module", "meta"])
 def test_a_model_built_on_meta_another_way_trains_like_plain(how):
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False)
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False)
     fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=4)
     if how == "init_module":
         with fit.init_module(empty_init=True):
@@ -122,7 +122,7 @@ def budget_run(memory_gb: float, batches: list[int], measured: "MeasuredStages |
     starts = [sum(batches[:i]) for i in range(len(batches))]
     data = DataLoader(TensorDataset(x, y), batch_sampler=[list(range(s, s + n)) for s, n in zip(starts, batches)])
     model = Deep()
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True, memory_gb=memory_gb,
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, empty_init=True, memory_gb=memory_gb,
                                             balance=balance)
     fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=len(batches),
                   callbacks=[measured or MeasuredStages()])
@@ -182,7 +182,7 @@ def test_checkpoints_of_a_model_built_on_meta_go_four_stages_to_two_to_plain_to_
     (weights straight into the stages, optimizer state once they are placed) and continues with the
     losses of a run that never stopped."""
     def pipelined(devices: int, epochs: int) -> L.Trainer:
-        return trainer(strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True),
+        return trainer(strategy=la.AntichainPipelineStrategy(chunks=4, profile_cache=False, empty_init=True),
                        devices=devices, precision="64-true", max_epochs=epochs)
 
     steps = 5  # an epoch: 80 samples in batches of 16
@@ -219,7 +219,7 @@ def test_several_stages_on_one_device_share_its_budget_and_train_like_plain():
     torch.manual_seed(0)
     model = Deep()
     budget = training_bytes(build().double())  # per device: two stages of half the model each
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True, placement=[0, 0, 1, 1],
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, empty_init=True, placement=[0, 0, 1, 1],
                                             memory_gb=budget / 1e9)
     fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=4)
     fit.fit(model, loader())
@@ -239,7 +239,7 @@ def test_a_placement_naming_a_device_the_pipeline_lacks_is_refused():
 def test_metrics_built_under_empty_init_keep_their_states_and_metrics_built_on_meta_are_refused():
     from lit_models import TinyClassifier
 
-    fit = trainer(strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False), devices=2, max_steps=2,
+    fit = trainer(strategy=la.AntichainPipelineStrategy(chunks=4, profile_cache=False), devices=2, max_steps=2,
                   limit_val_batches=2, val_check_interval=2)
     with fit.init_module(empty_init=True):  # parameters on meta, everything else as usual
         model = TinyClassifier()
@@ -248,7 +248,7 @@ def test_metrics_built_under_empty_init_keep_their_states_and_metrics_built_on_m
     fit.fit(model, loader(), loader())
     assert 0.0 <= float(fit.callback_metrics["val_acc"]) <= 1.0
 
-    fit = trainer(strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False), devices=2, max_steps=1)
+    fit = trainer(strategy=la.AntichainPipelineStrategy(chunks=4, profile_cache=False), devices=2, max_steps=1)
     with torch.device("meta"):
         model = TinyClassifier()
     with pytest.raises(ValueError, match=r"not parameters or buffers \(val_acc\..*create metrics in __init__"):
@@ -268,6 +268,6 @@ class DeepCentered(Deep):
 
 def test_a_model_on_meta_is_checked_for_batch_dependence_once_its_stages_are_real():
     """Planning cannot run the check on meta tensors; the pipeline's first call does."""
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True)
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, empty_init=True)
     with pytest.raises(la.BatchDependenceError):
         trainer(strategy=strategy, devices=2, max_steps=1).fit(DeepCentered(), loader())

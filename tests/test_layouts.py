@@ -134,10 +134,11 @@ def _chosen(plan: Plan) -> dict:
 
 def test_auto_options_are_checked_when_given():
     with pytest.raises(ValueError, match="give schedule= too"):
-        la.AntichainPipelineStrategy(stages="auto")
+        la.AntichainPipelineStrategy(pipeline_parallel_size="auto")
     with pytest.raises(ValueError, match="leave out plan= and balance="):
-        la.AntichainPipelineStrategy(stages="auto", schedule="1f1b", balance=[2, 2])
+        la.AntichainPipelineStrategy(pipeline_parallel_size="auto", schedule="1f1b", balance=[2, 2])
     with pytest.raises(ValueError, match='or "auto", got 0'):
-        la.AntichainPipelineStrategy(stages=0, schedule="1f1b")
-    strategy = la.AntichainPipelineStrategy(stages="auto", schedule="auto")
-    assert len(strategy.layout_search.schedules) == 5 and strategy.layout_search.pipeline_ranks is None
+        la.AntichainPipelineStrategy(pipeline_parallel_size=0, schedule="1f1b")
+    strategy = la.AntichainPipelineStrategy(pipeline_parallel_size="auto", schedule="auto")
+    search = strategy._runtime.layout_search
+    assert len(search.schedules) == 5 and search.pipeline_ranks is None

@@ -42,7 +42,7 @@ def test_model_over_one_device_limit_is_split_within_it_and_state_sizes_match():
         la.partition(cost, 1, chunks=4, memory_gb=limit_gb)
 
     torch.manual_seed(0)
-    strategy = la.AntichainPipelineStrategy(chunks=4, memory_gb=limit_gb, use_profile_cache=False)
+    strategy = la.AntichainPipelineStrategy(chunks=4, memory_gb=limit_gb, profile_cache=False)
     t = trainer(devices=3, strategy=strategy, max_steps=3)
     t.fit(model, loader(64))
     plan = strategy.plan

@@ -113,7 +113,7 @@ def plain_losses(initial: dict[str, torch.Tensor], steps: int) -> list[float]:
 
 def test_buffers_made_in_init_keep_their_values_and_a_model_only_export_captures_trains_like_plain():
     model = DecoderLM()
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True)
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, empty_init=True)
     fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=3)
     fit.fit(model, tokens())
     assert strategy.plan.frontend == "export"  # the assert on t and arange(t) are not fx's
@@ -131,7 +131,7 @@ def test_buffers_made_in_init_keep_their_values_and_a_model_only_export_captures
 
 def test_buffers_on_meta_that_nothing_can_fill_are_named_with_the_ways_out():
     model = DecoderLM(build_on="meta")  # torch.device("meta"): the buffers lose their values
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False)
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False)
     with pytest.raises(la.UninitializedTensorError,
                        match=r"RotaryAttention\) has parameters or buffers on the meta device \(.*inv_freq, .*mask\)"
                              r".*param_init_fn=.*la.load_checkpoint.*la.init_empty_weights"):
@@ -151,7 +151,7 @@ def test_param_init_fn_fills_what_has_no_reset_parameters_once_per_module():
             module.reset_parameters()
 
     model = DecoderLM(build_on="meta")
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, param_init_fn=init)
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, param_init_fn=init)
     trainer(strategy=strategy, devices=2, precision="64-true", max_steps=3).fit(model, tokens())
     assert sorted(seen) == sorted(type(m).__name__ for m in model.net.modules() if own_state(m))
     assert torch.equal(model.net.blocks[0].mask, torch.tril(torch.ones(BLOCK, BLOCK, dtype=torch.bool)))
@@ -277,7 +277,7 @@ def test_resuming_a_model_with_non_persistent_buffers_built_on_meta_continues_as
     def run(steps: int, initial=None, ckpt_path=None) -> DecoderLM:
         model = DecoderLM()
         if initial is None:
-            strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True)
+            strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, empty_init=True)
             fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=steps)
         else:
             model.configure_model()
@@ -339,7 +339,7 @@ def test_torchvision_vit_built_on_meta_and_loaded_trains_like_plain(tmp_path):
     torch.save(state, tmp_path / "vit.pt")
     images = DataLoader(TensorDataset(torch.randn(24, 3, 32, 32), torch.randint(0, 10, (24,))), batch_size=8)
     model = ViTClassifier(tmp_path / "vit.pt")
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, empty_init=True, module="net")
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, empty_init=True, module="net")
     fit = trainer(strategy=strategy, devices=2, precision="64-true", max_steps=3)
     fit.fit(model, images)
     assert strategy.plan.frontend == "export"

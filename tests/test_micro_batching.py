@@ -165,7 +165,7 @@ def test_a_sequence_first_gru_trains_through_the_trainer_like_plain_lightning():
         x = torch.randn(96, 6, 8, generator=torch.Generator().manual_seed(1))
         y = (x[:, -1, :3]).argmax(1)
         strategy = "auto" if devices == 1 else la.AntichainPipelineStrategy(chunks=4, batch_dim=1,
-                                                                             use_profile_cache=False)
+                                                                             profile_cache=False)
         t = trainer(strategy=strategy, devices=devices, max_steps=10)
         t.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
         if devices > 1:
@@ -210,7 +210,7 @@ def test_forward_that_depends_on_the_batch_is_refused_before_training(mix):
     x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
     model = BatchDependentModule(mix)
     before = [p.detach().clone() for p in model.parameters()]
-    t = trainer(strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False), devices=2, max_steps=2)
+    t = trainer(strategy=la.AntichainPipelineStrategy(chunks=4, profile_cache=False), devices=2, max_steps=2)
     with pytest.raises(la.BatchDependenceError, match=r"BatchDependentModule.forward gives a sample another output "
                                                       r"when the batch around it changes.*module=\.\.\."):
         t.fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
@@ -249,7 +249,7 @@ def test_the_strategy_trains_an_intended_batch_dependence_with_check_batch_off()
     x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
     model = BatchDependentModule(mix=True)
     before = [p.detach().clone() for p in model.parameters()]
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, check_batch=False)
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, check_batch=False)
     trainer(strategy=strategy, devices=2, max_steps=2).fit(model, DataLoader(TensorDataset(x, y), batch_size=16))
     assert any(not torch.equal(p, q.detach().cpu()) for p, q in zip(before, model.parameters()))
 

@@ -85,7 +85,7 @@ def _data(kind: str, n: int = 48, seed: int = 0) -> DataLoader:
 
 
 def _trainer(sanity: int, chunks: int = 4, **kwargs) -> L.Trainer:
-    strategy = la.AntichainPipelineStrategy(chunks=chunks, use_profile_cache=False, calibrate=False)
+    strategy = la.AntichainPipelineStrategy(chunks=chunks, profile_cache=False, calibrate=False)
     return trainer(strategy=strategy, devices=2, max_steps=4, num_sanity_val_steps=sanity, limit_val_batches=2,
                    limit_test_batches=2, val_check_interval=2, **kwargs)
 
@@ -212,7 +212,7 @@ def test_hugging_face_gpt2_with_dropout_trains_alike_with_and_without_recomputat
     for checkpoint in ("never", "always"):
         torch.manual_seed(0)
         model = GPT2Module(dropout=0.1).double()
-        strategy = la.AntichainPipelineStrategy(chunks=2, recompute=checkpoint, use_profile_cache=False,
+        strategy = la.AntichainPipelineStrategy(chunks=2, recompute=checkpoint, profile_cache=False,
                                                 calibrate=False)
         t = trainer(strategy=strategy, devices=2, max_steps=4, num_sanity_val_steps=0)
         t.fit(model, _tokens())
@@ -222,6 +222,6 @@ def test_hugging_face_gpt2_with_dropout_trains_alike_with_and_without_recomputat
     torch.testing.assert_close(torch.tensor(runs["always"]), torch.tensor(runs["never"]), rtol=1e-12, atol=0)
     torch.manual_seed(0)
     undropped = GPT2Module(dropout=0.0).double()
-    trainer(strategy=la.AntichainPipelineStrategy(chunks=2, use_profile_cache=False, calibrate=False), devices=2,
+    trainer(strategy=la.AntichainPipelineStrategy(chunks=2, profile_cache=False, calibrate=False), devices=2,
             max_steps=4, num_sanity_val_steps=0).fit(undropped, _tokens())
     assert undropped.losses[1:] != runs["never"][1:], "dropout must change training"

@@ -1,5 +1,7 @@
-"""One options object: checked once, the same defaults everywhere, and the old recompute name kept working."""
+"""One options object: checked once, the same defaults everywhere, an option the runtime would ignore refused by
+name, and old names kept working."""
 
+import contextlib
 import json
 
 import pytest
@@ -27,6 +29,48 @@ def test_the_strategy_hands_its_options_to_the_pipeline():
     assert strategy.options == PipelineOptions(chunks=4, recompute="always", batch_dim={"x": 1}, leaf_modules=("body",))
 
 
+@pytest.mark.parametrize(("given", "refused"), [
+    ({"replication": "fsdp"}, "replication='fsdp' keeps the stages of processes in step"),
+    ({"virtual_stages": 2}, "virtual_stages=2 is for schedule="),
+    ({"internode_gbps": 25.0}, "internode_gbps=25.0 is the link between stages as processes"),
+    ({"schedule": "1f1b", "placement": [0, 0]}, "placement=.* each process holds one device"),
+    ({"schedule": "1f1b", "log_stage_times": True}, "log_stage_times=True logs the stage times of the in-process"),
+    ({"schedule": "1f1b", "rebalance_rounds": 2}, "rebalance_rounds=2 cuts again"),
+    ({"schedule": "1f1b", "recompute": "except_last"}, "recompute='except_last' is the in-process runtime's"),
+    ({"schedule": "1f1b", "checkpoint": "except_last"}, "recompute='except_last' is the in-process runtime's"),
+])
+def test_an_option_the_chosen_runtime_would_ignore_is_refused_by_name(given, refused):
+    with pytest.warns(DeprecationWarning) if "checkpoint" in given else contextlib.nullcontext(), \
+            pytest.raises(ValueError, match=refused):
+        la.AntichainPipelineStrategy(**given)
+
+
+def test_each_option_the_planner_takes_reaches_it_from_the_strategy():
+    strategy = la.AntichainPipelineStrategy(method="uniform", profile_cache=False, rebalance_rounds=1)
+    assert (strategy.options.method, strategy.options.use_profile_cache, strategy.options.rebalance_rounds) == (
+        "uniform", False, 1)
+    strategy = la.AntichainPipelineStrategy(profile_cache="/tmp/profiles")
+    assert strategy.options.use_profile_cache and str(strategy.options.profile_cache) == "/tmp/profiles"
+    with pytest.raises(ValueError, match="method must be one of"):
+        la.AntichainPipelineStrategy(method="greedy")
+
+
+def test_an_option_given_as_what_the_runtime_does_anyway_is_taken():
+    strategy = la.AntichainPipelineStrategy(schedule="1f1b", rebalance_rounds=0, log_stage_times=False)
+    assert strategy.options.schedule == "1f1b"
+
+
+def test_the_old_names_stages_and_use_profile_cache_still_work_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="stages= is now pipeline_parallel_size="):
+        strategy = la.AntichainPipelineStrategy(stages=2, schedule="1f1b")
+    assert strategy.pipeline_parallel_size == 2
+    with pytest.warns(DeprecationWarning, match="use_profile_cache= is now part of profile_cache="):
+        strategy = la.AntichainPipelineStrategy(use_profile_cache=False)
+    assert not strategy.options.use_profile_cache
+    with pytest.raises(ValueError, match="placement=.* each process holds one device"):  # refused under its new name
+        la.AntichainPipelineStrategy(schedule="1f1b", placement=[0])
+
+
 def test_the_old_name_checkpoint_still_sets_recompute_with_a_warning():
     with pytest.warns(DeprecationWarning, match="checkpoint= is now recompute="):
         strategy = la.AntichainPipelineStrategy(checkpoint="always")
@@ -41,3 +85,16 @@ def test_the_old_name_checkpoint_still_sets_recompute_with_a_warning():
     saved = json.loads(plan.to_json())
     saved["checkpoint"] = saved.pop("recompute")  # a plan saved before the rename
     assert la.Plan.from_dict(saved).recompute == "except_last"
+
+
+def test_every_argument_of_the_strategy_has_one_row_in_the_options_table():
+    import inspect
+    import re
+    from pathlib import Path
+
+    old = {"self", "stages", "use_profile_cache", "checkpoint"}
+    names = [n for n in inspect.signature(la.AntichainPipelineStrategy.__init__).parameters if n not in old]
+    doc = (Path(__file__).parents[1] / "docs" / "strategy.md").read_text()
+    table = doc[doc.index("## Options"):doc.index("## Semantics")]
+    rows = re.findall(r"^\| `(\w+)` \|", table, re.M)
+    assert sorted(rows) == sorted(names)

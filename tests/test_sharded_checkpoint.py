@@ -37,13 +37,13 @@ def test_a_lightning_checkpoint_comes_back_whole_from_its_shards_and_per_paramet
 def test_the_in_process_runtime_saves_shards_and_resumes_from_them_on_other_devices(tmp_path):
     steps = 5  # one epoch: 80 samples in batches of 16
     path = tmp_path / "four.ckpt"
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False, save_distributed_checkpoint=True)
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, save_distributed_checkpoint=True)
     uninterrupted, first = first_of_two_epochs(strategy, 4, path)
     assert is_sharded_checkpoint(path)
 
     resumed = TinyClassifier()
     torch.manual_seed(0)
-    trainer(devices=2, strategy=la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False),
+    trainer(devices=2, strategy=la.AntichainPipelineStrategy(chunks=4, profile_cache=False),
             max_epochs=2).fit(resumed, loader(80), ckpt_path=path)
     torch.testing.assert_close(torch.tensor(resumed.losses), torch.tensor(uninterrupted.losses[steps:]), rtol=1e-5,
                                atol=0)

@@ -273,16 +273,16 @@ def test_process_mode_options_are_checked_when_given():
 
     with pytest.raises(ValueError, match="schedule='bogus' is not one of"):
         la.AntichainPipelineStrategy(schedule="bogus")
-    with pytest.raises(ValueError, match="leave out placement="):
+    with pytest.raises(ValueError, match="each process holds one device: leave it out"):
         la.AntichainPipelineStrategy(schedule="1f1b", placement=[0, 0])
     with pytest.raises(ValueError, match="replication='zero' is not one of 'ddp', 'fsdp'"):
-        la.AntichainPipelineStrategy(schedule="1f1b", stages=2, replication="zero")
-    with pytest.raises(ValueError, match="virtual_stages= is for"):
+        la.AntichainPipelineStrategy(schedule="1f1b", pipeline_parallel_size=2, replication="zero")
+    with pytest.raises(ValueError, match="virtual_stages=2 is for"):
         la.AntichainPipelineStrategy(virtual_stages=2)
     with pytest.raises(ValueError, match="holds 1 stage"):
         la.AntichainPipelineStrategy(schedule="1f1b", virtual_stages=2)
     strategy = la.AntichainPipelineStrategy(schedule="zb-h1", chunks=8)
-    assert strategy.options.schedule == "1f1b" and strategy.process_schedule.virtual_stages == 2
+    assert strategy.options.schedule == "1f1b" and strategy._runtime.schedule.virtual_stages == 2
 
 
 @pytest.mark.parametrize("how, block", [

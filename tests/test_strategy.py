@@ -13,7 +13,7 @@ import lightning_antichain as la
 
 
 def strategy(**kwargs):
-    return la.AntichainPipelineStrategy(**{"chunks": 4, "use_profile_cache": False, **kwargs})
+    return la.AntichainPipelineStrategy(**{"chunks": 4, "profile_cache": False, **kwargs})
 
 
 def fit(model, strategy_arg="auto", devices=1, **kwargs):
@@ -167,7 +167,7 @@ def test_profile_cache_skips_profiling_the_second_time(tmp_path, capsys):
     for _ in range(2):
         fit(
             TinyClassifier(),
-            strategy(use_profile_cache=True, profile_cache=str(tmp_path)),
+            strategy(profile_cache=str(tmp_path)),
             2,
             max_steps=1,
             limit_val_batches=0,
@@ -233,8 +233,8 @@ def test_a_step_that_never_calls_the_pipelined_module_is_a_clear_error():
 
 
 def test_devices_not_a_multiple_of_stages_is_a_clear_error():
-    with pytest.raises(ValueError, match="devices=3 is not a multiple of stages=2"):
-        fit(TinyClassifier(), strategy(stages=2), 3, max_steps=1)
+    with pytest.raises(ValueError, match="devices=3 is not a multiple of pipeline_parallel_size=2"):
+        fit(TinyClassifier(), strategy(pipeline_parallel_size=2), 3, max_steps=1)
 
 
 class WithExample(TinyClassifier):
@@ -336,7 +336,7 @@ def test_a_damaged_profile_cache_entry_is_ignored_with_a_warning_and_rewritten(t
     import json
 
     def run():
-        return fit(TinyClassifier(), strategy(use_profile_cache=True, profile_cache=str(tmp_path)), 2, max_steps=1,
+        return fit(TinyClassifier(), strategy(profile_cache=str(tmp_path)), 2, max_steps=1,
                    limit_val_batches=0)
 
     run()

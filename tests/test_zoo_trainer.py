@@ -110,7 +110,7 @@ def test_zoo_model_trains_through_the_trainer_like_plain_lightning(name):
     RESULTS[name] = "failed"
     plain = list(_plain_losses(name))
     assert len(plain) == STEPS and plain[-1] != plain[0]  # it trains: the comparison is not of constants
-    strategy = la.AntichainPipelineStrategy(chunks=CHUNKS, module="net", use_profile_cache=False, calibrate=False)
+    strategy = la.AntichainPipelineStrategy(chunks=CHUNKS, module="net", profile_cache=False, calibrate=False)
     losses, fit = _losses(name, strategy)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-6, atol=0)
     assert fit.strategy.plan.num_stages == 2
@@ -126,7 +126,7 @@ HUGGING_FACE = [pytest.param(n, marks=[] if n in META_BY_DEFAULT else [pytest.ma
 @pytest.mark.parametrize("name", HUGGING_FACE)
 def test_zoo_hugging_face_model_built_on_meta_and_loaded_trains_like_plain_lightning(name):
     plain = list(_plain_losses(name))
-    strategy = la.AntichainPipelineStrategy(chunks=CHUNKS, module="net", use_profile_cache=False, calibrate=False,
+    strategy = la.AntichainPipelineStrategy(chunks=CHUNKS, module="net", profile_cache=False, calibrate=False,
                                             empty_init=True)
     losses, fit = _losses(name, strategy, meta=True)
     assert not any(t.is_meta for t in fit.lightning_module.net.state_dict().values())

@@ -12,49 +12,44 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
-from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import nn
 
 from ..capture.signature import split_inputs
+from ..planner.planning import default_memory_gb
 from ..runtime.optimizer_state import state_with_parameters
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
 from ..runtime.stage_reduction import StageReduction, average_gradients
 from .forward_patch import ForwardPatch
 from .planned_pipeline import PlannedPipeline
+from .runtime import Host, Runtime
 
 TRAINING = "training_step"
 
 
-class Host(Protocol):
-    """What the strategy tells this runtime."""
-
-    lightning_module: Any
-    root_device: torch.device
-    world_size: int
-    is_distributed: bool
-    optimizers: list[Any]
-    module_path: str | None
-
-    def target(self) -> nn.Module: ...
-
-    def describe_target(self) -> str: ...
-
-
-class InProcessRuntime:
+class InProcessRuntime(Runtime):
     """One Pipeline per process, its stages in worker threads (see the module's docstring)."""
 
-    def __init__(self, host: Host, planned: PlannedPipeline, log_stage_times: bool) -> None:
-        self.host = host
-        self.planned = planned
+    foreign_options = {
+        "replication": "keeps the stages of processes in step (schedule=); without schedule=, replicas of a "
+                       "pipeline are processes kept in step by DDP: leave it out, or give schedule=",
+        "virtual_stages": "is for schedule='interleaved-1f1b', 'zb-h1' or 'zbv'",
+        "internode_gbps": "is the link between stages as processes on two nodes (schedule=); without schedule= "
+                          "every stage of a pipeline is on one node: leave it out, or give schedule=",
+    }
+
+    def __init__(self, strategy: Host, log_stage_times: bool,
+                 memory_gb: float | tuple[float | None, ...] | None) -> None:
+        super().__init__(strategy)
+        self._memory_gb = memory_gb  # per device, as given
+        self.planned = PlannedPipeline(strategy)
         self.log_stage_times = log_stage_times
         self.tasks_before: Counter[tuple[int, int]] = Counter()
         self._forward_patch = ForwardPatch()
@@ -63,6 +58,10 @@ class InProcessRuntime:
         self._in_training_step = False
         self._leftovers_placed = False
         self._stage_groups: list[Any] = []  # a process group over the replicas per stage
+
+    @classmethod
+    def from_arguments(cls, strategy: Host, arguments: Mapping[str, Any]) -> InProcessRuntime:
+        return cls(strategy, arguments["log_stage_times"], arguments["memory_gb"])
 
     @property
     def plan(self) -> Plan | None:
@@ -76,26 +75,71 @@ class InProcessRuntime:
     def pipeline(self) -> Pipeline | None:
         return self.planned.pipeline
 
+    @property
+    def tasks_run(self) -> Counter[tuple[int, int]]:
+        current = self.pipeline.tasks_run if self.pipeline is not None else Counter()
+        return self.tasks_before + current
+
+    def devices_per_process(self, requested: int | None, node_devices: int) -> int:
+        return requested or node_devices
+
+    @property
+    def shards_data(self) -> bool:
+        return self.strategy.multi_process  # each replica is a process with its share, as under DDP
+
+    def check_devices(self, stages: int | None, what: str) -> None:
+        strategy = self.strategy
+        placement, per_pipeline = strategy.placement, strategy.devices_per_pipeline
+        if placement is not None and max(placement) >= per_pipeline:
+            raise ValueError(f"placement={placement} names device {max(placement)}, but each pipeline has "
+                             f"{per_pipeline} devices (0 to {per_pipeline - 1}); give more devices or name fewer")
+        if stages is not None and stages != len(strategy.stage_devices):
+            if placement is not None:
+                raise ValueError(f"{what} has {stages} stages but placement={placement} has {len(placement)}; give "
+                                 "one device index per stage")
+            raise ValueError(
+                f"{what} has {stages} stages but the Trainer gives {per_pipeline} devices per pipeline; set "
+                f"devices={stages} (one device per stage), or placement= with a device for each of {stages} stages")
+        if placement is not None:
+            strategy.options = strategy.options.replace(memory_gb=self._shared_memory_gb(placement))
+
+    def _shared_memory_gb(self, placement: list[int]) -> tuple[float | None, ...]:
+        """Each stage's memory budget: stages placed on one device split it equally."""
+        devices = self.strategy.pipeline_devices
+        given = self._memory_gb
+        per_device = (list(given) if isinstance(given, tuple) else [given] * len(devices)) if given is not None else (
+            default_memory_gb(devices))
+        if len(per_device) != len(devices):
+            raise ValueError(f"memory_gb lists {len(per_device)} values for {len(devices)} devices")
+        sharing = Counter(placement)
+        return tuple(None if per_device[i] is None else per_device[i] / sharing[i] for i in placement)
+
+    def environment_ready(self) -> None:
+        """CPU devices are one torch device: each stage is named by its device's index."""
+        strategy = self.strategy
+        strategy.options = strategy.options.replace(
+            device_slots=tuple(strategy.placement or range(strategy.devices_per_pipeline)))
+
     def setup(self, trainer: Any) -> None:
         """Build on ``example_input_array`` where the module has one; make the forward the pipeline's."""
-        host = self.host
-        example = getattr(host.lightning_module, "example_input_array", None)
-        if example is not None and host.module_path is None and self.pipeline is None:
-            args, kwargs = split_inputs(move_data_to_device(example, host.root_device))
-            self.planned.build(host.target(), args, kwargs)
+        strategy = self.strategy
+        example = getattr(strategy.lightning_module, "example_input_array", None)
+        if example is not None and strategy.module_path is None and self.pipeline is None:
+            args, kwargs = split_inputs(move_data_to_device(example, strategy.root_device))
+            self.planned.build(strategy.target(), args, kwargs)
             assert self.pipeline is not None
             # Lightning's model summary runs the example in eval mode with hooks on every layer,
             # which tracing would run on traced values
             with torch.inference_mode(False), torch.no_grad():
                 self.pipeline.prepare(*args, training=False, **kwargs)
         if trainer.state.fn == TrainerFn.FITTING:
-            state_with_parameters(host.optimizers)  # Lightning put it all on the root device
+            state_with_parameters(strategy.optimizers)  # Lightning put it all on the root device
         self._leftovers_placed = False
-        self._forward_patch.install(host.target(), self._pipelined_forward)
+        self._forward_patch.install(strategy.target(), self._pipelined_forward)
 
     def _pipelined_forward(self, *args: Any, **kwargs: Any) -> Any:
         self._calls += 1
-        output = self.planned.forward(self.host.target(), args, kwargs, training_step=self._in_training_step)
+        output = self.planned.forward(self.strategy.target(), args, kwargs, training_step=self._in_training_step)
         self.stages_placed()  # where the stages were placed by this call
         pipeline = self.pipeline
         if self._in_training_step and pipeline is not None and pipeline.reduction is None and self._replicated():
@@ -104,12 +148,12 @@ class InProcessRuntime:
             pipeline.reduction = self._reduction(pipeline)
         return output
 
-    def step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+    def step(self, hook: str, args: tuple, kwargs: dict, plain: Callable[..., Any]) -> Any:
         """The step ``hook``: the user's, once per batch, the module's forward pipelined."""
         if hook != TRAINING:
-            return getattr(Strategy, hook)(self.host, *args, **kwargs)
+            return plain(*args, **kwargs)
         step = self.pipeline.last_step if self.pipeline is not None else None
-        module = self.host.lightning_module
+        module = self.strategy.lightning_module
         if self.log_stage_times and step is not None:
             for k, busy in enumerate(step.busy_s):  # the previous step's, backward included
                 module.log(f"pipeline/stage{k}_busy_ms", 1e3 * busy, on_step=True, on_epoch=False)
@@ -121,27 +165,25 @@ class InProcessRuntime:
         calls = self._calls
         self._in_training_step = True
         try:
-            output = Strategy.training_step(self.host, *args, **kwargs)
+            output = plain(*args, **kwargs)
         finally:
             self._in_training_step = False
         if not self._checked_first_step:
             self._checked_first_step = True
             if self._calls == calls:
                 raise RuntimeError(
-                    f"training_step never called the pipelined module ({self.host.describe_target()}), so nothing "
+                    f"training_step never called the pipelined module ({self.strategy.describe_target()}), so nothing "
                     "was pipelined. Call it in training_step (e.g. self(x)), or set "
                     "AntichainPipelineStrategy(module='name') to the submodule your step calls."
                 )
         return output
 
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return Strategy.backward(self.host, closure_loss, optimizer, *args, **kwargs)
-
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any
+                       ) -> Any:
         """Average the gradients of the replicas after the closure's backward, before the step;
         after it, refuse a stage that held more than its memory budget."""
-        host = self.host
-        if host.is_distributed and _distributed_is_initialized():
+        strategy = self.strategy
+        if strategy.is_distributed and _distributed_is_initialized():
             run = closure
 
             def closure(*args: Any, **kw: Any) -> Any:
@@ -149,27 +191,12 @@ class InProcessRuntime:
                 reduction = self.pipeline.reduction if self.pipeline is not None else None
                 held = reduction.held if reduction is not None else set()
                 params = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in held]
-                average_gradients(params, host.root_device)
+                average_gradients(params, strategy.root_device)
                 return result
 
-        result = Strategy.optimizer_step(host, optimizer, closure, model, **kwargs)
+        result = plain(optimizer, closure, model, **kwargs)
         self.planned.check_budgets()
         return result
-
-    def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state  # every tensor is this process's own
-
-    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-        return state
-
-    def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state
-
-    def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-        return state
-
-    def stepped(self, optimizer: Any) -> set[int] | None:
-        return None  # every parameter
 
     def stages_placed(self) -> None:
         """Once the stages are placed: the pipelined module's tensors that no stage uses (a loss
@@ -183,18 +210,18 @@ class InProcessRuntime:
             tensors = [*stage.parameters(), *stage.buffers(), *(b for m in stage.submodules() for b in m.buffers())]
             staged |= {id(t) for t in tensors} | {id(t.grad) for t in tensors if t.grad is not None}
         staged |= {id(p) for p in pipeline.tied.parameters()}  # each stays where its first stage reads it
-        root = self.host.root_device
-        self.host.lightning_module._apply(lambda t: t if t.is_meta or id(t) in staged else t.to(root))
+        root = self.strategy.root_device
+        self.strategy.lightning_module._apply(lambda t: t if t.is_meta or id(t) in staged else t.to(root))
 
     @contextlib.contextmanager
-    def block_backward_sync(self) -> Iterator[None]:
+    def block_backward_sync(self) -> Iterator[None]:  # type: ignore[override]
         """No reduction between the replicas while Lightning accumulates gradients."""
         reduction = self.pipeline.reduction if self.pipeline is not None else None
         with reduction.paused() if reduction is not None else contextlib.nullcontext():
             yield
 
     def _replicated(self) -> bool:
-        return self.host.is_distributed and _distributed_is_initialized()
+        return self.strategy.is_distributed and _distributed_is_initialized()
 
     def _reduction(self, pipeline: Pipeline) -> StageReduction:
         """Each stage's DDP over the replicas, on a process group of the stage's own (made once, in

@@ -10,7 +10,7 @@ example or a sanity-check batch may come first); plan afresh for another module 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -27,30 +27,14 @@ from ..runtime.materialize import has_meta_state
 from ..runtime.options import PipelineOptions
 from ..runtime.pipeline import Pipeline
 from ..runtime.plan import Plan
-
-
-class Host(Protocol):
-    """What the strategy tells: its devices, optimizers, and how replicas agree on one plan."""
-
-    stage_devices: list[torch.device]
-    root_device: torch.device
-    optimizers: list[Any]
-    is_global_zero: bool
-    is_distributed: bool
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
-
-    def stages_placed(self) -> None:
-        """Each stage is real on its device now: put the optimizer state beside its parameters."""
+from .runtime import Host
 
 
 class PlannedPipeline:
     """The plan (loaded from ``plan_path``, or made on the first batch) and the Pipeline running it."""
 
-    def __init__(self, host: Host, options: PipelineOptions, plan_path: str | None) -> None:
-        self.host = host
-        self.options = options
-        self.plan_path = plan_path
+    def __init__(self, strategy: Host) -> None:
+        self.strategy = strategy
         self.plan: Plan | None = None
         self.pipeline: Pipeline | None = None
         self.prediction_check: PredictionCheck | None = None
@@ -59,22 +43,30 @@ class PlannedPipeline:
         self._checked_batch = False
         self._checked_lists = False
 
+    @property
+    def options(self) -> PipelineOptions:
+        return self.strategy.options
+
+    @property
+    def plan_path(self) -> str | None:
+        return self.strategy.plan_path
+
     def build(self, target: nn.Module, args: tuple, kwargs: dict) -> Pipeline:
         """Profile one micro-batch ``args, kwargs`` (or load its cached profile), plan, place the stages."""
-        host = self.host
+        strategy = self.strategy
         planned_for = self._planned_for() if self._planned_for is not None else None
         if self.plan is not None and self.plan_path is None and planned_for is not target:
             self.plan, self._graph = None, None  # fit(a) then validate(b): b gets its own plan
         if self.plan is None:
-            plan = self._make_plan(target, args, kwargs) if host.is_global_zero else None
-            if host.is_distributed:  # every replica runs rank 0's plan
-                data = host.broadcast(plan.to_dict() if plan is not None else None)
+            plan = self._make_plan(target, args, kwargs) if strategy.is_global_zero else None
+            if strategy.is_distributed:  # every replica runs rank 0's plan
+                data = strategy.broadcast(plan.to_dict() if plan is not None else None)
                 plan = Plan.from_dict(data)
             self.plan = plan
             self._planned_for = weakref.ref(target)
             rank_zero_info(self.plan.table())
         graph = self._graph if self._graph is not None and self._graph.module is target else None
-        calibrated = self.plan.calibration is not None and host.is_global_zero
+        calibrated = self.plan.calibration is not None and strategy.is_global_zero
         self.prediction_check = PredictionCheck(self.plan, self.plan_path) if calibrated else None
         budgeted = any(stage.memory_limit_bytes is not None for stage in self.plan.stages)
         checked = graph is not None and not has_meta_state(target)  # planning ran the batch check on real values
@@ -84,17 +76,17 @@ class PlannedPipeline:
             self.options.replace(chunks=self.plan.chunks, check_batch=self.options.check_batch and not checked,
                                  measure_activations=self.options.measure_activations or budgeted),
             graph=graph,  # the graph planning captured and checked, if it is of this module
-            devices=host.stage_devices,
-            output_device=host.root_device,
+            devices=strategy.stage_devices,
+            output_device=strategy.root_device,
         )
-        host.stages_placed()
+        strategy.stages_placed()
         return self.pipeline
 
     def _make_plan(self, target: nn.Module, args: tuple, kwargs: dict) -> Plan:
         with torch.inference_mode(False), torch.enable_grad():
             example = map_tensors(torch.Tensor.clone, (args, kwargs))  # ordinary tensors, even from inference mode
-            planned = planned_for_call(target, *example, self.host.stage_devices, self.options,
-                                       self.host.optimizers)
+            planned = planned_for_call(target, *example, self.strategy.stage_devices, self.options,
+                                       self.strategy.optimizers)
         self._graph = planned.graph
         if planned.cached_from is not None:
             rank_zero_info(f"lightning-antichain: using the cached profile {planned.cached_from}")
@@ -156,7 +148,7 @@ class PlannedPipeline:
         pipeline = self.pipeline
         if pipeline is None or self.plan is None or not pipeline.measured_a_step:
             return
-        check_budgets(self.plan, pipeline.stages, pipeline.last_activation_bytes, self.host.optimizers)
+        check_budgets(self.plan, pipeline.stages, pipeline.last_activation_bytes, self.strategy.optimizers)
 
     def close(self) -> None:
         """Stop the Pipeline's workers and drop it; the plan is kept for the next run."""

@@ -21,17 +21,15 @@ come.)
 
 from __future__ import annotations
 
-import contextlib
 import traceback
 import warnings
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
@@ -40,8 +38,8 @@ from ..capture import capture_call
 from ..capture.pytrees import flatten, iter_tensors, map_tensors
 from ..device import is_accelerator
 from ..planner.layout_cost import Links
-from ..planner.layout_search import LayoutSearch, plan_layouts
-from ..planner.planning import INTERNODE_GPU_GBPS, default_bandwidth_gbps
+from ..planner.layout_search import layout_search, plan_layouts
+from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
 from ..planner.process_calibration import StepCalibration, from_records
 from ..planner.public import planned_for_call, planning_call
 from ..runtime import microbatch
@@ -56,12 +54,14 @@ from ..runtime.options import PipelineOptions, compile_arguments
 from ..runtime.plan import Plan
 from ..runtime.process_pipeline import ProcessPipeline, equal_runs
 from ..runtime.process_schedules import ProcessSchedule, process_schedule
-from ..runtime.replication import Replication, is_shard
+from ..runtime.replication import REPLICATIONS, Replication, is_shard
 from .forward_patch import ForwardPatch
 from .global_norm import clip_by_global_norm
 from .micro_batch_steps import MicroBatchSteps
 from .rank_faults import explained
-from .same_batches import StepAgreement, agree_on_step
+from .replica_batches import replica_loader
+from .runtime import GivenOptions, Host, Runtime
+from .same_batches import StepAgreement, agree_on_step, same_order_everywhere
 from .small_broadcast import broadcast_object
 from .step_logs import (
     StepLogs,
@@ -78,56 +78,41 @@ TRAINING = "training_step"
 PREDICTING = "predict_step"
 
 
-class Host(Protocol):
-    """What the strategy tells: this rank, the ranks' layout and mesh, every stage's device, the
-    module, its optimizers."""
-
-    global_rank: int
-    world_size: int
-    layout: Layout
-    device_mesh: Any
-    root_device: torch.device
-    optimizers: list[Any]
-    lightning_module: Any
-    precision_plugin: Any
-
-    layout_search: LayoutSearch | None
-    parallel_devices: list[torch.device] | None
-
-    def stage_devices_of(self, layout: Layout, schedule: ProcessSchedule) -> list[torch.device]: ...
-
-    def use_layout(self, layout: Layout) -> None: ...
-
-    def target(self) -> nn.Module: ...
-
-    def describe_target(self) -> str: ...
-
-    def pre_backward(self, closure_loss: torch.Tensor) -> None: ...
-
-    def post_backward(self, closure_loss: torch.Tensor) -> None: ...
-
-    def stages_placed(self) -> None: ...
-
-
 #: the precision plugin's context for each step hook
 _CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step_context",
              "test_step": "test_step_context", "predict_step": "predict_step_context"}
 
 
-class ProcessRuntime:
+class ProcessRuntime(Runtime):
     """This rank's share of the pipeline and the steps it runs (see the module's docstring)."""
 
-    def __init__(self, host: Host, options: PipelineOptions, schedule: ProcessSchedule, calibrate: bool = True,
-                 replication: Replication = "ddp") -> None:
-        self.host = host
-        self.options = options
-        self.schedule = schedule
+    foreign_options = {
+        "placement": "places stages on a process's devices; with schedule=, each process holds one device: leave "
+                     "it out",
+        "log_stage_times": "logs the stage times of the in-process runtime; with schedule=, each rank times its "
+                           "actions in its first steps (calibrate=): leave it out",
+        "rebalance_rounds": "cuts again on the stage times the in-process runtime measures; with schedule=, the "
+                            "plan takes its stage times from the ranks' first steps (calibrate=): leave it out",
+    }
+
+    def __init__(self, strategy: Host, schedule: str, virtual_stages: int | None,
+                 pipeline_ranks: int | str | None, calibrate: bool, replication: Replication) -> None:
+        super().__init__(strategy)
+        if replication not in REPLICATIONS:
+            raise ValueError(f"replication={replication!r} is not one of {', '.join(map(repr, REPLICATIONS))}")
+        #: what the planner chooses of the layout (``pipeline_parallel_size="auto"`` or
+        #: ``schedule="auto"``), or ``None``: both given
+        self.layout_search = layout_search(pipeline_ranks, schedule, virtual_stages)
+        #: the schedule run (a stand-in until planned, where the planner chooses it)
+        self.schedule = self.layout_search.schedules[0] if self.layout_search is not None else process_schedule(
+            schedule, virtual_stages)
+        self._pipeline_ranks = None if pipeline_ranks == AUTO else pipeline_ranks
         #: how each stage is kept in step with its replicas' where there are several
         self.replication = replication
-        self.plan: Plan | None = None
+        self._plan: Plan | None = None
         #: times the actions of the first training steps, until the plan takes its stage times from them
         self.calibration: StepCalibration | None = StepCalibration() if calibrate else None
-        self.pipeline: ProcessPipeline | None = None
+        self._pipeline: ProcessPipeline | None = None
         self.steps: MicroBatchSteps | None = None
         self._forward_patch = ForwardPatch()
         self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -135,12 +120,124 @@ class ProcessRuntime:
         self._step_values = StepValues()
         #: whether the module computes a loss over label tokens (a Hugging Face model given labels=)
         self._counts_items = False
+        self._layout: Layout | None = None
+        self._device_mesh: Any = None
+
+    @classmethod
+    def from_arguments(cls, strategy: Host, arguments: Mapping[str, Any]) -> ProcessRuntime:
+        return cls(strategy, arguments["schedule"], arguments["virtual_stages"], arguments["pipeline_parallel_size"],
+                   arguments["calibrate"], arguments["replication"])
+
+    @classmethod
+    def refuse_foreign(cls, given: GivenOptions) -> None:
+        super().refuse_foreign(given)
+        if given.get("recompute") == "except_last":
+            raise ValueError("recompute='except_last' is the in-process runtime's; with schedule= use 'always' (every "
+                             "stage keeps only its inputs) or 'never'")
+        if (given.get("plan") is not None or given.get("balance") is not None) and (
+                AUTO in (given.get("schedule"), given.get("pipeline_parallel_size"))):
+            raise ValueError('pipeline_parallel_size="auto" and schedule="auto" plan the layout: leave out plan= and '
+                             "balance=, or give pipeline_parallel_size= and schedule= as you planned them")
+
+    def adapt_options(self, options: PipelineOptions) -> PipelineOptions:
+        """The plan charges each stage the micro-batches the schedule keeps; the planner does not
+        calibrate it (its calibration times the in-process runtime; this runtime times its own
+        first steps, :mod:`~lightning_antichain.planner.process_calibration`)."""
+        return options.replace(schedule="gpipe" if self.schedule.name == "gpipe" else "1f1b", calibrate=False,
+                               even_chunks=True)
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self._plan = plan
+
+    @property
+    def pipeline(self) -> ProcessPipeline | None:
+        return self._pipeline
+
+    @pipeline.setter
+    def pipeline(self, pipeline: ProcessPipeline | None) -> None:
+        self._pipeline = pipeline
+
+    # -- processes and devices -------------------------------------------------------------------
+
+    def devices_per_process(self, requested: int | None, node_devices: int) -> int:
+        return 1
+
+    @property
+    def shards_data(self) -> bool:
+        return False  # every rank gets the whole batch; replicas split it
+
+    @property
+    def needs_process_group(self) -> bool:
+        return True  # stages as processes talk even alone
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The same order in every process (:mod:`.same_batches`), and, where replicas of a
+        pipeline train side by side in a layout given (not planned), each replica's share of every
+        batch only (:mod:`.replica_batches`)."""
+        dataloader = same_order_everywhere(dataloader)
+        if self.layout_search is not None or self.layout.dp == 1:
+            return dataloader
+        return replica_loader(dataloader, self.layout.dp, self.layout.replica(self.strategy.global_rank))
+
+    def check_devices(self, stages: int | None, what: str) -> None:
+        if stages is None:
+            return
+        ranks, schedule = self.layout.pp, self.schedule
+        if stages != schedule.num_stages(ranks):
+            raise ValueError(
+                f"{what} has {stages} stages but {ranks} processes under schedule={schedule.name!r} hold "
+                f"{schedule.num_stages(ranks)} ({schedule.virtual_stages} each); start "
+                f"{stages / schedule.virtual_stages:g} processes (devices=), or plan for {ranks}")
+
+    def environment_ready(self) -> None:
+        if self.layout_search is None:
+            self.use_layout(self.layout)  # configure_model() may shard or parallelise within a stage
+
+    @property
+    def layout(self) -> Layout:
+        """How the ranks form pipelines and their replicas (where the planner chooses it, once
+        planned on the first batch)."""
+        if self._layout is None:
+            if self.layout_search is not None:
+                raise RuntimeError('pipeline_parallel_size="auto" chooses the layout on the first batch')
+            self._layout = Layout.of(self.strategy.world_size, self._pipeline_ranks)
+        return self._layout
+
+    def use_layout(self, layout: Layout) -> None:
+        """Run ``layout``: make its mesh (every rank calls it)."""
+        self._layout = layout
+        self._device_mesh = layout.mesh(self.strategy.root_device.type)
+        self.strategy.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def device_mesh(self) -> Any:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh is made in setup_environment")
+        return self._device_mesh
+
+    def stage_devices_of(self, layout: Layout, schedule: ProcessSchedule) -> list[torch.device]:
+        """Where each stage of the first pipeline of ``layout`` under ``schedule`` runs: its rank's device."""
+        devices = self.strategy.parallel_devices
+        assert devices
+        return [devices[layout.rank(0, schedule.rank_of(s, layout.pp)) % len(devices)]
+                for s in range(schedule.num_stages(layout.pp))]
+
+    @property
+    def default_sharded_checkpoint(self) -> bool:
+        return True
+
+    # -- a run ------------------------------------------------------------------------------------
 
     def setup(self, trainer: Any) -> None:
         """Make the module's forward answer inside the steps, and clipping by norm take every
         rank's gradients."""
-        host = self.host
-        module = host.lightning_module
+        strategy = self.strategy
+        module = strategy.lightning_module
         if not module.automatic_optimization:
             raise RuntimeError(
                 "manual optimization (automatic_optimization = False) runs the backward and the optimizers inside "
@@ -149,14 +246,14 @@ class ProcessRuntime:
                 "leave out schedule= (one process drives the stages, and manual optimization works as in plain "
                 "Lightning).")
         if self.steps is None or self.steps.module is not module:
-            self.steps = MicroBatchSteps(module, host.describe_target())
-            self.pipeline = None if self.pipeline is None or self.pipeline.graph.module is not host.target() else (
+            self.steps = MicroBatchSteps(module, strategy.describe_target())
+            self.pipeline = None if self.pipeline is None or self.pipeline.graph.module is not strategy.target() else (
                 self.pipeline)
-        if host.layout_search is None or self.plan is not None:  # else once the layout is chosen
+        if self.layout_search is None or self.plan is not None:  # else once the layout is chosen
             unsynced(module, self._replicas_group())
         # every rank logs the whole batch's value already (step_logs): there is nothing to sync
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True`")
-        plugin = host.precision_plugin
+        plugin = strategy.precision_plugin
         if getattr(plugin, "scaler", None) is not None:
             raise ValueError(
                 f"precision={plugin.precision!r} scales the loss before Lightning's backward, but with schedule= the "
@@ -164,54 +261,46 @@ class ProcessRuntime:
                 "without schedule=."
             )
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_by_global_norm(  # type: ignore[method-assign]
-            plugin.main_params(optimizer), clip_val, host.root_device, self.counted_elsewhere(),
+            plugin.main_params(optimizer), clip_val, strategy.root_device, self.counted_elsewhere(),
             None if self.replication == "fsdp" else self._pipeline_group())  # shards: every rank counts its own
         if trainer.state.fn == TrainerFn.FITTING:
-            state_with_parameters(host.optimizers)
-        self._forward_patch.install(host.target(), self.steps.forward)
+            state_with_parameters(strategy.optimizers)
+        self._forward_patch.install(strategy.target(), self.steps.forward)
 
-    def step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+    def step(self, hook: str, args: tuple, kwargs: dict, plain: Callable[..., Any]) -> Any:
         """Run the step ``hook`` (``training_step``, ...) on the batch ``args[0]`` through the
         pipeline: the step's loss on every rank for training, the batch's predictions for
         prediction, else ``None``. Where another rank failed, its error (:mod:`.rank_faults`)."""
-        host = self.host
+        strategy = self.strategy
         args = (*args, *kwargs.values())
-        accumulate = host.lightning_module.trainer.accumulate_grad_batches if hook == TRAINING else 1
-        with getattr(host.precision_plugin, _CONTEXTS[hook])():
+        accumulate = strategy.lightning_module.trainer.accumulate_grad_batches if hook == TRAINING else 1
+        with getattr(strategy.precision_plugin, _CONTEXTS[hook])():
             try:
-                return self._step(hook, host.target(), args, accumulate)
+                return self._step(hook, strategy.target(), args, accumulate)
             except Exception as error:
-                if host.global_rank == 0:  # its store outlives its process groups: let go of them (rank_faults)
+                if strategy.global_rank == 0:  # its store outlives its process groups: let go of them (rank_faults)
                     self.pipeline = None
                     traceback.clear_frames(error.__traceback__)
-                cause = explained(error, host.global_rank)
+                cause = explained(error, strategy.global_rank)
                 if cause is error:
                     raise
                 raise cause from error
 
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, plain: Callable[..., torch.Tensor],
+                 *args: Any, **kwargs: Any) -> torch.Tensor:
         """The schedule ran every micro-batch's backward inside the step: Lightning's hooks run,
         and the step's gradients join the parameters'."""
-        host = self.host
-        host.pre_backward(closure_loss)
-        closure_loss = host.precision_plugin.pre_backward(closure_loss, host.lightning_module)
+        strategy = self.strategy
+        strategy.pre_backward(closure_loss)
+        closure_loss = strategy.precision_plugin.pre_backward(closure_loss, strategy.lightning_module)
         self.give_gradients()
-        closure_loss = host.precision_plugin.post_backward(closure_loss, host.lightning_module)
-        host.post_backward(closure_loss)
+        closure_loss = strategy.precision_plugin.post_backward(closure_loss, strategy.lightning_module)
+        strategy.post_backward(closure_loss)
         return closure_loss
-
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        return Strategy.optimizer_step(self.host, optimizer, closure, model, **kwargs)  # each rank its parameters
-
-    def block_backward_sync(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()  # torch's stages reduce in each step's last backward
-
-    def stages_placed(self) -> None:
-        """Nothing to do: each rank places its own stages."""
 
     def teardown(self) -> None:
         self._forward_patch.uninstall()
-        vars(self.host.precision_plugin).pop("clip_grad_by_norm", None)
+        vars(self.strategy.precision_plugin).pop("clip_grad_by_norm", None)
 
     def _step(self, hook: str, target: nn.Module, args: tuple, accumulate: int) -> Any:
         assert self.steps is not None, "setup() first"
@@ -240,9 +329,10 @@ class ProcessRuntime:
     def _agree(self, batch: Any, samples: int, called: float | None = None, items: float | None = None
                ) -> StepAgreement:
         """:func:`~.same_batches.agree_on_step` for this rank's replica."""
-        layout = self.host.layout if self.host.layout_search is None or self.plan is not None else Layout(
-            1, self.host.world_size)
-        return agree_on_step(batch, self.host.root_device, layout.dp, layout.replica(self.host.global_rank), samples,
+        layout = self.layout if self.layout_search is None or self.plan is not None else Layout(
+            1, self.strategy.world_size)
+        strategy = self.strategy
+        return agree_on_step(batch, strategy.root_device, layout.dp, layout.replica(strategy.global_rank), samples,
                              called, items)
 
     def _run(self, hook: str, micro: list[Any], sizes: list[int], calls: list[Any] | None, rest: tuple,
@@ -265,10 +355,10 @@ class ProcessRuntime:
             result = self.steps.result_of(hook, micro[m], rest, output, logs, share)
             if train and result is None:  # skipped after the module's call: no gradient from it
                 skipped[m] = True
-                return _zero_loss(output, self.host.root_device)
+                return _zero_loss(output, self.strategy.root_device)
             if not train:
                 results[m] = map_tensors(lambda t: t.detach().cpu(), result)
-                return torch.zeros((), device=self.host.root_device)
+                return torch.zeros((), device=self.strategy.root_device)
             value = _loss_of(result, hook)
             weighted = value * share(value)
             losses.append(weighted.detach())
@@ -282,7 +372,7 @@ class ProcessRuntime:
         with torch.enable_grad() if train else torch.no_grad(), \
                 self._gradients_stashed(pipeline.parameters()) if train else nullcontext(), \
                 self._step_values.watching(module) if pipeline.holds_last else nullcontext(), \
-                calibration.timing(self.host.root_device) if calibration is not None else nullcontext() as clock:
+                calibration.timing(self.strategy.root_device) if calibration is not None else nullcontext() as clock:
             for run in runs:
                 pipeline.run(_shape_of(micro[run.start:run.stop]), None if calls is None else calls[run.start:run.stop],
                              lambda output, m, start=run.start: loss(output, start + m), len(run), train, clock=clock)
@@ -294,21 +384,21 @@ class ProcessRuntime:
         sent = (mean, logs.merged(), metric_states(module), self._step_values.values(), results, skipped
                 ) if pipeline.holds_last else None
         mean, merged, states, values, results, skipped = broadcast_object(
-            sent, pipeline.last_rank(), self._pipeline_group(), self.host.root_device)
+            sent, pipeline.last_rank(), self._pipeline_group(), self.strategy.root_device)
         if any(skipped):
             self._stashed = []
             raise RuntimeError(_skipped(hook, len(skipped) - sum(skipped), len(skipped)))
         if not pipeline.holds_last:
             set_metric_states(module, states)
         set_step_values(module, values)
-        if self.host.layout.dp > 1:  # the whole batch's, from every replica's share
+        if self.layout.dp > 1:  # the whole batch's, from every replica's share
             mean, merged, results, sizes = self._over_replicas(mean, merged, results, sizes, agreement)
-        replay(module, merged, sum(agreement.samples), self.host.root_device)
+        replay(module, merged, sum(agreement.samples), self.strategy.root_device)
         joined = None if all(r is None for r in results) else microbatch.join_results(results, sizes)
-        joined = map_tensors(lambda t: t.to(self.host.root_device), joined)
+        joined = map_tensors(lambda t: t.to(self.strategy.root_device), joined)
         if not train:
             return joined
-        loss_value = torch.tensor(mean, device=self.host.root_device)
+        loss_value = torch.tensor(mean, device=self.strategy.root_device)
         return loss_value if joined is None else {"loss": loss_value, **joined}
 
     def _shares(self, sizes: list[int], agreement: StepAgreement) -> Callable[[Any, int], Callable[[Any], float]]:
@@ -319,7 +409,7 @@ class ProcessRuntime:
         runtime joins it (:mod:`~lightning_antichain.runtime.model_loss`). Replicas' shares count
         ``dp`` times: their gradients are averaged over the replicas."""
         assert self.steps is not None
-        steps, target, dp = self.steps, self.host.target(), len(agreement.samples)
+        steps, target, dp = self.steps, self.strategy.target(), len(agreement.samples)
         samples, items = sum(agreement.samples), None if agreement.items is None else sum(agreement.items)
 
         def of(output: Any, m: int) -> Callable[[Any], float]:
@@ -339,7 +429,7 @@ class ProcessRuntime:
         16 GB/s between GPUs; between CPU processes ``measured_gbps``, the process group's own),
         ``internode_gbps`` across nodes (default the same on CPU, 25 GB/s from a GPU: one 200 Gb/s
         network adapter each)."""
-        devices = list(self.host.parallel_devices or [self.host.root_device])
+        devices = list(self.strategy.parallel_devices or [self.strategy.root_device])
         within = self.options.bandwidth_gbps if self.options.bandwidth_gbps is not None else (
             default_bandwidth_gbps(devices) if any(is_accelerator(d) for d in devices) else measured_gbps)
         across = self.options.internode_gbps
@@ -350,8 +440,8 @@ class ProcessRuntime:
     def _replica_share(self, batch: Any) -> Any:
         """This rank's replica's part of the whole ``batch`` (all of it where there is one replica,
         or where each replica loads only its share: a layout given, not planned)."""
-        layout = self.host.layout
-        if layout.dp == 1 or self.host.layout_search is None:
+        layout = self.layout
+        if layout.dp == 1 or self.layout_search is None:
             return batch
         shares = microbatch.scatter(batch, layout.dp, lists=True)
         sizes = [microbatch.batch_size(share) or 0 for share in shares]
@@ -360,7 +450,7 @@ class ProcessRuntime:
                 f"a batch of {sum(sizes)} samples splits over the {layout.dp} pipeline replicas into shares of {sizes} "
                 f"samples; every replica needs an equal share. Make the batch size a multiple of {layout.dp} x chunks, "
                 "and set drop_last=True in the DataLoader where the last batch is shorter.")
-        return shares[layout.replica(self.host.global_rank)]
+        return shares[layout.replica(self.strategy.global_rank)]
 
     def _over_replicas(self, mean: float, merged: list, results: list, sizes: list[int], agreement: StepAgreement
                        ) -> tuple[float, list, list, list[int]]:
@@ -376,7 +466,7 @@ class ProcessRuntime:
         """Take the plan's stage times from every rank's timed actions (every rank calls it at the
         same step), and say how the prediction moved."""
         assert self.plan is not None and self.pipeline is not None
-        layout = self.host.layout
+        layout = self.layout
         table = self.schedule.table(layout.pp, self.plan.chunks)
         records = _everyone(calibration.record())
         first = [records[rank] for rank in layout.pipeline(0)]  # every replica takes the first one's plan
@@ -441,7 +531,7 @@ class ProcessRuntime:
         """This rank's share of ``state`` (keys of the LightningModule's ``state_dict``) in a
         checkpoint of shards: what its stages train, and on rank 0 also what no stage holds."""
         if self.pipeline is None or self.steps is None:
-            return state if self.host.global_rank == 0 else type(state)()
+            return state if self.strategy.global_rank == 0 else type(state)()
         owned = self._owned_keys()
         keeps = self._share(owned)
         # a replica's part of a sharded tensor is its own to write, whichever replica it is
@@ -452,7 +542,7 @@ class ProcessRuntime:
         state of the parameters it steps, on rank 0 also of those no stage holds."""
         mine = self.stepped(optimizer)
         if mine is None:
-            return state if self.host.global_rank == 0 else {**state, "state": {}}
+            return state if self.strategy.global_rank == 0 else {**state, "state": {}}
         keeps = self._share(mine)
         return {**state, "state": {i: v for i, v in state["state"].items()
                                    if keeps(i) or (i in mine and any(is_shard(t) for t in iter_tensors(v)))}}
@@ -495,7 +585,7 @@ class ProcessRuntime:
         others = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in mine and not t.is_meta and (
             id(t) in staged or (isinstance(t, nn.Parameter) and t.requires_grad))]
         gone = {id(t) for t in others}
-        for optimizer in self.host.optimizers:
+        for optimizer in self.strategy.optimizers:
             for param in [p for p in optimizer.state if id(p) in gone]:
                 del optimizer.state[param]
         release_tensors(others)
@@ -504,21 +594,21 @@ class ProcessRuntime:
         """Which keys this rank writes to a checkpoint of shards: ``mine``, and on rank 0 those no
         rank's stages hold. Every rank calls it (it gathers every rank's ``mine``)."""
         staged = set().union(*_everyone(mine))
-        first, writes = self.host.global_rank == 0, self._writes()
+        first, writes = self.strategy.global_rank == 0, self._writes()
         return lambda key: (writes and key in mine) or (first and key not in staged)
 
     def _writes(self) -> bool:
         """Whether this rank's stages go into checkpoints: the first replica's do, the others hold
         the same values (each stage's replicas are kept in step)."""
-        return self.host.layout.replica(self.host.global_rank) == 0
+        return self.layout.replica(self.strategy.global_rank) == 0
 
     def _pipeline_group(self) -> Any:
         """The process group of this rank's pipeline (``None``, the world, where there is one pipeline)."""
-        return None if self.host.layout.dp == 1 else self.host.device_mesh["pp"].get_group()
+        return None if self.layout.dp == 1 else self.device_mesh["pp"].get_group()
 
     def _replicas_group(self) -> Any:
         """The process group of this rank's stages' replicas (``None`` where there are none)."""
-        return None if self.host.layout.dp == 1 else self.host.device_mesh["dp"].get_group()
+        return None if self.layout.dp == 1 else self.device_mesh["dp"].get_group()
 
     def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> bool:
         """Plan on rank 0 (unless a plan was given) and send it to every rank, with the layout where
@@ -526,7 +616,7 @@ class ProcessRuntime:
         where the step skips it (returns ``None`` before calling the module): every rank then
         waits for the next batch, having found the same on the same batch."""
         assert self.steps is not None
-        host = self.host
+        strategy = self.strategy
         call = self.steps.call_of(hook, batch, rest)
         if call is None:
             return False
@@ -534,9 +624,9 @@ class ProcessRuntime:
         graph = None
         if self.plan is None:
             measured = None  # every rank takes part in timing the links the planner weighs layouts on
-            if host.layout_search is not None and not is_accelerator(host.root_device):
-                measured = measured_gbps(host.root_device)
-            if host.global_rank == 0:
+            if self.layout_search is not None and not is_accelerator(strategy.root_device):
+                measured = measured_gbps(strategy.root_device)
+            if strategy.global_rank == 0:
                 planned = self._make_plan(target, hook, batch, rest, measured)
                 graph, plan_data = planned.graph, planned.plan.to_dict()
             else:
@@ -545,11 +635,11 @@ class ProcessRuntime:
             dist.broadcast_object_list(sent, src=0)
             self.plan = Plan.from_dict(sent[0])
             chosen = self.plan.layout
-            if chosen is not None and host.layout_search is not None:
+            if chosen is not None and self.layout_search is not None:
                 self.schedule = process_schedule(chosen["schedule"], chosen["virtual_stages"])
-                host.use_layout(Layout(chosen["dp"], chosen["pp"]))
+                self.use_layout(Layout(chosen["dp"], chosen["pp"]))
                 unsynced(self.steps.module, self._replicas_group())
-            ranks = host.layout.pp
+            ranks = self.layout.pp
             table = self.schedule.table(ranks, self.plan.chunks)
             rank_zero_info(f"{self.plan.table()}\nunder {self.schedule.name} on {ranks} processes "
                            f"({self.schedule.virtual_stages} stage(s) each): predicted step "
@@ -562,62 +652,36 @@ class ProcessRuntime:
         if graph is None or not _holds(graph, first):
             graph = capture_call(target, *first, leaf_modules=self.options.leaf_modules,
                                  frontends=(plan.frontend or "fx",), batch_dim=self.options.batch_dim)
-        layout = host.layout
-        replication = None if layout.dp == 1 else (self.replication, host.device_mesh["dp"])
-        self.pipeline = ProcessPipeline(graph, plan, self.schedule, layout.position(host.global_rank), layout.pp,
-                                        host.root_device, group=self._pipeline_group(), replication=replication,
+        layout = self.layout
+        replication = None if layout.dp == 1 else (self.replication, self.device_mesh["dp"])
+        self.pipeline = ProcessPipeline(graph, plan, self.schedule, layout.position(strategy.global_rank), layout.pp,
+                                        strategy.root_device, group=self._pipeline_group(), replication=replication,
                                         initializer=Initializer(target, self.options.param_init_fn),
                                         recompute=self.options.recompute == "always",
                                         deferred_batch_norm=self.options.deferred_batch_norm,
                                         compile_arguments=compile_arguments(self.options.compile_stages))
-        with_replaced_parameters(host.optimizers, self.pipeline.replaced)
-        host.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
-        state_sharded_like_parameters(host.optimizers)
+        with_replaced_parameters(strategy.optimizers, self.pipeline.replaced)
+        strategy.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
+        state_sharded_like_parameters(strategy.optimizers)
         self._hold_own_only()
         return True
 
     def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple, measured_gbps: float | None) -> Any:
         """The plan for the layout given, or for the one the planner chooses on the whole ``batch``."""
         assert self.steps is not None
-        host, options = self.host, self.options
-        search = host.layout_search
+        strategy, options = self.strategy, self.options
+        search = self.layout_search
         if search is not None:  # the module as the step calls it: once per micro-batch, as it is
             args, kwargs = self.steps.call_of(hook, batch, rest)  # type: ignore[misc]
             with torch.enable_grad():
-                return plan_layouts(target, args, kwargs, host.world_size, host.stage_devices_of, search,
-                                    self.links(measured_gbps), options, optimizers=host.optimizers,
+                return plan_layouts(target, args, kwargs, strategy.world_size, self.stage_devices_of, search,
+                                    self.links(measured_gbps), options, optimizers=strategy.optimizers,
                                     replication=self.replication)
         whole = self.steps.call_of(hook, self._replica_share(batch), rest)
-        devices = host.stage_devices_of(host.layout, self.schedule)
+        devices = self.stage_devices_of(self.layout, self.schedule)
         with torch.enable_grad():
             args, kwargs = planning_call(target, *whole, options, count_items=False)
-            return planned_for_call(target, args, kwargs, devices, options, self.host.optimizers)
-
-
-def options_for_processes(options: PipelineOptions, schedule: ProcessSchedule, placement: list[int] | None
-                          ) -> PipelineOptions:
-    """``options`` for stages as processes under ``schedule``: the plan charges each stage the
-    micro-batches the schedule keeps, and the planner does not calibrate it (its calibration times
-    the in-process runtime; the process runtime times its own first steps,
-    :mod:`~lightning_antichain.planner.process_calibration`); a clear error for what this runtime
-    does not take."""
-    if placement is not None:
-        raise ValueError("with schedule=, each process holds one device: leave out placement=")
-    if options.recompute == "except_last":
-        raise ValueError("recompute='except_last' is the in-process runtime's; with schedule= use 'always' (every "
-                         "stage keeps only its inputs) or 'never'")
-    return options.replace(schedule="gpipe" if schedule.name == "gpipe" else "1f1b", calibrate=False,
-                           even_chunks=True)
-
-
-def refuse_other_stage_count(stages: int, schedule: ProcessSchedule, ranks: int, what: str) -> None:
-    """A clear error where ``what`` (the plan, the balance) has ``stages`` stages but ``ranks``
-    processes hold another count under ``schedule``."""
-    if stages != schedule.num_stages(ranks):
-        raise ValueError(
-            f"{what} has {stages} stages but {ranks} processes under schedule={schedule.name!r} hold "
-            f"{schedule.num_stages(ranks)} ({schedule.virtual_stages} each); start "
-            f"{stages / schedule.virtual_stages:g} processes (devices=), or plan for {ranks}")
+            return planned_for_call(target, args, kwargs, devices, options, self.strategy.optimizers)
 
 
 def _gathered(part: Any) -> list[Any]:

@@ -130,8 +130,8 @@ def main() -> None:
     torch.manual_seed(0)
     schedule = None if args.schedule == "none" else args.schedule
     strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
-        schedule=schedule, chunks=args.chunks, use_profile_cache=False, calibrate=False, rebalance_rounds=0,
-        stages=args.stages)
+        schedule=schedule, chunks=args.chunks, profile_cache=False, calibrate=False, rebalance_rounds=0,
+        pipeline_parallel_size=args.stages)
     record = Record()
     trainer = L.Trainer(
         accelerator="cpu", devices=1 if args.plain else args.devices, strategy=strategy, precision="64-true",

@@ -43,7 +43,7 @@ def main():
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
-    strategy = la.AntichainPipelineStrategy(chunks=4, use_profile_cache=False) if args.pipeline else "auto"
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False) if args.pipeline else "auto"
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, every_n_epochs=1)
     trainer = L.Trainer(
         accelerator="cpu",

@@ -128,7 +128,7 @@ def main():
         "auto"
         if args.plain
         else la.AntichainPipelineStrategy(
-            chunks=4, stages=args.stages, start_method=args.start_method, use_profile_cache=False
+            chunks=4, pipeline_parallel_size=args.stages, start_method=args.start_method, profile_cache=False
         )
     )
     record = Record(args.out)

@@ -195,7 +195,7 @@ class Record(L.Callback):
         self.losses.append(outputs["loss"].item())
         self.logged.append(trainer.callback_metrics["train_loss"].item())
         pipeline = getattr(trainer.strategy, "pipeline", None)  # the in-process runtime's, with a leaf per device
-        self.tied = None if pipeline is None else len(pipeline.tied)
+        self.tied = len(pipeline.tied) if isinstance(pipeline, la.Pipeline) else None
 
     def on_fit_end(self, trainer, module):
         metrics = trainer.callback_metrics
@@ -260,10 +260,10 @@ def main() -> None:
     torch.manual_seed(0)
     schedule = None if args.schedule == "none" else args.schedule  # none: the in-process runtime
     strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
-        schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, use_profile_cache=False,
+        schedule=schedule, virtual_stages=args.virtual_stages, chunks=args.chunks, profile_cache=False,
         leaf_modules=["fault"], recompute=args.recompute, empty_init=args.meta,
         save_distributed_checkpoint=False if args.one_file else None, balance=args.balance,
-        deferred_batch_norm=args.deferred_bn, stages=args.stages, replication=args.replication,
+        deferred_batch_norm=args.deferred_bn, pipeline_parallel_size=args.stages, replication=args.replication,
         compile_stages={"backend": "aot_eager"} if args.compile else False)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,

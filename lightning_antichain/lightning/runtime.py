@@ -1,0 +1,220 @@
+"""The one interface between the strategy and what runs its pipeline: a :class:`Runtime`.
+
+The strategy holds what Lightning asks of any strategy (devices, ranks, the launcher, placing the
+module, checkpoints) and chooses its runtime once, when it is made; from then on it only calls
+this interface, as torch's ``_PipelineSchedule`` has one method each schedule implements. Two
+runtimes implement it: one process driving every stage of its pipeline in threads
+(:class:`~lightning_antichain.lightning.in_process_runtime.InProcessRuntime`, the default) and one
+process per stage on ``torch.distributed.pipelining``
+(:class:`~lightning_antichain.lightning.process_runtime.ProcessRuntime`, ``schedule=``).
+
+Each method whose plain-Lightning behaviour a runtime may keep gets it as ``plain``: the
+strategy's inherited method, bound, so no runtime calls Lightning's ``Strategy`` on the strategy
+from outside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..runtime.options import PipelineOptions
+from ..runtime.plan import Plan
+
+#: an option the user gave, by the strategy's argument name, and its value
+GivenOptions = Mapping[str, Any]
+
+
+class Host(Protocol):
+    """What a runtime may ask of the strategy it runs for (the strategy is the one host): its
+    module, devices and ranks, optimizers and precision, and its options, one copy."""
+
+    options: PipelineOptions
+    plan_path: str | None
+    module_path: str | None
+    placement: list[int] | None
+    lightning_module: Any
+    optimizers: list[Any]
+    precision_plugin: Any
+
+    @property
+    def root_device(self) -> torch.device: ...
+    @property
+    def parallel_devices(self) -> list[torch.device] | None: ...
+    @property
+    def pipeline_devices(self) -> list[torch.device]: ...
+    @property
+    def stage_devices(self) -> list[torch.device]: ...
+    @property
+    def devices_per_pipeline(self) -> int: ...
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def is_global_zero(self) -> bool: ...
+    @property
+    def is_distributed(self) -> bool: ...
+    @property
+    def multi_process(self) -> bool: ...
+
+    def target(self) -> nn.Module:
+        """The module pipelined."""
+
+    def describe_target(self) -> str: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def stages_placed(self) -> None:
+        """Each stage is real on its device now: what waited for it (optimizer state) goes in."""
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None: ...
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None: ...
+
+
+class Runtime(ABC):
+    """Runs a LightningModule's steps through a planned pipeline, for the strategy ``strategy``."""
+
+    #: the strategy's arguments that mean nothing to this runtime, and why: asking for what one
+    #: would do is an error (``0``, ``False``, ``None``: asking for nothing, which is taken)
+    foreign_options: Mapping[str, str] = {}
+
+    def __init__(self, strategy: Host) -> None:
+        self.strategy = strategy
+
+    @classmethod
+    @abstractmethod
+    def from_arguments(cls, strategy: Host, arguments: Mapping[str, Any]) -> Runtime:
+        """The runtime of ``strategy``, made from the strategy's ``arguments`` (current names)."""
+
+    @property
+    def options(self) -> PipelineOptions:
+        """The strategy's options (one copy, the strategy's)."""
+        return self.strategy.options
+
+    def adapt_options(self, options: PipelineOptions) -> PipelineOptions:
+        """``options`` as this runtime plans and runs them."""
+        return options
+
+    @classmethod
+    def refuse_foreign(cls, given: GivenOptions) -> None:
+        """A clear error, when the strategy is made, for an option this runtime would ignore."""
+        for name, why in cls.foreign_options.items():
+            if given.get(name) not in (None, False, 0):
+                raise ValueError(f"{name}={given[name]!r} {why}")
+
+    # -- processes and devices -------------------------------------------------------------------
+
+    @abstractmethod
+    def devices_per_process(self, requested: int | None, node_devices: int) -> int:
+        """How many of a node's ``node_devices`` one process drives (``requested``: the
+        strategy's ``pipeline_parallel_size``)."""
+
+    @property
+    @abstractmethod
+    def shards_data(self) -> bool:
+        """Whether Lightning gives each process its own share of the data (as under DDP)."""
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The loader a process iterates (``dataloader``: as Lightning made it)."""
+        return dataloader
+
+    @property
+    def needs_process_group(self) -> bool:
+        """Whether torch.distributed starts even for one process."""
+        return False
+
+    @abstractmethod
+    def check_devices(self, stages: int | None, what: str) -> None:
+        """Before the processes connect: a clear error where the devices cannot run ``what`` (a
+        plan or balance given, of ``stages`` stages; ``None``: planned later)."""
+
+    def environment_ready(self) -> None:  # noqa: B027 (a runtime may need nothing then)
+        """The processes are connected and the strategy knows its devices."""
+
+    @property
+    def device_mesh(self) -> Any:
+        raise RuntimeError("the device mesh is made in setup_environment, with schedule= only")
+
+    # -- the plan and the pipeline -------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def plan(self) -> Plan | None:
+        """The plan run (``None`` before the first batch, unless one was given)."""
+
+    @plan.setter
+    @abstractmethod
+    def plan(self, plan: Plan | None) -> None: ...
+
+    @property
+    def pipeline(self) -> Any:
+        """What runs this process's stages, once built."""
+        return None
+
+    @property
+    def tasks_run(self) -> Counter[tuple[int, int]]:
+        """Micro-batch tasks run, by stage and worker thread, where a runtime counts them."""
+        return Counter()
+
+    # -- a run ------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def setup(self, trainer: Any) -> None:
+        """The Trainer's run starts: the module, its optimizers and its devices are set."""
+
+    @abstractmethod
+    def step(self, hook: str, args: tuple, kwargs: dict, plain: Callable[..., Any]) -> Any:
+        """The step ``hook`` (``"training_step"``, ...) on ``args, kwargs``; ``plain``: Lightning's."""
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, plain: Callable[..., torch.Tensor],
+                 *args: Any, **kwargs: Any) -> torch.Tensor:
+        return plain(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any, plain: Callable[..., Any], **kwargs: Any) -> Any:
+        return plain(optimizer, closure, model, **kwargs)
+
+    def block_backward_sync(self) -> contextlib.AbstractContextManager[None]:
+        """No reduction between replicas inside (Lightning accumulating gradients)."""
+        return contextlib.nullcontext()
+
+    def stages_placed(self) -> None:  # noqa: B027 (a runtime may need nothing then)
+        """Each stage is real on its device now."""
+
+    @abstractmethod
+    def teardown(self) -> None:
+        """The run ends: let go of what the run holds; the plan stays for the next run."""
+
+    # -- checkpoint state ------------------------------------------------------------------------
+
+    @property
+    def default_sharded_checkpoint(self) -> bool:
+        """Whether checkpoints are shards unless ``save_distributed_checkpoint`` says."""
+        return False
+
+    def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The module's ``state`` as rank 0 saves it whole (every rank calls it)."""
+        return state
+
+    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """``optimizer``'s state as rank 0 saves it whole (every rank calls it)."""
+        return state
+
+    def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of the module's ``state`` in a checkpoint of shards."""
+        return state
+
+    def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of ``optimizer``'s state in a checkpoint of shards."""
+        return state
+
+    def stepped(self, optimizer: Any) -> set[int] | None:
+        """The indices of the parameters of ``optimizer`` this rank steps (``None``: all)."""
+        return None
