@@ -35,7 +35,7 @@ from trainer_cpu import StepTimer  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 import lightning_antichain as la  # noqa: E402
-from lightning_antichain.runtime.cpu_threads import cpu_cores, stage_threads  # noqa: E402
+from lightning_antichain.measure.cpu_threads import cpu_cores, stage_threads  # noqa: E402
 
 MODELS = {
     "resnet18": lambda: ZOO["resnet18"].build(),

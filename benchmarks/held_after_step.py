@@ -3,7 +3,7 @@
 Plain torch.distributed.pipelining, no lightning-antichain code in the pipeline: two gloo
 processes, one ``PipelineStage`` each over a small MLP, 8 micro-batches, and what autograd still
 holds after each step (after ``gc.collect()``), counted by the saved-tensor hooks of
-:class:`~lightning_antichain.runtime.saved_tensors.HeldMemory`, under 1F1B and ZB-H1
+:class:`~lightning_antichain.measure.saved_tensors.HeldMemory`, under 1F1B and ZB-H1
 (``ScheduleInterleavedZeroBubble``). An earlier version of those hooks kept each saved tensor with
 its autograd node, a cycle the collector cannot break: a graph whose backward never ran (torch's
 trial forward before the first step) stayed counted on the first rank, and under ZB-H1 the last
@@ -29,7 +29,7 @@ STEPS, CHUNKS, WIDTH = 4, 8, 256
 
 
 def rank_main(rank: int, port: int, kind: str, results: mp.Queue) -> None:
-    from lightning_antichain.runtime.saved_tensors import HeldMemory, state_storages
+    from lightning_antichain.measure.saved_tensors import HeldMemory, state_storages
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

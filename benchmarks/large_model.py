@@ -53,8 +53,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_antichain as la
+from lightning_antichain.in_process.budget import state_bytes
 from lightning_antichain.planner.planning import plan_model
-from lightning_antichain.runtime.budget import state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine, publish, section  # noqa: E402
@@ -294,7 +294,7 @@ def plan_nodes(gpus: int, gpu_gb: float, batch: int, tokens: int, most_nodes: in
     from lightning_antichain.planner.cost_model import InfeasiblePlanError
     from lightning_antichain.planner.layout_cost import Links
     from lightning_antichain.planner.layout_search import layout_search, plan_layouts
-    from lightning_antichain.runtime.options import PipelineOptions
+    from lightning_antichain.plans.options import PipelineOptions
 
     model = llama(LLAMA_2_70B, torch.bfloat16)
     count = sum(p.numel() for p in model.parameters())

@@ -36,14 +36,14 @@ from report import machine  # noqa: E402
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
     from lightning_antichain.capture import capture_call
+    from lightning_antichain.measure.link_speed import measured_gbps
     from lightning_antichain.planner.layout_cost import Links
     from lightning_antichain.planner.layout_search import LayoutSearch, layout_search, plan_layouts
-    from lightning_antichain.runtime.layout import Layout
-    from lightning_antichain.runtime.link_speed import measured_gbps
-    from lightning_antichain.runtime.options import PipelineOptions
-    from lightning_antichain.runtime.plan import Plan
-    from lightning_antichain.runtime.process_pipeline import ProcessPipeline
-    from lightning_antichain.runtime.process_schedules import process_schedule
+    from lightning_antichain.plans.layout import Layout
+    from lightning_antichain.plans.options import PipelineOptions
+    from lightning_antichain.plans.plan import Plan
+    from lightning_antichain.plans.process_schedules import process_schedule
+    from lightning_antichain.processes.process_pipeline import ProcessPipeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

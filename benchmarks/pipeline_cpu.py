@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 import lightning_antichain as la
+from lightning_antichain.in_process.worker import WorkerPool
 from lightning_antichain.planner import planning
-from lightning_antichain.runtime.worker import WorkerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import BENCHMARK_CACHE, fresh_calibrations, machine, publish, section  # noqa: E402

@@ -2,13 +2,13 @@
 per rank, with its step time and what each rank keeps for backward at its peak.
 
 Rank 0 profiles and plans (the DP, ``chunks`` micro-batches) and sends the plan to every rank; each
-rank builds and places its own stages only (:func:`~lightning_antichain.runtime.process_stages.rank_stages`)
+rank builds and places its own stages only (:func:`~lightning_antichain.processes.process_stages.rank_stages`)
 and runs torch's schedule. Steps of the schedules take turns, and each time is the median over the
 repeats of the slowest rank's step. The memory is what autograd saves during a step on each rank
-(:class:`~lightning_antichain.runtime.saved_tensors.HeldMemory`; torch's own copies of the stage
+(:class:`~lightning_antichain.measure.saved_tensors.HeldMemory`; torch's own copies of the stage
 outputs are not in it), against the plan's activations per micro-batch of each stage, weighed by
 the micro-batches torch's table of tasks keeps in flight on the rank's stages at its peak
-(:func:`~lightning_antichain.runtime.schedule.held_at_peak`; a zero-bubble schedule's keep their
+(:func:`~lightning_antichain.plans.schedule.held_at_peak`; a zero-bubble schedule's keep their
 activations until the weights' gradient). In the same rounds, rank 0 runs two baselines while the
 other ranks wait: the in-process runtime (``la.Pipeline`` on the GPipe plan, one worker thread of
 one intra-op thread per stage) and the plain module (``min(ranks, cores)`` intra-op threads). The
@@ -121,12 +121,12 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
     from lightning_antichain.device import synchronize, use_device
+    from lightning_antichain.measure.action_clock import ActionClock
+    from lightning_antichain.measure.saved_tensors import HeldMemory, state_storages
     from lightning_antichain.planner.process_calibration import from_records
-    from lightning_antichain.runtime.action_clock import ActionClock
-    from lightning_antichain.runtime.process_schedules import process_schedule
-    from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
-    from lightning_antichain.runtime.saved_tensors import HeldMemory, state_storages
-    from lightning_antichain.runtime.schedule import held_at_peak
+    from lightning_antichain.plans.process_schedules import process_schedule
+    from lightning_antichain.plans.schedule import held_at_peak
+    from lightning_antichain.processes.process_stages import rank_stages, schedule_runner
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -314,8 +314,8 @@ def runtime_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, res
 
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.runtime.process_schedules import process_schedule
-    from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
+    from lightning_antichain.plans.process_schedules import process_schedule
+    from lightning_antichain.processes.process_stages import rank_stages, schedule_runner
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(ranks), RANK=str(rank))
@@ -397,14 +397,14 @@ def split_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, resul
     """Rank ``rank`` of the split row: a Hugging Face Llama with a 32k vocabulary under 1F1B, cut by
     the DP and cut as torchtitan and NeMo AutoPipeline cut it (equal decoder layers per stage, the
     embedding with the first, the norm and head with the last), both run alike
-    (:class:`~lightning_antichain.runtime.process_pipeline.ProcessPipeline`) in interleaved rounds."""
+    (:class:`~lightning_antichain.processes.process_pipeline.ProcessPipeline`) in interleaved rounds."""
     import transformers
 
     import lightning_antichain as la
+    from lightning_antichain.batches import microbatch
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.runtime import microbatch
-    from lightning_antichain.runtime.process_pipeline import ProcessPipeline
-    from lightning_antichain.runtime.process_schedules import process_schedule
+    from lightning_antichain.plans.process_schedules import process_schedule
+    from lightning_antichain.processes.process_pipeline import ProcessPipeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -4,8 +4,13 @@ Profile a model (:func:`profile`), cut it into balanced stages over its antichai
 (:func:`partition`), and inspect the resulting :class:`Plan`.
 """
 
+from . import moved_modules
+from .batches.batch_dims import BatchDependenceError, check_micro_batchable
+from .batches.microbatch import MicroBatchError
 from .capture import OpGraph, UntraceableModelError, trace
 from .capture.assignments import AssignmentError
+from .in_process.budget import StageOverBudgetError
+from .in_process.pipeline import Pipeline
 from .lightning.strategy import AntichainPipelineStrategy, register
 from .planner.antichain import StateSpace, build_state_space, enumerate_down_sets
 from .planner.cost_graph import CostGraphError, load_cost_graph, save_cost_graph
@@ -13,18 +18,15 @@ from .planner.cost_model import CostModel, DeviceSpec, InfeasiblePlanError
 from .planner.partition import partition, plan_from_balance
 from .planner.profiler import profile
 from .planner.public import plan, plan_layout
-from .runtime.batch_dims import BatchDependenceError, check_micro_batchable
-from .runtime.budget import StageOverBudgetError
-from .runtime.checkpoint_files import load_checkpoint
-from .runtime.empty_init import init_empty_weights
-from .runtime.materialize import UninitializedTensorError, load_state_dict
-from .runtime.microbatch import MicroBatchError
-from .runtime.pipeline import Pipeline
-from .runtime.plan import Plan, Stage
-from .runtime.split import PlanMismatchError
+from .plans.plan import Plan, Stage
+from .stages.split import PlanMismatchError
+from .weights.checkpoint_files import load_checkpoint
+from .weights.empty_init import init_empty_weights
+from .weights.materialize import UninitializedTensorError, load_state_dict
 
 __version__ = "0.1.0"
 
+moved_modules.install()  # the old module paths still import, with a warning
 register()  # strategy="antichain_pipeline" works once the package is imported
 
 __all__ = [

@@ -26,8 +26,8 @@ from .capture import UntraceableModelError
 from .planner.cost_graph import load_cost_graph, save_cost_graph
 from .planner.cost_model import InfeasiblePlanError
 from .planner.partition import METHODS
-from .runtime.options import PipelineOptions
-from .runtime.sharded_checkpoint import META_FILE, ShardedCheckpoint, is_sharded_checkpoint
+from .plans.options import PipelineOptions
+from .weights.sharded_checkpoint import META_FILE, ShardedCheckpoint, is_sharded_checkpoint
 
 DEFAULTS = PipelineOptions()
 """The settings the strategy starts from; the command line starts from the same."""

@@ -10,8 +10,8 @@ from test_cli import run_main
 from torch import nn
 
 import lightning_antichain as la
+from lightning_antichain.batches.batch_dims import first_micro_batch
 from lightning_antichain.planner import overhead, planning
-from lightning_antichain.runtime.batch_dims import first_micro_batch
 
 
 def test_auto_picks_the_count_whose_own_plan_predicts_the_shortest_step(tmp_path):

@@ -13,8 +13,8 @@ from torch import nn
 import lightning_antichain as la
 from lightning_antichain.planner import calibration, planning
 from lightning_antichain.planner.contention import runtime_capacity
-from lightning_antichain.runtime import schedule
-from lightning_antichain.runtime.schedule import Task, gpipe
+from lightning_antichain.plans import schedule
+from lightning_antichain.plans.schedule import Task, gpipe
 
 
 def _timed_by_stage(timed, stages):

@@ -249,7 +249,7 @@ def test_the_cli_and_the_library_take_one_planning_path_with_the_same_defaults(t
 def test_the_cli_starts_from_the_strategys_defaults():
     import lightning_antichain as la
     from lightning_antichain.cli import _parser
-    from lightning_antichain.runtime.options import PipelineOptions
+    from lightning_antichain.plans.options import PipelineOptions
 
     parsed = _parser().parse_args(["plan", "torch.nn.Linear", "--stages", "2"])
     strategy = la.AntichainPipelineStrategy()

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import lightning_antichain as la
+from lightning_antichain.measure.cpu_threads import cpu_cores, stage_threads
 from lightning_antichain.planner import planning
-from lightning_antichain.runtime.cpu_threads import cpu_cores, stage_threads
-from lightning_antichain.runtime.options import PipelineOptions
+from lightning_antichain.plans.options import PipelineOptions
 
 
 class Recorder(nn.Module):

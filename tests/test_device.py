@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_antichain import device as dev
-from lightning_antichain.runtime.worker import WorkerPool
+from lightning_antichain.in_process.worker import WorkerPool
 
 
 def test_cpu_stages_have_no_streams_and_the_caller_none_to_wait_for():

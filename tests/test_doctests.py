@@ -6,7 +6,7 @@ import pytest
 
 from lightning_antichain.planner import antichain
 from lightning_antichain.planner import cost_graph as graph
-from lightning_antichain.runtime import schedule
+from lightning_antichain.plans import schedule
 
 
 @pytest.mark.parametrize("module", [antichain, graph, schedule])

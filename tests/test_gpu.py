@@ -320,11 +320,11 @@ def test_a_model_too_big_for_a_quarter_of_the_gpu_is_profiled_one_operation_at_a
 
 
 def test_operations_are_timed_in_context_on_each_stage_stream(gpu_device, convnet_cost):
-    """The op clock (runtime/op_clock.py) on a GPU stage marks its compute stream with events: each
+    """The op clock (measure/op_clock.py) on a GPU stage marks its compute stream with events: each
     operation is timed, outputs and gradients are those of the plain module, and a pass's times
     fit in its task's time on the device."""
     from lightning_antichain.device import seconds_between
-    from lightning_antichain.runtime.op_clock import OpClock
+    from lightning_antichain.measure.op_clock import OpClock
 
     batch = torch.randn(10, 3, 8, 8, dtype=torch.float64)
     model = convnet()

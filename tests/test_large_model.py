@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_antichain as la
-from lightning_antichain.runtime import captures
-from lightning_antichain.runtime.budget import StageOverBudgetError, state_bytes
-from lightning_antichain.runtime.materialize import meta_attributes
+from lightning_antichain.in_process import captures
+from lightning_antichain.in_process.budget import StageOverBudgetError, state_bytes
+from lightning_antichain.weights.materialize import meta_attributes
 
 WIDTH, LAYERS = 256, 8
 

@@ -10,10 +10,10 @@ from torch import nn
 import lightning_antichain as la
 from lightning_antichain.planner.layout_cost import BUCKET_BYTES, Links, layout_cost, ring_all_reduce_s
 from lightning_antichain.planner.layout_search import layout_search, plan_layouts
-from lightning_antichain.runtime.layout import Layout
-from lightning_antichain.runtime.options import PipelineOptions
-from lightning_antichain.runtime.plan import Plan, Stage
-from lightning_antichain.runtime.process_schedules import process_schedule
+from lightning_antichain.plans.layout import Layout
+from lightning_antichain.plans.options import PipelineOptions
+from lightning_antichain.plans.plan import Plan, Stage
+from lightning_antichain.plans.process_schedules import process_schedule
 
 MB = 2**20
 

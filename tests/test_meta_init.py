@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_antichain as la
-from lightning_antichain.runtime.materialize import own_state
+from lightning_antichain.weights.materialize import own_state
 
 VOCAB, BLOCK, WIDTH, HEADS = 48, 16, 32, 4
 

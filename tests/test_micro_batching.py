@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_antichain as la
+from lightning_antichain.batches.microbatch import MicroBatchError
 from lightning_antichain.capture import capture
-from lightning_antichain.runtime.microbatch import MicroBatchError
 
 
 class Net(nn.Module):

@@ -5,7 +5,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from lightning_antichain.runtime import microbatch
+from lightning_antichain.batches import microbatch
 
 Pair = namedtuple("Pair", "left right")
 
@@ -81,7 +81,7 @@ def test_step_results_join_into_the_whole_batchs():
 def test_each_replica_gets_its_share_of_every_batch_in_the_samplers_order():
     """Batches of 5 from 12 samples (5, 5, 2) shared by 2 replicas: 3 and 2, 3 and 2, 1 and 1;
     a last batch smaller than the replicas is refused, saying to drop it."""
-    from lightning_antichain.lightning.replica_batches import ReplicaBatches
+    from lightning_antichain.processes.replica_batches import ReplicaBatches
 
     order = [11, 3, 7, 0, 5, 9, 1, 2, 10, 4, 6, 8]
     shares = [list(ReplicaBatches(order, 5, False, 2, r)) for r in (0, 1)]

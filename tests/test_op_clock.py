@@ -1,4 +1,4 @@
-"""Operations timed inside their stage's passes (runtime/op_clock.py): what is timed, not how long.
+"""Operations timed inside their stage's passes (measure/op_clock.py): what is timed, not how long.
 
 A timed assertion would pass or fail with the machine's load; these check that the clocked stages
 compute exactly what the plain ones do, that every operation is accounted for in the phase it
@@ -18,8 +18,8 @@ from models import InceptionBlock
 
 import lightning_antichain as la
 from lightning_antichain.capture import capture_call
+from lightning_antichain.measure.op_clock import OpClock
 from lightning_antichain.planner import calibration, planning
-from lightning_antichain.runtime.op_clock import OpClock
 
 
 def _resnet() -> torch.nn.Module:
@@ -110,7 +110,7 @@ def test_freed_cpu_memory_is_kept_for_reuse_by_worker_threads():
     script = textwrap.dedent("""
         import resource, sys, threading
         import torch
-        from lightning_antichain.runtime.worker import keep_freed_memory
+        from lightning_antichain.in_process.worker import keep_freed_memory
         if sys.argv[1] == "kept":
             assert keep_freed_memory()
         def steps():

@@ -9,7 +9,7 @@ import torch
 from models import LongSkip
 
 import lightning_antichain as la
-from lightning_antichain.runtime.options import PipelineOptions
+from lightning_antichain.plans.options import PipelineOptions
 
 
 def test_options_are_checked_when_made_and_when_changed():

@@ -354,7 +354,7 @@ def test_tied_parameters_shared_by_first_and_last_stage(stages, own_devices):
 
 
 def test_a_task_that_raises_reaches_the_caller_and_leaves_its_worker_serving():
-    from lightning_antichain.runtime.worker import WorkerPool
+    from lightning_antichain.in_process.worker import WorkerPool
 
     pool = WorkerPool(2, name="raising")
     ran = []

@@ -13,7 +13,7 @@ from models import LongSkip
 import lightning_antichain as la
 from lightning_antichain.planner import planning
 from lightning_antichain.planner.prediction_check import PredictionCheck, span_s
-from lightning_antichain.runtime.schedule import Timed
+from lightning_antichain.plans.schedule import Timed
 
 
 def _plan(tmp_path, span_s=0.1):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
-from lightning_antichain.runtime.process_schedules import SCHEDULE_NAMES, process_schedule
+from lightning_antichain.plans.process_schedules import SCHEDULE_NAMES, process_schedule
 
 
 def test_each_name_runs_with_torchs_class():
@@ -83,7 +83,7 @@ def test_pre_split_micro_batches_run_alike_through_step_and_through_the_path_for
     from torch import nn
     from torch.distributed.pipelining import PipelineStage
 
-    from lightning_antichain.runtime.process_schedules import run_pre_split, run_through_step_microbatches
+    from lightning_antichain.plans.process_schedules import run_pre_split, run_through_step_microbatches
 
     torch.manual_seed(0)
     chosen = process_schedule(schedule, 2 if schedule == "interleaved-1f1b" else None)

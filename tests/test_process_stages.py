@@ -71,8 +71,8 @@ def stage_process(rank: int, port: int, schedule: str, results: mp.Queue, failin
 
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.runtime.process_stages import FlatStage
-    from lightning_antichain.runtime.split import split_stages
+    from lightning_antichain.processes.process_stages import FlatStage
+    from lightning_antichain.stages.split import split_stages
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -214,9 +214,9 @@ def every_schedule_process(rank: int, port: int, results: mp.Queue) -> None:
 
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.runtime.action_clock import ActionClock
-    from lightning_antichain.runtime.process_schedules import process_schedule
-    from lightning_antichain.runtime.process_stages import rank_stages, schedule_runner
+    from lightning_antichain.measure.action_clock import ActionClock
+    from lightning_antichain.plans.process_schedules import process_schedule
+    from lightning_antichain.processes.process_stages import rank_stages, schedule_runner
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -314,8 +314,8 @@ def test_every_schedule_runs_the_plan_in_two_processes_with_plain_gradients(ever
 def test_a_parameter_tied_across_two_ranks_is_found_and_refused_where_nothing_keeps_its_copies_in_step():
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.runtime.process_schedules import process_schedule
-    from lightning_antichain.runtime.process_stages import holders, rank_flat_stages, split_for_ranks
+    from lightning_antichain.plans.process_schedules import process_schedule
+    from lightning_antichain.processes.process_stages import holders, rank_flat_stages, split_for_ranks
 
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -341,9 +341,9 @@ def test_a_parameter_tied_across_two_ranks_is_found_and_refused_where_nothing_ke
 def test_a_stage_that_recomputes_keeps_only_its_inputs_for_backward_and_gives_the_same_gradients():
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.runtime.process_stages import FlatStage
-    from lightning_antichain.runtime.saved_tensors import HeldMemory, state_storages
-    from lightning_antichain.runtime.split import split_stages
+    from lightning_antichain.measure.saved_tensors import HeldMemory, state_storages
+    from lightning_antichain.processes.process_stages import FlatStage
+    from lightning_antichain.stages.split import split_stages
 
     model = build()
     x, _ = batch()
@@ -374,9 +374,9 @@ def test_a_recomputed_stage_updates_batchnorm_statistics_once(deferred):
     a stage that did not recompute, and the count of batches tracked goes up by one."""
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.runtime.batchnorm import deferred_batch_norm
-    from lightning_antichain.runtime.process_stages import FlatStage
-    from lightning_antichain.runtime.split import split_stages
+    from lightning_antichain.processes.process_stages import FlatStage
+    from lightning_antichain.stages.batchnorm import deferred_batch_norm
+    from lightning_antichain.stages.split import split_stages
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)).double()
@@ -401,7 +401,7 @@ def test_a_recomputed_stage_updates_batchnorm_statistics_once(deferred):
 def test_the_recomputation_block_can_be_entered_again():
     """A zero-bubble schedule computes a stage's input gradient and its weights' gradient apart,
     and a checkpointed stage recomputes its forward for each: the same block enters twice."""
-    from lightning_antichain.runtime.batchnorm import recomputing
+    from lightning_antichain.stages.batchnorm import recomputing
 
     norm = nn.BatchNorm1d(4)
     block = recomputing([norm])
@@ -420,8 +420,8 @@ def test_the_action_clock_times_every_task_a_rank_runs_and_the_plan_predicts_fro
     the measured halves, and predicts a step between the busiest rank's work and all ranks' work
     run one after another."""
     from lightning_antichain.planner.process_calibration import from_records
-    from lightning_antichain.runtime.plan import Plan
-    from lightning_antichain.runtime.process_schedules import process_schedule
+    from lightning_antichain.plans.plan import Plan
+    from lightning_antichain.plans.process_schedules import process_schedule
 
     for name, virtual in SCHEDULES:
         key = f"{name}/{virtual}"

@@ -13,7 +13,7 @@ V), every gradient against the plain module's:
 - timm's ViT, whose attention unpacks ``B, N, C = x.shape`` (numbers again, from fx).
 
 The values crossing each cut are found on fake tensors before the first step
-(:mod:`lightning_antichain.runtime.cut_values`), so the stages never run on uninitialised inputs.
+(:mod:`lightning_antichain.processes.cut_values`), so the stages never run on uninitialised inputs.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def _cuts(graph, cost, call) -> dict[str, list[int]]:
 
 def _step(model, graph, plan, schedule, rank, args, kwargs, weights):
     """One training step through this rank's stages; the error of each gradient it holds."""
-    from lightning_antichain.runtime import microbatch
-    from lightning_antichain.runtime.process_pipeline import ProcessPipeline
+    from lightning_antichain.batches import microbatch
+    from lightning_antichain.processes.process_pipeline import ProcessPipeline
 
     pipeline = ProcessPipeline(graph, plan, schedule, rank, RANKS, torch.device("cpu"))
     calls = microbatch.scatter((args, kwargs), CHUNKS)
@@ -113,9 +113,9 @@ def _step(model, graph, plan, schedule, rank, args, kwargs, weights):
 
 def _worker(rank: int, port: int, names: list[str], queue) -> None:
     import lightning_antichain as la
+    from lightning_antichain.batches.batch_dims import first_micro_batch
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.runtime.batch_dims import first_micro_batch
-    from lightning_antichain.runtime.process_schedules import process_schedule
+    from lightning_antichain.plans.process_schedules import process_schedule
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

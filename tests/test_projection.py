@@ -9,7 +9,7 @@ from torch import nn
 import lightning_antichain as la
 from lightning_antichain.capture import capture
 from lightning_antichain.capture.isolation import training_flags_set
-from lightning_antichain.runtime.projection import _tensors_used, project_plan
+from lightning_antichain.in_process.projection import _tensors_used, project_plan
 
 
 class ExportedNorms(nn.Module):

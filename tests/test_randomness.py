@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_antichain as la
-from lightning_antichain.runtime import randomness
+from lightning_antichain.stages import randomness
 
 
 class ModuleDropout(nn.Module):

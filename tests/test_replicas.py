@@ -75,8 +75,8 @@ def in_process_overlap(rank: int, port: int, results) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     import lightning_antichain as la
-    from lightning_antichain.runtime.plan import Plan
-    from lightning_antichain.runtime.stage_reduction import StageReduction
+    from lightning_antichain.in_process.stage_reduction import StageReduction
+    from lightning_antichain.plans.plan import Plan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

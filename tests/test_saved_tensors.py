@@ -7,7 +7,7 @@ from zoo import ZOO
 
 import lightning_antichain as la
 from lightning_antichain.capture import capture_call
-from lightning_antichain.runtime.saved_tensors import HeldMemory
+from lightning_antichain.measure.saved_tensors import HeldMemory
 
 MODES = ["never", "except_last", "always"]
 
@@ -165,7 +165,7 @@ def test_a_graph_whose_backward_never_runs_is_let_go_once_dropped():
     one before their first step) would stay alive and counted for good."""
     import gc
 
-    from lightning_antichain.runtime.saved_tensors import HeldMemory
+    from lightning_antichain.measure.saved_tensors import HeldMemory
 
     x = torch.randn(64, 64, requires_grad=True)
     held = HeldMemory()

@@ -5,8 +5,8 @@ import torch
 from models import LongSkip
 
 import lightning_antichain as la
-from lightning_antichain.runtime import schedule
-from lightning_antichain.runtime.schedule import Schedule, Task, gpipe, step_time, timeline
+from lightning_antichain.plans import schedule
+from lightning_antichain.plans.schedule import Schedule, Task, gpipe, step_time, timeline
 
 
 def test_gpipe_runs_forwards_in_order_then_backwards_in_reverse_on_every_stage():

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from lightning_antichain.runtime.process_schedules import SCHEDULE_NAMES, process_schedule
-from lightning_antichain.runtime.schedule import held_at_peak, in_flight, step_time, timeline
+from lightning_antichain.plans.process_schedules import SCHEDULE_NAMES, process_schedule
+from lightning_antichain.plans.schedule import held_at_peak, in_flight, step_time, timeline
 
 SHAPES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("zb-h1", 1), ("zb-h1", 2),
           ("zbv", 2)]

@@ -8,8 +8,8 @@ from torch import nn
 
 import lightning_antichain as la
 from lightning_antichain.cli import main as command
-from lightning_antichain.runtime.materialize import materialize
-from lightning_antichain.runtime.sharded_checkpoint import ShardedCheckpoint, is_sharded_checkpoint, save_sharded
+from lightning_antichain.weights.materialize import materialize
+from lightning_antichain.weights.sharded_checkpoint import ShardedCheckpoint, is_sharded_checkpoint, save_sharded
 
 
 def test_a_lightning_checkpoint_comes_back_whole_from_its_shards_and_per_parameter(tmp_path):

@@ -22,8 +22,8 @@ def replica_process(rank: int, port: int, how: str, results: mp.Queue) -> None:
 
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.runtime.process_pipeline import ProcessPipeline
-    from lightning_antichain.runtime.process_schedules import process_schedule
+    from lightning_antichain.plans.process_schedules import process_schedule
+    from lightning_antichain.processes.process_pipeline import ProcessPipeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -111,8 +111,8 @@ def overlap_process(rank: int, port: int, results: mp.Queue) -> None:
 
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.runtime.process_pipeline import ProcessPipeline
-    from lightning_antichain.runtime.process_schedules import process_schedule
+    from lightning_antichain.plans.process_schedules import process_schedule
+    from lightning_antichain.processes.process_pipeline import ProcessPipeline
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torchmetrics
 
-from lightning_antichain.lightning.micro_batch_steps import MicroBatchSteps
-from lightning_antichain.lightning.step_logs import (
+from lightning_antichain.processes.micro_batch_steps import MicroBatchSteps
+from lightning_antichain.processes.step_logs import (
     MetricLogged,
     StepLogs,
     metric_states,
@@ -84,7 +84,7 @@ def test_metric_states_move_by_value_and_compute_alike_without_syncing():
 
 
 def test_values_logged_per_micro_batch_reduce_by_their_reduce_fx():
-    from lightning_antichain.lightning.step_logs import averaged_logs, reduced
+    from lightning_antichain.processes.step_logs import averaged_logs, reduced
 
     assert reduced([1.0, 5.0], [3, 1], "mean") == pytest.approx(2.0)
     assert reduced([1.0, 5.0], [3, 1], "sum") == 6.0 and reduced([1.0, 5.0], [3, 1], torch.sum) == 6.0
@@ -104,7 +104,7 @@ def test_values_logged_per_micro_batch_reduce_by_their_reduce_fx():
 def test_a_metrics_value_for_the_step_is_the_whole_batchs():
     """Lightning logs a metric on_step as its value for the batch: with the step run per
     micro-batch, that is a copy's, updated by every micro-batch's call, not the last call's."""
-    from lightning_antichain.lightning.step_logs import StepValues, set_step_values
+    from lightning_antichain.processes.step_logs import StepValues, set_step_values
 
     module, other = Logging(), Logging()
     values = StepValues()

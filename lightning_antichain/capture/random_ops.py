@@ -1,6 +1,6 @@
 """Which operations of a captured graph may draw random numbers.
 
-Graph-level knowledge, read by the runtime (:mod:`~lightning_antichain.runtime.randomness` seeds
+Graph-level knowledge, read by the runtime (:mod:`~lightning_antichain.stages.randomness` seeds
 what may draw) and by capture's rewrites (a value made without random numbers, from shapes alone,
 is the same on every call with the same shapes).
 """

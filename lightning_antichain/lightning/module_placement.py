@@ -13,8 +13,8 @@ import torch
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from torch import nn
 
-from ..runtime.initialization import Initializer, ParamInitFn
-from ..runtime.materialize import materialize, meta_attributes
+from ..weights.initialization import Initializer, ParamInitFn
+from ..weights.materialize import materialize, meta_attributes
 
 
 def to_root_device(module: Any, target: nn.Module, root: torch.device, param_init_fn: ParamInitFn | None) -> None:

@@ -4,9 +4,9 @@ The strategy holds what Lightning asks of any strategy (devices, ranks, the laun
 module, checkpoints) and chooses its runtime once, when it is made; from then on it only calls
 this interface, as torch's ``_PipelineSchedule`` has one method each schedule implements. Two
 runtimes implement it: one process driving every stage of its pipeline in threads
-(:class:`~lightning_antichain.lightning.in_process_runtime.InProcessRuntime`, the default) and one
+(:class:`~lightning_antichain.in_process.in_process_runtime.InProcessRuntime`, the default) and one
 process per stage on ``torch.distributed.pipelining``
-(:class:`~lightning_antichain.lightning.process_runtime.ProcessRuntime`, ``schedule=``).
+(:class:`~lightning_antichain.processes.process_runtime.ProcessRuntime`, ``schedule=``).
 
 Each method whose plain-Lightning behaviour a runtime may keep gets it as ``plain``: the
 strategy's inherited method, bound, so no runtime calls Lightning's ``Strategy`` on the strategy
@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..runtime.options import PipelineOptions
-from ..runtime.plan import Plan
+from ..plans.options import PipelineOptions
+from ..plans.plan import Plan
 
 #: an option the user gave, by the strategy's argument name, and its value
 GivenOptions = Mapping[str, Any]

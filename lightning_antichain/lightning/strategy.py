@@ -26,17 +26,17 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
+from ..in_process.in_process_runtime import InProcessRuntime
+from ..measure.cpu_threads import stage_threads
 from ..planner.planning import AUTO
-from ..runtime.cpu_threads import stage_threads
-from ..runtime.empty_init import init_empty_weights
-from ..runtime.initialization import ParamInitFn
-from ..runtime.materialize import has_meta_state
-from ..runtime.plan import Plan
-from ..runtime.replication import Replication
-from .in_process_runtime import InProcessRuntime
+from ..plans.plan import Plan
+from ..processes.process_runtime import ProcessRuntime
+from ..processes.replication import Replication
+from ..weights.empty_init import init_empty_weights
+from ..weights.initialization import ParamInitFn
+from ..weights.materialize import has_meta_state
 from .module_placement import real_to_cpu, to_root_device
 from .process_ranks import ProcessesStrategy
-from .process_runtime import ProcessRuntime
 from .runtime import Runtime
 from .strategy_checkpoints import StrategyCheckpoints
 from .strategy_options import current_arguments, pipeline_options
@@ -156,7 +156,7 @@ class AntichainPipelineStrategy(ProcessesStrategy):
     @property
     def pipeline(self) -> Any:
         """What runs this process's stages (after the first forward or setup), for inspection: a
-        :class:`~lightning_antichain.runtime.pipeline.Pipeline` in process."""
+        :class:`~lightning_antichain.in_process.pipeline.Pipeline` in process."""
         return self._runtime.pipeline
 
     @property

@@ -1,6 +1,6 @@
 """How the strategy saves and loads Lightning checkpoints: the plain module's names as CPU tensors,
 as one file gathered on rank 0 or as a directory of shards each rank writes its part of
-(:mod:`~lightning_antichain.runtime.sharded_checkpoint`).
+(:mod:`~lightning_antichain.weights.sharded_checkpoint`).
 
 Loading waits where it must: weights for a model still on meta go straight into their stages when
 those are made real, and optimizer state is loaded once the stages are placed, when each rank
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from ..capture.pytrees import map_tensors
-from ..runtime.materialize import has_meta_state, load_lazily, load_state_dict
-from ..runtime.optimizer_state import state_with_parameters
-from ..runtime.replication import full, is_shard
-from ..runtime.sharded_checkpoint import (
+from ..processes.replication import full, is_shard
+from ..weights.materialize import has_meta_state, load_lazily, load_state_dict
+from ..weights.optimizer_state import state_with_parameters
+from ..weights.sharded_checkpoint import (
     ShardedCheckpoint,
     ShardedOptimizerStates,
     ShardedStateDict,

@@ -1,7 +1,7 @@
 """The strategy's arguments: their current names, their checks, and the one options object they make.
 
 LightningCLI passes the strategy's arguments flat, as its YAML holds them. Here they become
-:class:`~lightning_antichain.runtime.options.PipelineOptions`, the one copy the planner and the
+:class:`~lightning_antichain.plans.options.PipelineOptions`, the one copy the planner and the
 runtime read; old names keep working with a deprecation warning; and which arguments a user gave
 (those that differ from their defaults) is known, so that a runtime can refuse the ones it would
 ignore (:meth:`~lightning_antichain.lightning.runtime.Runtime.refuse_foreign`).
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..planner.planning import AUTO
-from ..runtime.options import PipelineOptions
+from ..plans.options import PipelineOptions
 
 #: old argument name: (its current name, how an old value reads under it, what to tell the user)
 RENAMED: dict[str, tuple[str, Callable[[Any], Any], str]] = {

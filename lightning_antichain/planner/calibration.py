@@ -11,7 +11,7 @@ accelerators, is run for a few steps before it is trusted: its micro-batches one
 each stage's forward and backward take alone; on a GPU, the time between marks on the stage's
 compute stream) and pipelined (how much CPU stages slow each other while they overlap). The
 plan's stage times and parallel capacity become the runtime's own. One micro-batch of each step
-also has its operations timed inside their stages (:mod:`~lightning_antichain.runtime.op_clock`),
+also has its operations timed inside their stages (:mod:`~lightning_antichain.measure.op_clock`),
 which the planner's loop (:mod:`.rebalance`) cuts again on. Results are cached next to the
 profiles, and the module is left as it was found: parameters, gradients, buffers, attributes and
 random state.
@@ -32,16 +32,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from ..batches import microbatch
+from ..batches.batch_dims import call_dims
 from ..capture.isolation import attributes_restored, side_effects_undone
 from ..capture.opgraph import OpGraph
 from ..capture.pytrees import iter_tensors
 from ..device import is_accelerator, shares_host, synchronize
-from ..runtime import microbatch
-from ..runtime.batch_dims import call_dims
-from ..runtime.materialize import has_meta_state
-from ..runtime.op_clock import OpClock
-from ..runtime.plan import Plan, recomputed_micro_batches
-from ..runtime.schedule import Task, Timed, runs_in_process
+from ..measure.op_clock import OpClock
+from ..plans.plan import Plan, recomputed_micro_batches
+from ..plans.schedule import Task, Timed, runs_in_process
+from ..weights.materialize import has_meta_state
 from .cache import DamagedEntry, entry_key, entry_path, read_entry, write_entry
 from .contention import runtime_capacity
 from .prediction_check import span_s
@@ -63,7 +63,7 @@ class Calibration:
     pipelined_span_s: float
     steps: int
     #: per operation, the seconds its forward and backward took inside its stage's passes (median
-    #: over the steps; :mod:`~lightning_antichain.runtime.op_clock`), which the planner folds into
+    #: over the steps; :mod:`~lightning_antichain.measure.op_clock`), which the planner folds into
     #: its costs; empty where they were not timed
     operations: dict[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -100,7 +100,7 @@ def calibrate(
     fill ``seconds`` (at least ``steps``, at most ``max_steps``), so that a passing slowdown of a
     shared machine is outvoted by the median. ``cpu_threads``: the stages' intra-op threads, as
     the Pipeline option."""
-    from ..runtime.pipeline import Pipeline
+    from ..in_process.pipeline import Pipeline
 
     call_args, call_kwargs, dims = call_dims(module, args, kwargs, batch_dim)
     options: dict[str, Any] = {"graph": graph, "batch_dim": batch_dim, "check_batch": False,

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..capture.pytrees import iter_tensors
-from ..runtime.schedule import Task, Timed
-from ..runtime.worker import WorkerPool, keep_freed_memory
+from ..in_process.worker import WorkerPool, keep_freed_memory
+from ..plans.schedule import Task, Timed
 
 
 def parallel_capacity(steps: list[Callable[[], None]], repeats: int) -> tuple[float | None, float]:
@@ -72,7 +72,7 @@ def runtime_capacity(timed: Sequence[Sequence[Timed]], work: Mapping[Task, float
                      cores: int) -> float | None:
     """The ``parallel_capacity`` that explains a measured step: ``work[task]`` is what each task
     took alone, ``timed`` when it ran. With ``T_n`` the time ``n`` shared stages were busy at once,
-    the model (:meth:`~lightning_antichain.runtime.plan.Plan.capacity`) gets through
+    the model (:meth:`~lightning_antichain.plans.plan.Plan.capacity`) gets through
     ``T_n * (1 + extra * (min(n, cores) - 1))`` of work in it, so ``extra`` is the work beyond
     ``sum(T_n)`` over ``sum(T_n * (min(n, cores) - 1))``.
     ``None`` where shared stages overlapped too little (under 1% of their busy time) to tell."""

@@ -10,7 +10,7 @@ Node attributes (all optional except the graph being acyclic; missing ones defau
 ``buffer_bytes``    bytes of the buffers the node owns (BatchNorm statistics, ...)
 ``saved``           storages the node's backward keeps, ``{key: bytes}`` (keys name storages, so
                     views and in-place results count once; see
-                    :mod:`lightning_antichain.runtime.saved_tensors`)
+                    :mod:`lightning_antichain.measure.saved_tensors`)
 ``storages``        the storages of the node's output, ``{key: bytes}``
 ``mutates``         keys of the storages the node changes in place
 ``saved_bytes``     bytes of the storages the node made that some node keeps (default:

@@ -16,7 +16,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from ..runtime.plan import RECOMPUTE_MODES, Stage
+from ..plans.plan import RECOMPUTE_MODES, Stage
 
 
 class InfeasiblePlanError(ValueError):
@@ -43,7 +43,7 @@ class CostModel:
     between CPU devices that share memory). ``optimizer_multiplier`` is optimizer state per
     parameter byte: 0 for SGD, 1 for SGD with momentum, 2 for Adam. ``held`` is, by stage index,
     how many micro-batches the schedule has in flight on that stage at most
-    (:func:`~lightning_antichain.runtime.schedule.in_flight`: ``K - k`` under 1F1B); empty: all
+    (:func:`~lightning_antichain.plans.schedule.in_flight`: ``K - k`` under 1F1B); empty: all
     ``chunks``, as under GPipe. ``joined_output_bytes``: what the first stage's device also holds
     where one process joins the micro-batches' outputs there (the whole batch's output and its
     gradient; 0 where each micro-batch's loss is taken apart, as with stages as processes).

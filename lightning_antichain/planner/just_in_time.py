@@ -36,8 +36,8 @@ from ..capture.mutations import is_in_place
 from ..capture.opgraph import AttrFetch, identity, node_callable
 from ..capture.pytrees import iter_tensors, map_tensors
 from ..device import peak_memory_since, start_peak_memory
-from ..runtime.materialize import materialize, own_state, release
-from ..runtime.saved_tensors import CallMemory, SavedLedger, storage_of
+from ..measure.saved_tensors import CallMemory, SavedLedger, storage_of
+from ..weights.materialize import materialize, own_state, release
 from .repeated_blocks import Repeat, find_repeats
 
 

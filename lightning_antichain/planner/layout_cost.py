@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..device import shares_host
-from ..runtime.layout import Layout
-from ..runtime.plan import Plan
-from ..runtime.process_schedules import ProcessSchedule
-from ..runtime.replication import Replication
-from ..runtime.schedule import Schedule
+from ..plans.layout import Layout
+from ..plans.plan import Plan
+from ..plans.process_schedules import ProcessSchedule
+from ..plans.schedule import Schedule
+from ..processes.replication import Replication
 
 BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket: the last one is reduced after the backward that fills it ends."""

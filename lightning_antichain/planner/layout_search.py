@@ -7,7 +7,7 @@ factorisation of the ranks into ``dp x pp``, every schedule offered and every mi
 that splits a replica's share evenly, the model is cut as for that layout alone, and the step and
 each rank's peak memory are predicted (:mod:`.layout_cost`). The model is captured once and
 profiled once per micro-batch size, which layouts share. The plan chosen lists every candidate it
-weighed, with its prediction and why it lost (:attr:`~lightning_antichain.runtime.plan.Plan.layouts`).
+weighed, with its prediction and why it lost (:attr:`~lightning_antichain.plans.plan.Plan.layouts`).
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ import networkx as nx
 import torch
 from torch import nn
 
+from ..batches.batch_dims import batch_size_of, check_micro_batchable, first_micro_batch
 from ..capture.isolation import keeps_random_state, planned_in_training
-from ..runtime.batch_dims import batch_size_of, check_micro_batchable, first_micro_batch
-from ..runtime.cpu_threads import intra_op_threads, stage_threads
-from ..runtime.layout import Layout
-from ..runtime.materialize import has_meta_state
-from ..runtime.options import PipelineOptions
-from ..runtime.plan import Plan
-from ..runtime.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_schedule
-from ..runtime.replication import Replication
+from ..measure.cpu_threads import intra_op_threads, stage_threads
+from ..plans.layout import Layout
+from ..plans.options import PipelineOptions
+from ..plans.plan import Plan
+from ..plans.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_schedule
+from ..processes.replication import Replication
+from ..weights.materialize import has_meta_state
 from .cache import default_cache_dir, usable_cache_dir
 from .layout_cost import LayoutCost, Links, layout_cost
 from .optimizer_memory import UNKNOWN_OPTIMIZER_MULTIPLIER

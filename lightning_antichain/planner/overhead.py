@@ -24,7 +24,7 @@ from torch import nn
 
 from ..capture import OpGraph, capture
 from ..device import device_name, synchronize
-from ..runtime.pipeline import Pipeline
+from ..in_process.pipeline import Pipeline
 from .cache import DamagedEntry, default_cache_dir, entry_key, read_entry, write_entry
 from .partition import partition
 

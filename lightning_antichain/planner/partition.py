@@ -19,9 +19,9 @@ import networkx as nx
 import numpy as np
 
 from ..capture.carried import pass_on
-from ..runtime.options import PLANNING_METHODS, renamed_recompute
-from ..runtime.plan import Plan, Stage
-from ..runtime.schedule import in_flight, make_schedule, runs_in_process
+from ..plans.options import PLANNING_METHODS, renamed_recompute
+from ..plans.plan import Plan, Stage
+from ..plans.schedule import in_flight, make_schedule, runs_in_process
 from .antichain import DEFAULT_MAX_STATES, build_state_space
 from .baselines import baseline_split
 from .cost_graph import node_compute, normalize_cost_graph, ordered_nodes, total_compute
@@ -59,7 +59,7 @@ def partition(
     that uses such a parameter its own copy and sum the copies' gradients.
     ``recompute`` is the runtime's recompute mode, which sets the
     activations a stage holds (see :meth:`CostModel.memory_bytes`). ``schedule`` names the order
-    the stages run their tasks in (:data:`~lightning_antichain.runtime.schedule.SCHEDULES`): it
+    the stages run their tasks in (:data:`~lightning_antichain.plans.schedule.SCHEDULES`): it
     sets the predicted step and how many micro-batches each stage holds (``"1f1b"``: ``K - k`` on
     stage k, which the memory limits are checked against). Raises :class:`InfeasiblePlanError`
     when no split fits.

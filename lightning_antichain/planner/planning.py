@@ -19,19 +19,19 @@ import networkx as nx
 import torch
 from torch import nn
 
+from ..batches import microbatch
+from ..batches.batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
 from ..capture import OpGraph, UntraceableModelError, capture_call, children_instead
 from ..capture.devices import on_module_device
 from ..capture.isolation import keeps_random_state, planned_in_training
 from ..capture.signature import original_forward
 from ..device import is_accelerator, same_device
 from ..device import memory_gb as device_memory_gb
-from ..runtime import microbatch
-from ..runtime.batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
-from ..runtime.cpu_threads import intra_op_threads, stage_threads
-from ..runtime.materialize import has_meta_state
-from ..runtime.options import PipelineOptions
-from ..runtime.plan import Plan
-from ..runtime.worker import keep_freed_memory
+from ..in_process.worker import keep_freed_memory
+from ..measure.cpu_threads import intra_op_threads, stage_threads
+from ..plans.options import PipelineOptions
+from ..plans.plan import Plan
+from ..weights.materialize import has_meta_state
 from . import calibration
 from .cache import default_cache_dir, usable_cache_dir
 from .optimizer_memory import UNKNOWN_OPTIMIZER_MULTIPLIER
@@ -98,8 +98,8 @@ def _in_training(fn: Callable[..., Planned]) -> Callable[..., Planned]:
 
 def _as_cpu_stages_run(fn: Callable[..., Planned]) -> Callable[..., Planned]:
     """``fn`` profiling and calibrating as the CPU stages among its devices will run: with their
-    intra-op thread count (:mod:`~lightning_antichain.runtime.cpu_threads`) and malloc keeping
-    freed memory (:func:`~lightning_antichain.runtime.worker.keep_freed_memory`)."""
+    intra-op thread count (:mod:`~lightning_antichain.measure.cpu_threads`) and malloc keeping
+    freed memory (:func:`~lightning_antichain.in_process.worker.keep_freed_memory`)."""
 
     @functools.wraps(fn)
     def planned(module: nn.Module | None, args: tuple, kwargs: dict, devices: Sequence[str | torch.device],
@@ -133,7 +133,7 @@ def plan_model(
     """Plan ``module`` over ``devices`` (one stage each) for micro-batches like ``args, kwargs``.
 
     The module is captured on the micro-batch and checked (``check_batch``, see
-    :func:`~lightning_antichain.runtime.batch_dims.check_micro_batchable`); its profile is read from
+    :func:`~lightning_antichain.batches.batch_dims.check_micro_batchable`); its profile is read from
     ``profile_cache`` (default ``~/.cache/lightning-antichain``) where a valid entry exists, else
     measured on ``devices[0]`` and stored. ``cost`` skips all that and plans a saved cost graph.
     ``balance`` fixes the operations per stage instead of planning. ``fallback="children"`` plans

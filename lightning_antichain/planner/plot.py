@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import astuple
 
-from ..runtime.plan import Plan
+from ..plans.plan import Plan
 
 
 def plot_plan(plan: Plan, path: str | os.PathLike[str], title: str | None = None) -> None:

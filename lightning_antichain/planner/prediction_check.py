@@ -13,8 +13,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..runtime.plan import Plan
-from ..runtime.schedule import Timed
+from ..plans.plan import Plan
+from ..plans.schedule import Timed
 
 TOLERANCE = 0.15
 """How far measured steps may stray from the calibration's before the user is told."""

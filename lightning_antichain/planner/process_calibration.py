@@ -5,7 +5,7 @@ time. On a shared 2-core machine the measured steps were 1.18 to 2.06 times that
 schedule: what an action of torch's schedule costs beyond its operations (posting its sends, the
 loss, torch's books), a GPipe backward reading activations made long before, and a zero-bubble
 backward whose two halves cost more than one whole. Each rank times its actions in the steps it
-runs (:class:`~lightning_antichain.runtime.action_clock.ActionClock`); their costs, gathered, become
+runs (:class:`~lightning_antichain.measure.action_clock.ActionClock`); their costs, gathered, become
 the plan's stage times, and the timeline of the schedule's tasks then predicts the step
 (docs/benchmarks.md, "Stages as processes on CPU"). The cut is untouched: only the times change.
 """
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from ..device import synchronize
-from ..runtime.action_clock import ActionClock, ActionKey
-from ..runtime.plan import Plan, recomputed_micro_batches
-from ..runtime.schedule import Schedule
+from ..measure.action_clock import ActionClock, ActionKey
+from ..plans.plan import Plan, recomputed_micro_batches
+from ..plans.schedule import Schedule
 
 #: steps of the process runtime timed before its plan's times are taken from them (after the first,
 #: in which torch's stages learn their shapes)

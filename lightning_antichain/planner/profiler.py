@@ -3,7 +3,7 @@
 For every node of an :class:`~lightning_antichain.capture.OpGraph` the profiler replays the node alone
 on the concrete inputs it received in a real forward pass, and records the median forward time,
 the median backward time, the bytes of its output and of the parameters it owns, and the storages
-its backward keeps (:mod:`lightning_antichain.runtime.saved_tensors`). Timing is
+its backward keeps (:mod:`lightning_antichain.measure.saved_tensors`). Timing is
 synchronised on CUDA. The result is a cost graph (see :mod:`lightning_antichain.planner.cost_graph`) that can be
 saved and planned again without profiling.
 """
@@ -21,6 +21,8 @@ import networkx as nx
 import torch
 from torch import nn
 
+from ..batches.batch_dims import batch_size_of
+from ..batches.microbatch import MicroBatchError
 from ..capture import OpGraph, RecordedCall, trace
 from ..capture.carried import carry
 from ..capture.devices import retarget_devices
@@ -29,11 +31,9 @@ from ..capture.pytrees import iter_tensors, map_tensors
 from ..capture.signature import split_inputs
 from ..device import device_name, shares_host, timed
 from ..device import memory_gb as device_memory_gb
-from ..runtime.batch_dims import batch_size_of
-from ..runtime.cpu_threads import cpu_cores
-from ..runtime.materialize import has_meta_state
-from ..runtime.microbatch import MicroBatchError
-from ..runtime.saved_tensors import saved_per_call, state_storages
+from ..measure.cpu_threads import cpu_cores
+from ..measure.saved_tensors import saved_per_call, state_storages
+from ..weights.materialize import has_meta_state
 from . import overhead
 from .contention import parallel_capacity, training_step
 from .cost_graph import GRAPH_FORMAT

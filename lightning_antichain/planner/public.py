@@ -5,7 +5,7 @@ one call each (a pipeline on given devices; the layout of replicas and stages fo
 also check the batch, read and fill the profile cache, time the optimizer, measure the stages of
 a plan whose stages share the CPU or are all on GPUs, and cut again on what they measured
 (:mod:`.rebalance`). This is that path, with the same defaults
-(:class:`~lightning_antichain.runtime.options.PipelineOptions`).
+(:class:`~lightning_antichain.plans.options.PipelineOptions`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batches.batch_dims import first_micro_batch
+from ..batches.model_loss import with_items_in_batch
 from ..capture.signature import FlatSignature, original_forward, split_inputs
-from ..runtime.batch_dims import first_micro_batch
-from ..runtime.model_loss import with_items_in_batch
-from ..runtime.options import PipelineOptions
-from ..runtime.plan import Plan
+from ..plans.options import PipelineOptions
+from ..plans.plan import Plan
 from .planning import AUTO, Planned, plan_model
 
 
@@ -52,7 +52,7 @@ def planning_call(module: nn.Module, args: tuple, kwargs: dict, options: Pipelin
     """What a call of a whole batch ``args, kwargs`` is planned on: the batch itself for
     ``chunks="auto"`` (it weighs how to split it), else its first micro-batch; with the whole
     batch's token count, as the pipeline passes it, where the module computes a Hugging Face loss
-    (:func:`~lightning_antichain.runtime.model_loss.with_items_in_batch`), unless ``count_items``
+    (:func:`~lightning_antichain.batches.model_loss.with_items_in_batch`), unless ``count_items``
     is off (stages as processes call the module as the step does, per micro-batch)."""
     if count_items:
         args, kwargs = with_items_in_batch(module, args, kwargs)
@@ -95,7 +95,7 @@ def plan_layout(
     ``per_node``: ranks per node (default: all on one), their links at ``bandwidth_gbps`` and
     across nodes at ``internode_gbps`` (default: the strategy's)."""
     from ..device import is_accelerator
-    from ..runtime.process_schedules import process_schedule
+    from ..plans.process_schedules import process_schedule
     from .layout_cost import Links
     from .layout_search import LayoutSearch, layout_search, plan_layouts
     from .planning import INTERNODE_GPU_GBPS, default_bandwidth_gbps

@@ -20,7 +20,7 @@ from typing import Any
 
 import networkx as nx
 
-from ..runtime.plan import Plan
+from ..plans.plan import Plan
 
 MAX_ROUNDS = 3
 """Rounds after the first measured plan, by default: each costs one calibration of a new split."""

@@ -1,0 +1,182 @@
+"""The settings of one pipeline, planning and running alike, in one checked object.
+
+The strategy and the CLI build a :class:`PipelineOptions` from what the user gave and hand the same
+object to the planner (:func:`~lightning_antichain.planner.planning.plan_model`) and to the
+:class:`~lightning_antichain.in_process.pipeline.Pipeline`, so a setting has one name, one default and
+one check, wherever it is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..batches.batch_dims import check_batch_dim
+from .plan import RECOMPUTE_MODES, check_chunks
+from .schedule import SCHEDULES
+
+PLANNING_METHODS = ("antichain", "uniform", "parameters", "blocks")
+FALLBACKS = (None, "children")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """How to plan and run a pipeline.
+
+    Running: ``chunks`` micro-batches per batch (``"auto"``: the planner chooses; a Pipeline runs
+    its plan's count), ``recompute`` (activation recomputation: ``"never"``, ``"except_last"``,
+    ``"always"``), ``batch_dim`` (the inputs' dim that holds the samples, or a dict of them by
+    argument name), ``check_batch`` (refuse a forward whose samples depend on each other),
+    ``leaf_modules`` (kept whole by capture), ``deferred_batch_norm`` (update running statistics
+    once per batch), ``share_cpu_allocator`` (malloc keeps freed memory for CPU stages), ``cpu_threads`` (intra-op
+    threads of each CPU stage, which planning also profiles with; ``None``: the cores shared evenly
+    among the CPU stages) and
+    ``measure_activations`` (count what each stage keeps for backward), ``device_slots`` (which
+    device each stage runs on, where stages on one torch device still stand for different ones,
+    as CPU devices do: a parameter used on several gets a leaf on each; ``None``: the torch
+    devices), ``param_init_fn``
+    (fills a module's new tensors when a model built on meta is made real, instead of Hugging
+    Face's ``_init_weights`` or the module's ``reset_parameters()``; see
+    :mod:`~lightning_antichain.weights.initialization`), and ``compile_stages`` (run each stage's
+    graph through ``torch.compile``: ``True`` with its defaults, or a dict of its arguments, such
+    as ``{"mode": "reduce-overhead"}`` for CUDA graphs; planning and calibration time the stages
+    uncompiled).
+
+    Planning: ``balance`` (operations per stage instead of planning), ``method`` (the antichain DP
+    or a baseline), ``schedule`` (the order the stages run their tasks in, which sets the predicted
+    step and each stage's memory: ``"gpipe"``, the in-process runtime's, or ``"1f1b"``, one
+    process per stage; see :mod:`~lightning_antichain.plans.schedule`), ``even_chunks``
+    (``chunks="auto"`` weighs only counts that split the batch evenly and give each stage one
+    at least, as torch's schedules need), ``bandwidth_gbps`` (within a node), ``internode_gbps``
+    (across nodes, for stages as processes) and ``memory_gb`` (``None``: from the devices),
+    ``optimizer_multiplier`` (optimizer state per parameter byte; ``None``: from the optimizers,
+    else 2), ``profile_cache`` and ``use_profile_cache``, ``calibrate`` (time a few steps of CPU
+    stages), ``rebalance_rounds`` (after calibration, cut again on the measured stage times for at
+    most this many rounds, keeping the best split measured; 0: keep the profile's split),
+    ``fallback`` (``"children"`` plans a model no frontend captures, for a look only) and
+    ``progress`` (progress on stderr).
+    """
+
+    chunks: int | str = "auto"
+    recompute: str = "never"
+    batch_dim: int | Mapping[str, int] = 0
+    check_batch: bool = True
+    leaf_modules: tuple[type | str, ...] = ()
+    deferred_batch_norm: bool = False
+    share_cpu_allocator: bool = True
+    cpu_threads: int | None = None
+    measure_activations: bool = False
+    param_init_fn: Callable[[Any], None] | None = None
+    compile_stages: bool | Mapping[str, Any] = False
+    device_slots: tuple[int, ...] | None = None
+    balance: tuple[int, ...] | None = None
+    method: str = "antichain"
+    schedule: str = "gpipe"
+    even_chunks: bool = False
+    bandwidth_gbps: float | None = None
+    internode_gbps: float | None = None
+    memory_gb: float | tuple[float | None, ...] | None = None
+    optimizer_multiplier: float | None = None
+    profile_cache: Path | None = None
+    use_profile_cache: bool = True
+    calibrate: bool = True
+    rebalance_rounds: int = 3
+    fallback: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_chunks(self.chunks, auto=True)
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        check_batch_dim(self.batch_dim)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}")
+        if self.method not in PLANNING_METHODS:
+            raise ValueError(f"method must be one of {PLANNING_METHODS}, got {self.method!r}")
+        if isinstance(self.rebalance_rounds, bool) or not isinstance(self.rebalance_rounds, int) or (
+                self.rebalance_rounds < 0):
+            raise ValueError(f"rebalance_rounds must be a whole number of at least 0, got {self.rebalance_rounds!r}")
+        if self.cpu_threads is not None and (
+                isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads is the intra-op threads of each CPU stage: a whole number of at least 1, "
+                             f"or None to share the cores among the CPU stages; got {self.cpu_threads!r}")
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ValueError(f"param_init_fn must be a function of one module that fills its parameters and buffers in "
+                             f"place, got {self.param_init_fn!r}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be None or 'children', got {self.fallback!r}")
+        balance = self.balance
+        if balance is not None and (
+            isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence) or not balance
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in balance)
+        ):
+            raise ValueError(
+                f"balance lists how many operations each stage runs: one positive whole number per stage, got "
+                f"{balance!r}. Leave it out to let the planner choose."
+            )
+        object.__setattr__(self, "compile_stages", checked_compile_stages(self.compile_stages))
+        # Sequences become tuples, so that options compare, hash and print by value.
+        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules or ()))
+        if balance is not None:
+            object.__setattr__(self, "balance", tuple(balance))
+        if isinstance(self.memory_gb, Sequence):
+            object.__setattr__(self, "memory_gb", tuple(self.memory_gb))
+        if self.profile_cache is not None:
+            object.__setattr__(self, "profile_cache", Path(self.profile_cache))
+
+    def replace(self, **changes: Any) -> PipelineOptions:
+        """These options with ``changes``, checked again; an unknown name is a clear error."""
+        if "checkpoint" in changes:
+            old = changes.pop("checkpoint")
+            changes["recompute"] = renamed_recompute(changes.get("recompute", self.recompute), old)
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - fields)
+        if unknown:
+            raise TypeError(f"unknown pipeline option(s) {unknown}; the options are {sorted(fields)}")
+        return dataclasses.replace(self, **changes)
+
+
+#: what ``compile_stages`` may pass to ``torch.compile``
+COMPILE_ARGUMENTS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
+
+
+def checked_compile_stages(value: Any) -> bool | tuple[tuple[str, Any], ...]:
+    """``compile_stages`` as options hold it: a bool, or ``torch.compile``'s arguments as sorted
+    pairs (so that options still compare and hash by value)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        value = dict(value)
+    if not isinstance(value, Mapping) or any(not isinstance(k, str) for k in value):
+        raise ValueError(f"compile_stages is True (torch.compile's defaults), False, or a dict of torch.compile's "
+                         f"arguments such as {{'mode': 'reduce-overhead'}}; got {value!r}")
+    unknown = sorted(set(value) - set(COMPILE_ARGUMENTS))
+    if unknown:
+        raise ValueError(f"compile_stages got {', '.join(map(repr, unknown))}, which torch.compile does not take per "
+                         f"stage; it takes {', '.join(COMPILE_ARGUMENTS)}")
+    return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(sorted(value.items())) if isinstance(value, Mapping) else value
+
+
+def compile_arguments(compile_stages: bool | tuple[tuple[str, Any], ...]) -> dict[str, Any] | None:
+    """The arguments to compile each stage's graph with, ``None``: run it uncompiled."""
+    if compile_stages is False:
+        return None
+    if compile_stages is True:
+        return {}
+    return {k: dict(v) if k == "options" and isinstance(v, tuple) else v for k, v in compile_stages}
+
+
+def renamed_recompute(recompute: str, checkpoint: str | None) -> str:
+    """``recompute``, or the mode given by its old name ``checkpoint=``, with a warning."""
+    if checkpoint is None:
+        return recompute
+    warnings.warn("checkpoint= is now recompute= (it recomputes activations in backward; Lightning's checkpoints "
+                  "are something else). The old name still works for now.", DeprecationWarning, stacklevel=3)
+    return checkpoint

@@ -1,0 +1,739 @@
+"""The strategy's runtime when every stage is a process of its own (``schedule=...``).
+
+Each of the ``ranks`` processes holds one device. On the first batch, rank 0 captures, profiles
+and plans as the in-process runtime does, and sends the plan to every rank; each rank captures the
+module itself (the plan names its operations, the same in every process) and builds its own stages
+only (:class:`~lightning_antichain.processes.process_pipeline.ProcessPipeline`). Every rank gets the
+same batches. A step splits the batch into micro-batches; the user's step hook runs once per
+micro-batch (:mod:`.micro_batch_steps`); the step's loss is the mean of the micro-batches' losses,
+weighted by their samples, and is what every rank returns to Lightning; what the step logs is
+merged and logged by every rank (:mod:`.step_logs`).
+
+Where the ranks form ``dp`` replicas of a pipeline of ``pp`` ranks (:class:`~lightning_antichain.plans.layout.Layout`,
+``stages=``), the batch is still the whole step's: every rank gets it, each replica runs its
+``1/dp`` of its samples (one more level of micro-batching), and torch keeps each stage in step
+over its replicas (DDP or FSDP2, :mod:`~lightning_antichain.processes.replication`). The step's loss, what it logs and
+its predictions are then the whole batch's on every rank, so the layout, chosen by hand or by the
+planner, never changes what training computes or what Lightning sees, and a checkpoint resumes in
+any layout. (Every rank loads the whole batch; a replica's own share of the data is a step to
+come.)
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from ..batches import microbatch
+from ..batches.batch_dims import first_micro_batch
+from ..batches.model_loss import counted_items
+from ..capture import capture_call
+from ..capture.pytrees import flatten, iter_tensors, map_tensors
+from ..device import is_accelerator
+from ..lightning.forward_patch import ForwardPatch
+from ..lightning.runtime import GivenOptions, Host, Runtime
+from ..measure.link_speed import measured_gbps
+from ..planner.layout_cost import Links
+from ..planner.layout_search import layout_search, plan_layouts
+from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
+from ..planner.process_calibration import StepCalibration, from_records
+from ..planner.public import planned_for_call, planning_call
+from ..plans.layout import Layout
+from ..plans.options import PipelineOptions, compile_arguments
+from ..plans.plan import Plan
+from ..plans.process_schedules import ProcessSchedule, process_schedule
+from ..weights.initialization import Initializer
+from ..weights.materialize import release_tensors
+from ..weights.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
+from .global_norm import clip_by_global_norm
+from .micro_batch_steps import MicroBatchSteps
+from .process_pipeline import ProcessPipeline, equal_runs
+from .rank_faults import explained
+from .replica_batches import replica_loader
+from .replication import REPLICATIONS, Replication, is_shard
+from .same_batches import StepAgreement, agree_on_step, same_order_everywhere
+from .small_broadcast import broadcast_object
+from .step_logs import (
+    StepLogs,
+    StepValues,
+    averaged_logs,
+    metric_states,
+    replay,
+    set_metric_states,
+    set_step_values,
+    unsynced,
+)
+
+TRAINING = "training_step"
+PREDICTING = "predict_step"
+
+
+#: the precision plugin's context for each step hook
+_CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step_context",
+             "test_step": "test_step_context", "predict_step": "predict_step_context"}
+
+
+class ProcessRuntime(Runtime):
+    """This rank's share of the pipeline and the steps it runs (see the module's docstring)."""
+
+    foreign_options = {
+        "placement": "places stages on a process's devices; with schedule=, each process holds one device: leave "
+                     "it out",
+        "log_stage_times": "logs the stage times of the in-process runtime; with schedule=, each rank times its "
+                           "actions in its first steps (calibrate=): leave it out",
+        "rebalance_rounds": "cuts again on the stage times the in-process runtime measures; with schedule=, the "
+                            "plan takes its stage times from the ranks' first steps (calibrate=): leave it out",
+    }
+
+    def __init__(self, strategy: Host, schedule: str, virtual_stages: int | None,
+                 pipeline_ranks: int | str | None, calibrate: bool, replication: Replication) -> None:
+        super().__init__(strategy)
+        if replication not in REPLICATIONS:
+            raise ValueError(f"replication={replication!r} is not one of {', '.join(map(repr, REPLICATIONS))}")
+        #: what the planner chooses of the layout (``pipeline_parallel_size="auto"`` or
+        #: ``schedule="auto"``), or ``None``: both given
+        self.layout_search = layout_search(pipeline_ranks, schedule, virtual_stages)
+        #: the schedule run (a stand-in until planned, where the planner chooses it)
+        self.schedule = self.layout_search.schedules[0] if self.layout_search is not None else process_schedule(
+            schedule, virtual_stages)
+        self._pipeline_ranks = None if pipeline_ranks == AUTO else pipeline_ranks
+        #: how each stage is kept in step with its replicas' where there are several
+        self.replication = replication
+        self._plan: Plan | None = None
+        #: times the actions of the first training steps, until the plan takes its stage times from them
+        self.calibration: StepCalibration | None = StepCalibration() if calibrate else None
+        self._pipeline: ProcessPipeline | None = None
+        self.steps: MicroBatchSteps | None = None
+        self._forward_patch = ForwardPatch()
+        self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        #: each metric's value for the whole batch of a step (what Lightning logs on_step)
+        self._step_values = StepValues()
+        #: whether the module computes a loss over label tokens (a Hugging Face model given labels=)
+        self._counts_items = False
+        self._layout: Layout | None = None
+        self._device_mesh: Any = None
+
+    @classmethod
+    def from_arguments(cls, strategy: Host, arguments: Mapping[str, Any]) -> ProcessRuntime:
+        return cls(strategy, arguments["schedule"], arguments["virtual_stages"], arguments["pipeline_parallel_size"],
+                   arguments["calibrate"], arguments["replication"])
+
+    @classmethod
+    def refuse_foreign(cls, given: GivenOptions) -> None:
+        super().refuse_foreign(given)
+        if given.get("recompute") == "except_last":
+            raise ValueError("recompute='except_last' is the in-process runtime's; with schedule= use 'always' (every "
+                             "stage keeps only its inputs) or 'never'")
+        if (given.get("plan") is not None or given.get("balance") is not None) and (
+                AUTO in (given.get("schedule"), given.get("pipeline_parallel_size"))):
+            raise ValueError('pipeline_parallel_size="auto" and schedule="auto" plan the layout: leave out plan= and '
+                             "balance=, or give pipeline_parallel_size= and schedule= as you planned them")
+
+    def adapt_options(self, options: PipelineOptions) -> PipelineOptions:
+        """The plan charges each stage the micro-batches the schedule keeps; the planner does not
+        calibrate it (its calibration times the in-process runtime; this runtime times its own
+        first steps, :mod:`~lightning_antichain.planner.process_calibration`)."""
+        return options.replace(schedule="gpipe" if self.schedule.name == "gpipe" else "1f1b", calibrate=False,
+                               even_chunks=True)
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self._plan = plan
+
+    @property
+    def pipeline(self) -> ProcessPipeline | None:
+        return self._pipeline
+
+    @pipeline.setter
+    def pipeline(self, pipeline: ProcessPipeline | None) -> None:
+        self._pipeline = pipeline
+
+    # -- processes and devices -------------------------------------------------------------------
+
+    def devices_per_process(self, requested: int | None, node_devices: int) -> int:
+        return 1
+
+    @property
+    def shards_data(self) -> bool:
+        return False  # every rank gets the whole batch; replicas split it
+
+    @property
+    def needs_process_group(self) -> bool:
+        return True  # stages as processes talk even alone
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """The same order in every process (:mod:`.same_batches`), and, where replicas of a
+        pipeline train side by side in a layout given (not planned), each replica's share of every
+        batch only (:mod:`.replica_batches`)."""
+        dataloader = same_order_everywhere(dataloader)
+        if self.layout_search is not None or self.layout.dp == 1:
+            return dataloader
+        return replica_loader(dataloader, self.layout.dp, self.layout.replica(self.strategy.global_rank))
+
+    def check_devices(self, stages: int | None, what: str) -> None:
+        if stages is None:
+            return
+        ranks, schedule = self.layout.pp, self.schedule
+        if stages != schedule.num_stages(ranks):
+            raise ValueError(
+                f"{what} has {stages} stages but {ranks} processes under schedule={schedule.name!r} hold "
+                f"{schedule.num_stages(ranks)} ({schedule.virtual_stages} each); start "
+                f"{stages / schedule.virtual_stages:g} processes (devices=), or plan for {ranks}")
+
+    def environment_ready(self) -> None:
+        if self.layout_search is None:
+            self.use_layout(self.layout)  # configure_model() may shard or parallelise within a stage
+
+    @property
+    def layout(self) -> Layout:
+        """How the ranks form pipelines and their replicas (where the planner chooses it, once
+        planned on the first batch)."""
+        if self._layout is None:
+            if self.layout_search is not None:
+                raise RuntimeError('pipeline_parallel_size="auto" chooses the layout on the first batch')
+            self._layout = Layout.of(self.strategy.world_size, self._pipeline_ranks)
+        return self._layout
+
+    def use_layout(self, layout: Layout) -> None:
+        """Run ``layout``: make its mesh (every rank calls it)."""
+        self._layout = layout
+        self._device_mesh = layout.mesh(self.strategy.root_device.type)
+        self.strategy.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def device_mesh(self) -> Any:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh is made in setup_environment")
+        return self._device_mesh
+
+    def stage_devices_of(self, layout: Layout, schedule: ProcessSchedule) -> list[torch.device]:
+        """Where each stage of the first pipeline of ``layout`` under ``schedule`` runs: its rank's device."""
+        devices = self.strategy.parallel_devices
+        assert devices
+        return [devices[layout.rank(0, schedule.rank_of(s, layout.pp)) % len(devices)]
+                for s in range(schedule.num_stages(layout.pp))]
+
+    @property
+    def default_sharded_checkpoint(self) -> bool:
+        return True
+
+    # -- a run ------------------------------------------------------------------------------------
+
+    def setup(self, trainer: Any) -> None:
+        """Make the module's forward answer inside the steps, and clipping by norm take every
+        rank's gradients."""
+        strategy = self.strategy
+        module = strategy.lightning_module
+        if not module.automatic_optimization:
+            raise RuntimeError(
+                "manual optimization (automatic_optimization = False) runs the backward and the optimizers inside "
+                "training_step, but with schedule= the step runs once per micro-batch on the last stage's process "
+                "while torch's schedule runs every stage's backward. Use automatic optimization (return the loss), or "
+                "leave out schedule= (one process drives the stages, and manual optimization works as in plain "
+                "Lightning).")
+        if self.steps is None or self.steps.module is not module:
+            self.steps = MicroBatchSteps(module, strategy.describe_target())
+            self.pipeline = None if self.pipeline is None or self.pipeline.graph.module is not strategy.target() else (
+                self.pipeline)
+        if self.layout_search is None or self.plan is not None:  # else once the layout is chosen
+            unsynced(module, self._replicas_group())
+        # every rank logs the whole batch's value already (step_logs): there is nothing to sync
+        warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True`")
+        plugin = strategy.precision_plugin
+        if getattr(plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"precision={plugin.precision!r} scales the loss before Lightning's backward, but with schedule= the "
+                "backward runs inside the step, unscaled. Use precision='bf16-mixed' (no loss scaling), or train "
+                "without schedule=."
+            )
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_by_global_norm(  # type: ignore[method-assign]
+            plugin.main_params(optimizer), clip_val, strategy.root_device, self.counted_elsewhere(),
+            None if self.replication == "fsdp" else self._pipeline_group())  # shards: every rank counts its own
+        if trainer.state.fn == TrainerFn.FITTING:
+            state_with_parameters(strategy.optimizers)
+        self._forward_patch.install(strategy.target(), self.steps.forward)
+
+    def step(self, hook: str, args: tuple, kwargs: dict, plain: Callable[..., Any]) -> Any:
+        """Run the step ``hook`` (``training_step``, ...) on the batch ``args[0]`` through the
+        pipeline: the step's loss on every rank for training, the batch's predictions for
+        prediction, else ``None``. Where another rank failed, its error (:mod:`.rank_faults`)."""
+        strategy = self.strategy
+        args = (*args, *kwargs.values())
+        accumulate = strategy.lightning_module.trainer.accumulate_grad_batches if hook == TRAINING else 1
+        with getattr(strategy.precision_plugin, _CONTEXTS[hook])():
+            try:
+                return self._step(hook, strategy.target(), args, accumulate)
+            except Exception as error:
+                if strategy.global_rank == 0:  # its store outlives its process groups: let go of them (rank_faults)
+                    self.pipeline = None
+                    traceback.clear_frames(error.__traceback__)
+                cause = explained(error, strategy.global_rank)
+                if cause is error:
+                    raise
+                raise cause from error
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, plain: Callable[..., torch.Tensor],
+                 *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The schedule ran every micro-batch's backward inside the step: Lightning's hooks run,
+        and the step's gradients join the parameters'."""
+        strategy = self.strategy
+        strategy.pre_backward(closure_loss)
+        closure_loss = strategy.precision_plugin.pre_backward(closure_loss, strategy.lightning_module)
+        self.give_gradients()
+        closure_loss = strategy.precision_plugin.post_backward(closure_loss, strategy.lightning_module)
+        strategy.post_backward(closure_loss)
+        return closure_loss
+
+    def teardown(self) -> None:
+        self._forward_patch.uninstall()
+        vars(self.strategy.precision_plugin).pop("clip_grad_by_norm", None)
+
+    def _step(self, hook: str, target: nn.Module, args: tuple, accumulate: int) -> Any:
+        assert self.steps is not None, "setup() first"
+        batch, rest = args[0], tuple(args[1:])
+        if self.pipeline is None and not self._build(hook, target, batch, rest):
+            self._agree(batch, 0)
+            if hook == TRAINING:
+                raise RuntimeError(_skipped(hook, 0, 1))
+            return None  # an evaluation step skipped the batch before the module could be planned on it
+        share = self._replica_share(batch)
+        pipeline, plan = self.pipeline, self.plan
+        assert pipeline is not None and plan is not None
+        micro = microbatch.scatter(share, plan.chunks, lists=True)
+        sizes = [microbatch.batch_size(m) or 0 for m in micro]
+        calls = [self.steps.call_of(hook, m, rest) for m in micro] if pipeline.holds_first else None
+        counted = [c for c in calls or () if c is not None] if self._counts_items else []
+        agreement = self._agree(share, sum(sizes), None if calls is None else sum(c is not None for c in calls) / len(
+            calls), float(sum(counted_items(target, *c) for c in counted)) if counted else None)
+        if agreement.called is not None and agreement.called < 1:
+            if agreement.called == 0 and hook != TRAINING:
+                return None  # an evaluation step that returned None before calling the module: skipped
+            called = sum(c is not None for c in calls) if calls is not None else 0
+            raise RuntimeError(_skipped(hook, called, len(micro)))
+        return self._run(hook, micro, sizes, calls, rest, accumulate, agreement)
+
+    def _agree(self, batch: Any, samples: int, called: float | None = None, items: float | None = None
+               ) -> StepAgreement:
+        """:func:`~.same_batches.agree_on_step` for this rank's replica."""
+        layout = self.layout if self.layout_search is None or self.plan is not None else Layout(
+            1, self.strategy.world_size)
+        strategy = self.strategy
+        return agree_on_step(batch, strategy.root_device, layout.dp, layout.replica(strategy.global_rank), samples,
+                             called, items)
+
+    def _run(self, hook: str, micro: list[Any], sizes: list[int], calls: list[Any] | None, rest: tuple,
+             accumulate: int, agreement: StepAgreement) -> Any:
+        """Run the micro-batches ``micro`` of ``sizes`` samples through the pipeline, the step
+        ``hook`` answering each one's output on the last stage's rank; what every rank returns to
+        Lightning (see :meth:`step`). ``agreement``: what every rank knows of the step."""
+        assert self.steps is not None and self.pipeline is not None and self.plan is not None
+        module, pipeline = self.steps.module, self.pipeline
+        shares = self._shares(sizes, agreement)
+        logs = StepLogs()
+        losses: list[torch.Tensor] = []  # weighted as the schedule back-propagates them, read once after
+        train = hook == TRAINING
+        results: list[Any] = [None] * len(micro)
+        skipped: list[bool] = [False] * len(micro)
+
+        def loss(output: Any, m: int) -> torch.Tensor:
+            assert self.steps is not None
+            share = shares(output, m)
+            result = self.steps.result_of(hook, micro[m], rest, output, logs, share)
+            if train and result is None:  # skipped after the module's call: no gradient from it
+                skipped[m] = True
+                return _zero_loss(output, self.strategy.root_device)
+            if not train:
+                results[m] = map_tensors(lambda t: t.detach().cpu(), result)
+                return torch.zeros((), device=self.strategy.root_device)
+            value = _loss_of(result, hook)
+            weighted = value * share(value)
+            losses.append(weighted.detach())
+            if isinstance(result, dict) and len(result) > 1:  # what else it returns goes to the batch-end hooks
+                results[m] = map_tensors(lambda t: t.detach().cpu(), {k: v for k, v in result.items() if k != "loss"})
+            return weighted / accumulate
+
+        every = [len(equal_runs(microbatch.split_sizes(n, self.plan.chunks))) for n in agreement.samples]
+        runs = equal_runs(sizes, max(every))  # as many as every replica's: each run's last backward reduces
+        calibration = self.calibration if train and len(runs) == 1 and len(micro) == self.plan.chunks else None
+        with torch.enable_grad() if train else torch.no_grad(), \
+                self._gradients_stashed(pipeline.parameters()) if train else nullcontext(), \
+                self._step_values.watching(module) if pipeline.holds_last else nullcontext(), \
+                calibration.timing(self.strategy.root_device) if calibration is not None else nullcontext() as clock:
+            for run in runs:
+                pipeline.run(_shape_of(micro[run.start:run.stop]), None if calls is None else calls[run.start:run.stop],
+                             lambda output, m, start=run.start: loss(output, start + m), len(run), train, clock=clock)
+            if train:
+                pipeline.tied.sum_gradients()
+        if calibration is not None and calibration.done:
+            self._calibrated(calibration)
+        mean = float(torch.stack(losses).sum()) if losses else 0.0
+        sent = (mean, logs.merged(), metric_states(module), self._step_values.values(), results, skipped
+                ) if pipeline.holds_last else None
+        mean, merged, states, values, results, skipped = broadcast_object(
+            sent, pipeline.last_rank(), self._pipeline_group(), self.strategy.root_device)
+        if any(skipped):
+            self._stashed = []
+            raise RuntimeError(_skipped(hook, len(skipped) - sum(skipped), len(skipped)))
+        if not pipeline.holds_last:
+            set_metric_states(module, states)
+        set_step_values(module, values)
+        if self.layout.dp > 1:  # the whole batch's, from every replica's share
+            mean, merged, results, sizes = self._over_replicas(mean, merged, results, sizes, agreement)
+        replay(module, merged, sum(agreement.samples), self.strategy.root_device)
+        joined = None if all(r is None for r in results) else microbatch.join_results(results, sizes)
+        joined = map_tensors(lambda t: t.to(self.strategy.root_device), joined)
+        if not train:
+            return joined
+        loss_value = torch.tensor(mean, device=self.strategy.root_device)
+        return loss_value if joined is None else {"loss": loss_value, **joined}
+
+    def _shares(self, sizes: list[int], agreement: StepAgreement) -> Callable[[Any, int], Callable[[Any], float]]:
+        """For a micro-batch's output and index, the share of the whole batch that a value its step
+        computes has, where the values of the micro-batches join as their weighted sum: its share
+        of the step's samples, or, for the loss a Hugging Face model computes from ``labels=`` (a
+        mean over the label tokens that count), its share of those tokens, as the in-process
+        runtime joins it (:mod:`~lightning_antichain.batches.model_loss`). Replicas' shares count
+        ``dp`` times: their gradients are averaged over the replicas."""
+        assert self.steps is not None
+        steps, target, dp = self.steps, self.strategy.target(), len(agreement.samples)
+        samples, items = sum(agreement.samples), None if agreement.items is None else sum(agreement.items)
+
+        def of(output: Any, m: int) -> Callable[[Any], float]:
+            model_loss = _model_loss(output) if items is not None else None
+
+            def share(value: Any) -> float:
+                if model_loss is not None and value is model_loss and steps.given_call is not None:
+                    return dp * float(counted_items(target, *steps.given_call)) / max(float(items), 1.0)
+                return dp * sizes[m] / samples
+
+            return share
+
+        return of
+
+    def links(self, measured_gbps: float | None = None) -> Links:
+        """The links between ranks the planner charges: ``bandwidth_gbps`` within a node (default
+        16 GB/s between GPUs; between CPU processes ``measured_gbps``, the process group's own),
+        ``internode_gbps`` across nodes (default the same on CPU, 25 GB/s from a GPU: one 200 Gb/s
+        network adapter each)."""
+        devices = list(self.strategy.parallel_devices or [self.strategy.root_device])
+        within = self.options.bandwidth_gbps if self.options.bandwidth_gbps is not None else (
+            default_bandwidth_gbps(devices) if any(is_accelerator(d) for d in devices) else measured_gbps)
+        across = self.options.internode_gbps
+        if across is None:
+            across = INTERNODE_GPU_GBPS if any(is_accelerator(d) for d in devices) else within
+        return Links(len(devices), within, across)
+
+    def _replica_share(self, batch: Any) -> Any:
+        """This rank's replica's part of the whole ``batch`` (all of it where there is one replica,
+        or where each replica loads only its share: a layout given, not planned)."""
+        layout = self.layout
+        if layout.dp == 1 or self.layout_search is None:
+            return batch
+        shares = microbatch.scatter(batch, layout.dp, lists=True)
+        sizes = [microbatch.batch_size(share) or 0 for share in shares]
+        if len(shares) != layout.dp or len(set(sizes)) > 1:
+            raise ValueError(
+                f"a batch of {sum(sizes)} samples splits over the {layout.dp} pipeline replicas into shares of {sizes} "
+                f"samples; every replica needs an equal share. Make the batch size a multiple of {layout.dp} x chunks, "
+                "and set drop_last=True in the DataLoader where the last batch is shorter.")
+        return shares[layout.replica(self.strategy.global_rank)]
+
+    def _over_replicas(self, mean: float, merged: list, results: list, sizes: list[int], agreement: StepAgreement
+                       ) -> tuple[float, list, list, list[int]]:
+        """The step's loss, logs and predictions over every replica's share: the loss the mean of
+        theirs (each weighted by its share already), the logs reduced over the shares, the
+        predictions in the batch's order, with every micro-batch's samples."""
+        shares = _everyone((mean, merged, results, sizes), self._replicas_group())
+        mean = sum(share[0] for share in shares) / len(shares)
+        merged = averaged_logs([share[1] for share in shares], list(agreement.samples))
+        return mean, merged, [r for share in shares for r in share[2]], [n for share in shares for n in share[3]]
+
+    def _calibrated(self, calibration: StepCalibration) -> None:
+        """Take the plan's stage times from every rank's timed actions (every rank calls it at the
+        same step), and say how the prediction moved."""
+        assert self.plan is not None and self.pipeline is not None
+        layout = self.layout
+        table = self.schedule.table(layout.pp, self.plan.chunks)
+        records = _everyone(calibration.record())
+        first = [records[rank] for rank in layout.pipeline(0)]  # every replica takes the first one's plan
+        self.plan = self.pipeline.plan = from_records(self.plan, table, first)
+        self.calibration = None
+        found = self.plan.calibration or {}
+        rank_zero_info(f"{self.schedule.name} on {layout.pp} processes, timed over {found.get('steps')} "
+                       f"steps: predicted step {1e3 * self.plan.predicted_step_s:.1f} ms (from the profile: "
+                       f"{1e3 * found.get('profiled_step_s', 0.0):.1f} ms), measured "
+                       f"{1e3 * found.get('measured_step_s', 0.0):.1f} ms")
+
+    @contextmanager
+    def _gradients_stashed(self, params: list[torch.nn.Parameter]) -> Generator[None, None, None]:
+        """The step's gradients wait aside until :meth:`give_gradients`: Lightning clears the
+        gradients between the training step and the backward, and the schedule ran both."""
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+            self._stashed = [(p, p.grad) for p in params if p.grad is not None]
+        finally:
+            for p, grad in zip(params, before):
+                p.grad = grad
+
+    def counted_elsewhere(self) -> set[int]:
+        """The ids of this rank's tied copies whose gradient another rank counts in a norm."""
+        return set() if self.pipeline is None else self.pipeline.tied.counted_elsewhere()
+
+    def give_gradients(self) -> None:
+        """Add the last training step's gradients to the parameters' (Lightning's backward)."""
+        stashed, self._stashed = self._stashed, []
+        for p, grad in stashed:
+            p.grad = grad if p.grad is None else p.grad + grad
+
+    def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The LightningModule's ``state`` (keys of its ``state_dict``) as rank 0 saves it: each
+        stage's tensors from the rank that trains them. Every rank calls it; rank 0's is whole."""
+        if self.pipeline is None or self.steps is None:
+            return state  # no step yet: every rank holds the same values
+        parts = _gathered({key: state[key] for key in self._owned_keys() if key in state and self._writes()})
+        merged = dict(state)
+        for part in parts:
+            merged.update(part)
+        return type(state)(merged) if parts else state
+
+    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """``optimizer``'s ``state_dict`` as rank 0 saves it: each parameter's state (momentum,
+        Adam's moments) from the rank that steps it, not the stale copy another rank loaded."""
+        mine = self.stepped(optimizer)
+        if mine is None:
+            return state
+        parts = _gathered({i: v for i, v in state["state"].items() if i in mine and self._writes()})
+        if not parts:
+            return state
+        merged = dict(state["state"])
+        for part in parts:
+            merged.update(part)
+        return {**state, "state": dict(sorted(merged.items()))}
+
+    def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of ``state`` (keys of the LightningModule's ``state_dict``) in a
+        checkpoint of shards: what its stages train, and on rank 0 also what no stage holds."""
+        if self.pipeline is None or self.steps is None:
+            return state if self.strategy.global_rank == 0 else type(state)()
+        owned = self._owned_keys()
+        keeps = self._share(owned)
+        # a replica's part of a sharded tensor is its own to write, whichever replica it is
+        return type(state)((k, v) for k, v in state.items() if keeps(k) or (k in owned and is_shard(v)))
+
+    def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of ``optimizer``'s ``state_dict`` in a checkpoint of shards: the
+        state of the parameters it steps, on rank 0 also of those no stage holds."""
+        mine = self.stepped(optimizer)
+        if mine is None:
+            return state if self.strategy.global_rank == 0 else {**state, "state": {}}
+        keeps = self._share(mine)
+        return {**state, "state": {i: v for i, v in state["state"].items()
+                                   if keeps(i) or (i in mine and any(is_shard(t) for t in iter_tensors(v)))}}
+
+    def stepped(self, optimizer: Any) -> set[int] | None:
+        """The indices in ``optimizer``'s ``state_dict`` of the parameters this rank steps
+        (``None`` before the stages are built: every rank holds every one alike)."""
+        if self.pipeline is None:
+            return None
+        owned = self._mine()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return {i for i, p in enumerate(params) if id(p) in owned}
+
+    def _owned_keys(self) -> set[str]:
+        """The LightningModule's ``state_dict`` keys whose tensors this rank trains (:meth:`_mine`)."""
+        assert self.pipeline is not None and self.steps is not None
+        owned = self._mine()
+        return {key for key, value in self.steps.module.state_dict(keep_vars=True).items()
+                if isinstance(value, torch.Tensor) and id(value) in owned}
+
+    def _mine(self) -> set[int]:
+        """The ids of the LightningModule's parameters and buffers this rank trains and saves: those
+        its stages use, and, on the rank of the last stage, those no stage uses (a head or a loss
+        outside ``module=``, which the step uses after the module's call, there)."""
+        assert self.pipeline is not None and self.steps is not None
+        mine = self.pipeline.owned()
+        if self.pipeline.holds_last:
+            module = self.steps.module
+            mine |= {id(t) for t in [*module.parameters(), *module.buffers()] if id(t) not in self.pipeline.staged}
+        return mine
+
+    def _hold_own_only(self) -> None:
+        """Free what this rank does not train: the parameters and buffers of other ranks' stages,
+        and, but on the last stage's rank, the trainable parameters no stage uses. They go to the
+        meta device in place, so that reading one fails loudly instead of giving a value training
+        never changed; their optimizer state goes too. (Buffers and frozen parameters outside the
+        stages stay: the step may read them before it calls the module.)"""
+        assert self.pipeline is not None and self.steps is not None
+        module, mine, staged = self.steps.module, self._mine(), self.pipeline.staged
+        others = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in mine and not t.is_meta and (
+            id(t) in staged or (isinstance(t, nn.Parameter) and t.requires_grad))]
+        gone = {id(t) for t in others}
+        for optimizer in self.strategy.optimizers:
+            for param in [p for p in optimizer.state if id(p) in gone]:
+                del optimizer.state[param]
+        release_tensors(others)
+
+    def _share(self, mine: set[Any]) -> Callable[[Any], bool]:
+        """Which keys this rank writes to a checkpoint of shards: ``mine``, and on rank 0 those no
+        rank's stages hold. Every rank calls it (it gathers every rank's ``mine``)."""
+        staged = set().union(*_everyone(mine))
+        first, writes = self.strategy.global_rank == 0, self._writes()
+        return lambda key: (writes and key in mine) or (first and key not in staged)
+
+    def _writes(self) -> bool:
+        """Whether this rank's stages go into checkpoints: the first replica's do, the others hold
+        the same values (each stage's replicas are kept in step)."""
+        return self.layout.replica(self.strategy.global_rank) == 0
+
+    def _pipeline_group(self) -> Any:
+        """The process group of this rank's pipeline (``None``, the world, where there is one pipeline)."""
+        return None if self.layout.dp == 1 else self.device_mesh["pp"].get_group()
+
+    def _replicas_group(self) -> Any:
+        """The process group of this rank's stages' replicas (``None`` where there are none)."""
+        return None if self.layout.dp == 1 else self.device_mesh["dp"].get_group()
+
+    def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> bool:
+        """Plan on rank 0 (unless a plan was given) and send it to every rank, with the layout where
+        the planner chose it; build this rank's stages. ``batch`` is the whole batch. ``False``
+        where the step skips it (returns ``None`` before calling the module): every rank then
+        waits for the next batch, having found the same on the same batch."""
+        assert self.steps is not None
+        strategy = self.strategy
+        call = self.steps.call_of(hook, batch, rest)
+        if call is None:
+            return False
+        self._counts_items = counted_items(target, *call) is not None
+        graph = None
+        if self.plan is None:
+            measured = None  # every rank takes part in timing the links the planner weighs layouts on
+            if self.layout_search is not None and not is_accelerator(strategy.root_device):
+                measured = measured_gbps(strategy.root_device)
+            if strategy.global_rank == 0:
+                planned = self._make_plan(target, hook, batch, rest, measured)
+                graph, plan_data = planned.graph, planned.plan.to_dict()
+            else:
+                plan_data = None
+            sent = [plan_data]
+            dist.broadcast_object_list(sent, src=0)
+            self.plan = Plan.from_dict(sent[0])
+            chosen = self.plan.layout
+            if chosen is not None and self.layout_search is not None:
+                self.schedule = process_schedule(chosen["schedule"], chosen["virtual_stages"])
+                self.use_layout(Layout(chosen["dp"], chosen["pp"]))
+                unsynced(self.steps.module, self._replicas_group())
+            ranks = self.layout.pp
+            table = self.schedule.table(ranks, self.plan.chunks)
+            rank_zero_info(f"{self.plan.table()}\nunder {self.schedule.name} on {ranks} processes "
+                           f"({self.schedule.virtual_stages} stage(s) each): predicted step "
+                           f"{1e3 * self.plan.predict_step(table):.1f} ms")
+        plan = self.plan
+        if plan.measured_together and (plan.calibration or {}).get("schedule") == self.schedule.name:
+            self.calibration = None  # a plan timed under this schedule (a resumed one) is kept as it is
+        whole = self.steps.call_of(hook, self._replica_share(batch), rest)
+        first = first_micro_batch(target, *whole, plan.chunks, self.options.batch_dim)
+        if graph is None or not _holds(graph, first):
+            graph = capture_call(target, *first, leaf_modules=self.options.leaf_modules,
+                                 frontends=(plan.frontend or "fx",), batch_dim=self.options.batch_dim)
+        layout = self.layout
+        replication = None if layout.dp == 1 else (self.replication, self.device_mesh["dp"])
+        self.pipeline = ProcessPipeline(graph, plan, self.schedule, layout.position(strategy.global_rank), layout.pp,
+                                        strategy.root_device, group=self._pipeline_group(), replication=replication,
+                                        initializer=Initializer(target, self.options.param_init_fn),
+                                        recompute=self.options.recompute == "always",
+                                        deferred_batch_norm=self.options.deferred_batch_norm,
+                                        compile_arguments=compile_arguments(self.options.compile_stages))
+        with_replaced_parameters(strategy.optimizers, self.pipeline.replaced)
+        strategy.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
+        state_sharded_like_parameters(strategy.optimizers)
+        self._hold_own_only()
+        return True
+
+    def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple, measured_gbps: float | None) -> Any:
+        """The plan for the layout given, or for the one the planner chooses on the whole ``batch``."""
+        assert self.steps is not None
+        strategy, options = self.strategy, self.options
+        search = self.layout_search
+        if search is not None:  # the module as the step calls it: once per micro-batch, as it is
+            args, kwargs = self.steps.call_of(hook, batch, rest)  # type: ignore[misc]
+            with torch.enable_grad():
+                return plan_layouts(target, args, kwargs, strategy.world_size, self.stage_devices_of, search,
+                                    self.links(measured_gbps), options, optimizers=strategy.optimizers,
+                                    replication=self.replication)
+        whole = self.steps.call_of(hook, self._replica_share(batch), rest)
+        devices = self.stage_devices_of(self.layout, self.schedule)
+        with torch.enable_grad():
+            args, kwargs = planning_call(target, *whole, options, count_items=False)
+            return planned_for_call(target, args, kwargs, devices, options, self.strategy.optimizers)
+
+
+def _gathered(part: Any) -> list[Any]:
+    """Every rank's ``part``, on rank 0; an empty list elsewhere."""
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    return parts or []
+
+
+def _everyone(part: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``part`` (of ``group``, default all), on every rank, by rank."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, part, group=group)
+    return parts
+
+
+def _holds(graph: Any, call: tuple[tuple, dict]) -> bool:
+    specialization = graph.specialization
+    return specialization is None or specialization.holds_for(graph.bind(*call))
+
+
+def _shape_of(micro: list[Any]) -> tuple:
+    """What the stages' shapes follow from: the micro-batches' tensor shapes and dtypes."""
+    leaves, _ = flatten(micro[0])
+    return len(micro), tuple((tuple(v.shape), v.dtype) for v in leaves if isinstance(v, torch.Tensor))
+
+
+def _model_loss(output: Any) -> Any:
+    """The loss a model's output holds (a Hugging Face ``ModelOutput``'s ``loss``), or ``None``."""
+    if isinstance(output, Mapping):
+        return output.get("loss")
+    return getattr(output, "loss", None)
+
+
+def _zero_loss(output: Any, device: torch.device) -> torch.Tensor:
+    """A loss of 0 that reaches every output that needs a gradient: the schedule runs the backward
+    of a micro-batch whose step returned ``None`` too, and it must give no gradient."""
+    leaves = [v for v in pytree.tree_leaves(output) if isinstance(v, torch.Tensor) and v.requires_grad]
+    return sum(((v * 0).sum() for v in leaves), torch.zeros((), device=device, requires_grad=True))
+
+
+def _skipped(hook: str, called: int, count: int) -> str:
+    part = "" if called == 0 else f" for {count - called} of its {count} micro-batches"
+    return (f"{hook} returned None to skip this batch{part}. With schedule=, every stage is a process, and Lightning "
+            "skips no batch in a run of several processes (it refuses the same under DDP). Leave out schedule= (one "
+            "process drives the stages and skips as plain Lightning does), or train on every batch: filter the data "
+            "in the DataLoader instead, or return a loss of 0 (an optimizer with momentum still moves the weights).")
+
+
+def _loss_of(result: Any, hook: str) -> torch.Tensor:
+    loss = result.get("loss") if isinstance(result, dict) else result
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise ValueError(f"{hook} returned {type(result).__name__}; with one process per stage it must return the "
+                         "micro-batch's loss, a scalar tensor (or a dict with one under 'loss')")
+    return loss
