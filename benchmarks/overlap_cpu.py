@@ -32,7 +32,7 @@ from report import machine, publish, section  # noqa: E402
 START, END = "<!-- overlap-cpu:start -->", "<!-- overlap-cpu:end -->"
 
 
-def both_busy(timed: list[list[la.runtime.schedule.Timed]]) -> float:
+def both_busy(timed: list[list[la.plans.schedule.Timed]]) -> float:
     """Seconds during which both stages ran a task."""
     total = 0.0
     for a in timed[0]:
@@ -41,7 +41,7 @@ def both_busy(timed: list[list[la.runtime.schedule.Timed]]) -> float:
     return total
 
 
-def task_seconds(timed: list[list[la.runtime.schedule.Timed]]) -> float:
+def task_seconds(timed: list[list[la.plans.schedule.Timed]]) -> float:
     return sum(t.end - t.start for stage in timed for t in stage)
 
 

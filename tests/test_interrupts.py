@@ -146,7 +146,7 @@ class _InterruptAtLine:
         self.fired = False
 
     #: the guards that stop the workers: their own first line runs before they guard anything
-    GUARDS = (la.Pipeline.forward.__code__, la.runtime.autograd_bridge.PipelineFunction.backward.__code__)
+    GUARDS = (la.Pipeline.forward.__code__, la.in_process.autograd_bridge.PipelineFunction.backward.__code__)
 
     def __call__(self, frame, event, arg):
         if "lightning_antichain" not in frame.f_code.co_filename or frame.f_code in self.GUARDS:
