@@ -167,6 +167,13 @@ class Pipeline(nn.Module):
         self.measure_activations = measure_activations
         self._held: list[HeldMemory] | None = None
         weakref.finalize(self, self._pool.shutdown)
+        self._run = self._first_capture(graph)
+
+    def _first_capture(self, graph: OpGraph | None) -> Runnable | None:
+        """The capture this Pipeline runs before its first call: ``graph`` where given, else the one
+        the plan's profile was made from, else the module captured bare (a plan made for another
+        model is refused at once); ``None``: the first call captures."""
+        module, plan = self.module, self.plan
         frontend = plan.frontend or "fx"
         if frontend == "children":
             raise UntraceableModelError(
@@ -175,23 +182,25 @@ class Pipeline(nn.Module):
                 "offending code whole with leaf_modules=[...], or pipeline a submodule (module=...). The frontends "
                 "said:\n  " + "\n  ".join(plan.refused)
             )
-        profiled = carried(plan, module) if graph is None else None
+        if graph is not None:
+            return self._captures.given(graph)
+        profiled = carried(plan, module)
         if profiled is not None:  # the capture the plan's profile was made from, of this module as it is
             try:
-                self._run = self._captures.given(profiled)
+                return self._captures.given(profiled)
             except PlanMismatchError:
                 pass
-        if graph is not None:
-            self._run = self._captures.given(graph)
-        elif self._run is None and frontend not in NEEDS_EXAMPLE:  # refuse a plan for another model at once
-            bare = capture(module, leaf_modules=self.leaf_modules, frontends=(frontend,))
-            try:
-                self._run = self._captures.given(bare)
-            except PlanMismatchError:
-                if {n.name for n in bare.nodes} != set(plan.stage_of()):
-                    raise
-                # the plan's operations wired otherwise: its capture took arguments given as
-                # constants (None, a flag) as fixed, so the first call captures again with them
+        if frontend in NEEDS_EXAMPLE:
+            return None
+        bare = capture(module, leaf_modules=self.leaf_modules, frontends=(frontend,))  # refuse another model's plan
+        try:
+            return self._captures.given(bare)
+        except PlanMismatchError:
+            if {n.name for n in bare.nodes} != set(plan.stage_of()):
+                raise
+            # the plan's operations wired otherwise: its capture took arguments given as
+            # constants (None, a flag) as fixed, so the first call captures again with them
+            return None
 
     def close(self) -> None:
         """Stop the worker threads now (they also stop when the Pipeline is garbage collected)."""

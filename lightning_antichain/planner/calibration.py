@@ -117,12 +117,12 @@ def calibrate(
     recomputed = recomputed_micro_batches(recompute, count)
     shared = [shares_host(s.device) for s in plan.stages]
     devices = [s.device for s in plan.stages]
-    rounds: list[tuple[float, list[dict[Task, float]], list[list[Timed]]]] = []
+    rounds: list[Round] = []
     operations: list[dict[str, tuple[float, float]]] = []
     with untouched(module), Pipeline(module, plan, chunks=plan.chunks, recompute=recompute, **options) as piped, \
             Pipeline(module, plan, chunks=1, **options) as single:
 
-        def one_round() -> tuple[float, list[dict[Task, float]], list[list[Timed]]]:
+        def one_round() -> Round:
             synchronize(devices)
             started = time.perf_counter()
             backward_from(piped(*call_args, **call_kwargs))
@@ -152,6 +152,16 @@ def calibrate(
             rounds.append(one_round())
             reporter.step()
     reporter.close()
+    return _summary(rounds, operations, plan, recomputed, shared)
+
+
+Round = tuple[float, list[dict[Task, float]], list[list[Timed]]]
+
+
+def _summary(rounds: list[Round], operations: list[dict[str, tuple[float, float]]], plan: Plan, recomputed: int,
+             shared: list[bool]) -> Calibration:
+    """The medians over ``rounds`` (each: the pipelined step's seconds, each micro-batch's task
+    times run alone, the pipelined step's timed tasks) of what a plan takes from calibration."""
     forward, backward, capacities = [], [], []
     for _, alone, timed in rounds:
         unclocked = alone[1:] or alone  # the clock adds a little to the first micro-batch's times

@@ -12,7 +12,7 @@ weighed, with its prediction and why it lost (:attr:`~lightning_antichain.plans.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from ..batches.batch_dims import batch_size_of, check_micro_batchable, first_micro_batch
+from ..batches.batch_dims import batch_size_of, first_micro_batch
 from ..capture.isolation import keeps_random_state, planned_in_training
 from ..measure.cpu_threads import intra_op_threads, stage_threads
 from ..plans.layout import Layout
@@ -28,21 +28,18 @@ from ..plans.options import PipelineOptions
 from ..plans.plan import Plan
 from ..plans.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_schedule
 from ..processes.replication import Replication
-from ..weights.materialize import has_meta_state
-from .cache import default_cache_dir, usable_cache_dir
 from .layout_cost import LayoutCost, Links, layout_cost
-from .optimizer_memory import UNKNOWN_OPTIMIZER_MULTIPLIER
-from .optimizer_memory import optimizer_multiplier as multiplier_of
 from .partition import InfeasiblePlanError
 from .planning import (
     AUTO,
     Planned,
-    _beside,
-    _capture,
     _cut,
     _profiled,
+    captured_and_checked,
     chunk_candidates,
     default_memory_gb,
+    optimizer_multiplier_for,
+    profile_cache_dir,
     timed_optimizer_step_s,
 )
 
@@ -82,19 +79,10 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
     if not size:
         raise ValueError('stages="auto" needs a batch with samples on its batch dim (batch_dim=) to weigh how to '
                          "split it; give stages= as a number instead")
-    graph = _capture(module, *_beside(module, args, kwargs), options.leaf_modules, batch_dim, options.fallback,
-                     options.progress)
-    if options.check_batch and graph.granularity == "ops" and not has_meta_state(module):
-        check_micro_batchable(module, *_beside(module, args, kwargs), batch_dim)
-    multiplier = options.optimizer_multiplier
-    if multiplier is None:
-        multiplier = multiplier_of(optimizers) if optimizers else UNKNOWN_OPTIMIZER_MULTIPLIER
+    graph = captured_and_checked(module, args, kwargs, options)
+    multiplier = optimizer_multiplier_for(options, optimizers)
     optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, profile_device)
-    directory = options.profile_cache or default_cache_dir()
-    use_cache = options.use_profile_cache
-    if use_cache:
-        usable = usable_cache_dir(directory)
-        directory, use_cache = (usable, True) if usable is not None else (directory, False)
+    directory, use_cache = profile_cache_dir(options)
     profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
 
     def profiled(micro: int) -> tuple[nx.DiGraph, str] | Exception:
@@ -113,41 +101,62 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
     rows: list[dict[str, Any]] = []
     best: tuple[Plan, dict[str, Any], nx.DiGraph] | None = None
     for pp in search.pipeline_counts(world_size):
-        dp = world_size // pp
         for schedule in schedules:
-            layout = Layout(dp, pp)
-            base = {"dp": dp, "pp": pp, "schedule": schedule.name, "virtual_stages": schedule.virtual_stages,
-                    "replication": replication}
-            if size % dp:
-                rows.append({**base, "chunks": None, "lost": f"a batch of {size} does not split over {dp} replicas"})
-                continue
-            share = size // dp
-            counts = chunk_candidates(share, schedule.num_stages(pp), even=True)
-            if not counts:
-                rows.append({**base, "chunks": None, "lost": f"a share of {share} samples gives each of "
-                             f"{schedule.num_stages(pp)} stages no micro-batch"})
-            for chunks in counts:
-                row = {**base, "chunks": chunks, "micro_batch_size": share // chunks}
+            for row, plan, cost in _weighed(Layout(world_size // pp, pp), schedule, size, replication, profiled,
+                                            lambda cost, layout, schedule, chunks: _candidate(
+                                                cost, layout, schedule, chunks, devices_of, links, options,
+                                                multiplier, replication)):
                 rows.append(row)
-                found = profiled(share // chunks)
-                if isinstance(found, Exception):
-                    row["lost"] = f"fails at micro-batches of {share // chunks}: {str(found).splitlines()[0]}"
-                    continue
-                cost, _ = found
-                try:
-                    plan, predicted, limit = _candidate(cost, layout, schedule, chunks, devices_of, links, options,
-                                                        multiplier, replication)
-                except (InfeasiblePlanError, ValueError) as exc:
-                    row["lost"] = str(exc).splitlines()[0]
-                    continue
-                row.update(predicted_step_s=predicted.step_s, reduction_s=predicted.reduction_s,
-                           peak_memory_bytes=predicted.peak_bytes)
-                if limit is not None and predicted.peak_bytes > limit:
-                    row["lost"] = (f"needs {predicted.peak_bytes / GB:.1f} GB on a rank, over its "
-                                   f"{limit / GB:.1f} GB")
-                    continue
-                if best is None or predicted.step_s < best[1]["predicted_step_s"]:
+                if plan is not None and (best is None or row["predicted_step_s"] < best[1]["predicted_step_s"]):
                     best = (plan, row, cost)
+    return _chosen(rows, best, world_size, size, graph)
+
+
+Weigh = Callable[[nx.DiGraph, Layout, ProcessSchedule, int], tuple[Plan, LayoutCost, float | None]]
+
+
+def _weighed(layout: Layout, schedule: ProcessSchedule, size: int, replication: Replication,
+             profiled: Callable[[int], tuple[nx.DiGraph, str] | Exception], weigh: Weigh
+             ) -> Iterator[tuple[dict[str, Any], Plan | None, nx.DiGraph | None]]:
+    """A row for each micro-batch count of ``layout`` under ``schedule`` for a batch of ``size``,
+    with its plan and cost graph where it runs and fits (a row that lost says why)."""
+    dp, pp = layout.dp, layout.pp
+    base = {"dp": dp, "pp": pp, "schedule": schedule.name, "virtual_stages": schedule.virtual_stages,
+            "replication": replication}
+    if size % dp:
+        yield {**base, "chunks": None, "lost": f"a batch of {size} does not split over {dp} replicas"}, None, None
+        return
+    share = size // dp
+    counts = chunk_candidates(share, schedule.num_stages(pp), even=True)
+    if not counts:
+        yield {**base, "chunks": None, "lost": f"a share of {share} samples gives each of "
+               f"{schedule.num_stages(pp)} stages no micro-batch"}, None, None
+    for chunks in counts:
+        row = {**base, "chunks": chunks, "micro_batch_size": share // chunks}
+        found = profiled(share // chunks)
+        if isinstance(found, Exception):
+            row["lost"] = f"fails at micro-batches of {share // chunks}: {str(found).splitlines()[0]}"
+            yield row, None, None
+            continue
+        cost, _ = found
+        try:
+            plan, predicted, limit = weigh(cost, layout, schedule, chunks)
+        except (InfeasiblePlanError, ValueError) as exc:
+            row["lost"] = str(exc).splitlines()[0]
+            yield row, None, None
+            continue
+        row.update(predicted_step_s=predicted.step_s, reduction_s=predicted.reduction_s,
+                   peak_memory_bytes=predicted.peak_bytes)
+        if limit is not None and predicted.peak_bytes > limit:
+            row["lost"] = f"needs {predicted.peak_bytes / GB:.1f} GB on a rank, over its {limit / GB:.1f} GB"
+            yield row, None, None
+            continue
+        yield row, plan, cost
+
+
+def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiGraph] | None, world_size: int,
+            size: int, graph: Any) -> Planned:
+    """The best layout's plan, with every row weighed and why each other lost; a clear error where none fits."""
     if best is None:
         reasons = "; ".join(f"dp={r['dp']} x pp={r['pp']} {r['schedule']}: {r['lost']}" for r in rows[:4])
         error = InfeasiblePlanError(f"no layout of {world_size} ranks fits: {reasons}")

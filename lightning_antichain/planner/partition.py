@@ -86,23 +86,7 @@ def partition(
     compression: list[str] = []
     num_states = len(free) + 1
     if method == "antichain":
-        space = build_state_space(graph, max_states)
-        groups = tied_groups(graph) if colocate_tied else []
-        for group in groups + [set(g) for g in graph.graph.get("together", [])]:
-            space.forbidden = space.forbidden | space.splits(group)
-        try:
-            chain, order = solve_bottleneck(space, specs, model)
-        except InfeasiblePlanError as exc:
-            if groups:
-                names = "; ".join(", ".join(sorted(map(str, g))) for g in groups)
-                raise InfeasiblePlanError(
-                    f"{exc}. With colocate_tied=True, tied parameters stay in one stage, and these operations "
-                    f"share parameters: {names}. Use fewer stages, or let the tie be cut (colocate_tied=False)."
-                ) from exc
-            raise
-        stage_nodes = stage_nodes_of_chain(space, chain)
-        specs = order
-        compression, num_states = space.compression, len(space)
+        stage_nodes, specs, compression, num_states = _solved(graph, specs, model, max_states, colocate_tied)
     else:
         stage_nodes = baseline_split(graph, free, stages, method)
         pinned = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]]
@@ -112,6 +96,27 @@ def partition(
                       schedule)
     pass_on(cost_graph, plan)
     return plan
+
+
+def _solved(graph: nx.DiGraph, specs: list[DeviceSpec], model: CostModel, max_states: int, colocate_tied: bool
+            ) -> tuple[list[list[Any]], list[DeviceSpec], list[str], int]:
+    """The antichain DP's split: each stage's operations, the devices in the order it chose, what
+    the state space compressed, and its size."""
+    space = build_state_space(graph, max_states)
+    groups = tied_groups(graph) if colocate_tied else []
+    for group in groups + [set(g) for g in graph.graph.get("together", [])]:
+        space.forbidden = space.forbidden | space.splits(group)
+    try:
+        chain, order = solve_bottleneck(space, specs, model)
+    except InfeasiblePlanError as exc:
+        if groups:
+            names = "; ".join(", ".join(sorted(map(str, g))) for g in groups)
+            raise InfeasiblePlanError(
+                f"{exc}. With colocate_tied=True, tied parameters stay in one stage, and these operations "
+                f"share parameters: {names}. Use fewer stages, or let the tie be cut (colocate_tied=False)."
+            ) from exc
+        raise
+    return stage_nodes_of_chain(space, chain), order, space.compression, len(space)
 
 
 def held_micro_batches(schedule: str, stages: int, chunks: int) -> tuple[int, ...]:

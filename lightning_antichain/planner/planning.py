@@ -153,87 +153,122 @@ def plan_model(
     listing every candidate in ``plan.candidates``.
     """
     options = (options or PipelineOptions()).replace(**settings)
-    chunks, recompute, balance, method = options.chunks, options.recompute, options.balance, options.method
-    batch_dim, check_batch, leaf_modules = options.batch_dim, options.check_batch, options.leaf_modules
-    bandwidth_gbps, memory_gb, fallback = options.bandwidth_gbps, options.memory_gb, options.fallback
-    profile_cache, use_profile_cache = options.profile_cache, options.use_profile_cache
-    progress, calibrate = options.progress, options.calibrate
-    optimizer_multiplier = options.optimizer_multiplier
-    if optimizer_multiplier is None:
-        optimizer_multiplier = multiplier_of(optimizers) if optimizers else UNKNOWN_OPTIMIZER_MULTIPLIER
     devices = [torch.device(d) for d in devices]
-    auto = chunks == AUTO
+    auto = options.chunks == AUTO
     if auto and (module is None or cost is not None):
         raise ValueError('chunks="auto" profiles the model at each candidate micro-batch size; give the '
                          "module and a whole batch, not a saved cost graph, or give chunks as a number")
-
-    def cut(cost: nx.DiGraph, count: int) -> Plan:
-        return _cut(cost, devices, count, recompute, balance, method, bandwidth_gbps, memory_gb, optimizer_multiplier,
-                    options.schedule)
-
-    directory = Path(profile_cache) if profile_cache else default_cache_dir()
-    if use_profile_cache:
-        usable = usable_cache_dir(directory)
-        directory, use_profile_cache = (usable, True) if usable is not None else (directory, False)
-
-    def profiled(args: tuple, kwargs: dict, label: str | None) -> tuple[nx.DiGraph, Path | None, str]:
-        return _profiled(module, graph, args, kwargs, devices[0], batch_dim, directory, use_profile_cache,
-                         progress, label)
-
-    def measured(plan: Plan, key: str, args: tuple, kwargs: dict) -> Plan:
-        """``plan`` calibrated on the batch ``args, kwargs``, where calibration applies."""
-        if not calibrate or not calibration.applies_to(plan, graph):
-            return plan
-        assert module is not None and graph is not None
-        calibration_key = calibration.calibration_key(key, plan, recompute)
-        found = calibration.load(directory, calibration_key, plan.num_stages) if use_profile_cache else None
-        read_from = calibration.calibration_file(directory, calibration_key) if found is not None else None
-        if found is None:
-            found = calibration.calibrate(module, graph, plan, args, kwargs, batch_dim=batch_dim, recompute=recompute,
-                                          progress=progress, cpu_threads=options.cpu_threads)
-            if use_profile_cache:
-                calibration.store(directory, calibration_key, found)
-        return calibration.calibrated(plan, found, read_from)
-
-    def best_measured(raw: Plan, cost: nx.DiGraph, key: str, args: tuple, kwargs: dict,
-                      first: Plan | None = None) -> Plan:
-        """``raw`` measured, then cut again on its measured stage times while that measures better
-        (:mod:`.rebalance`); ``raw`` measured alone where there is nothing to measure or to move."""
-        if balance is not None or not options.rebalance_rounds or not calibrate or not calibration.applies_to(
-                raw, graph):
-            return first if first is not None else measured(raw, key, args, kwargs)
-        return rebalanced(raw, cost, lambda scaled: cut(scaled, raw.chunks), lambda p: measured(p, key, args, kwargs),
-                          rounds=options.rebalance_rounds, first=first)
-
-    graph = None
-    cached_from = None
-    key = ""
+    run = _ModelPlanning(module, devices, options, optimizers)
+    cached_from, key = None, ""
     if cost is None:
         if module is None:
             raise ValueError("plan_model needs a module to profile, or a cost graph (cost=)")
-        size = batch_size_of(module, args, kwargs, batch_dim) if auto else None
+        size = batch_size_of(module, args, kwargs, options.batch_dim) if auto else None
         if auto and not size:
             raise ValueError('chunks="auto" needs a batch with samples on its batch dim (batch_dim=) to choose '
                              "how to split it; give chunks as a number instead")
-        graph = _capture(module, *_beside(module, args, kwargs), leaf_modules, batch_dim, fallback, progress)
-        if check_batch and graph.granularity == "ops" and not has_meta_state(module):
-            check_micro_batchable(module, *_beside(module, args, kwargs), batch_dim)  # not on meta: no values
-        if auto:
-            optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, devices[0])
-            chosen, cost, cached_from, key = _choose_chunks(
-                module, args, kwargs, batch_dim, size, len(devices), name or type(module).__name__, optimizer_s,
-                options.even_chunks, profiled, lambda cost, count, key: measured(cut(cost, count), key, args, kwargs))
-            plan = best_measured(cut(cost, chosen.chunks), cost, key, args, kwargs, first=chosen)
-            plan.candidates, plan.batch_size = chosen.candidates, chosen.batch_size
-            return Planned(plan, graph, cost, cached_from)
-        cost, cached_from, key = profiled(args, kwargs, name)
+        run.graph = captured_and_checked(module, args, kwargs, options)
+        if size:
+            return run.with_chunks_chosen(args, kwargs, size, name or type(module).__name__)
+        cost, cached_from, key = run.profiled(args, kwargs, name)
     if optimizers:
         cost = cost.copy()
         cost.graph["optimizer_step_s"] = timed_optimizer_step_s(module, args, kwargs, optimizers, devices[0])
-    plan = cut(cost, chunks)
+    plan = run.cut(cost, options.chunks)
     if key:  # profiled here, so there is a module to run
-        plan = best_measured(plan, cost, key, *_repeated(module, args, kwargs, plan.chunks, batch_dim))
-    return Planned(plan, graph, cost, cached_from)
+        assert module is not None
+        plan = run.best_measured(plan, cost, key, *_repeated(module, args, kwargs, plan.chunks, options.batch_dim))
+    return Planned(plan, run.graph, cost, cached_from)
+
+
+def optimizer_multiplier_for(options: PipelineOptions, optimizers: Sequence[torch.optim.Optimizer]) -> float:
+    """Optimizer state per parameter byte: as given, else read from ``optimizers``."""
+    if options.optimizer_multiplier is not None:
+        return options.optimizer_multiplier
+    return multiplier_of(optimizers) if optimizers else UNKNOWN_OPTIMIZER_MULTIPLIER
+
+
+def profile_cache_dir(options: PipelineOptions) -> tuple[Path, bool]:
+    """The directory of cached profiles, and whether to use it (not where it cannot be written)."""
+    directory = Path(options.profile_cache) if options.profile_cache else default_cache_dir()
+    if not options.use_profile_cache:
+        return directory, False
+    usable = usable_cache_dir(directory)
+    return (usable, True) if usable is not None else (directory, False)
+
+
+def captured_and_checked(module: nn.Module, args: tuple, kwargs: dict, options: PipelineOptions) -> OpGraph:
+    """``module`` captured on the call ``args, kwargs``, and, with ``check_batch``, checked to keep
+    each sample's result under micro-batching (not on meta: there are no values to check)."""
+    graph = _capture(module, *_beside(module, args, kwargs), options.leaf_modules, options.batch_dim,
+                     options.fallback, options.progress)
+    if options.check_batch and graph.granularity == "ops" and not has_meta_state(module):
+        check_micro_batchable(module, *_beside(module, args, kwargs), options.batch_dim)
+    return graph
+
+
+class _ModelPlanning:
+    """One :func:`plan_model` call: cut a cost graph over ``devices``, profile (or read the
+    cache), calibrate, and cut again on what calibration measured."""
+
+    def __init__(self, module: nn.Module | None, devices: list[torch.device], options: PipelineOptions,
+                 optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.module, self.devices, self.options, self.optimizers = module, devices, options, optimizers
+        self.multiplier = optimizer_multiplier_for(options, optimizers)
+        self.directory, self.use_cache = profile_cache_dir(options)
+        self.graph: OpGraph | None = None
+
+    def cut(self, cost: nx.DiGraph, count: int) -> Plan:
+        o = self.options
+        return _cut(cost, self.devices, count, o.recompute, o.balance, o.method, o.bandwidth_gbps, o.memory_gb,
+                    self.multiplier, o.schedule)
+
+    def profiled(self, args: tuple, kwargs: dict, label: str | None) -> tuple[nx.DiGraph, Path | None, str]:
+        assert self.module is not None and self.graph is not None
+        return _profiled(self.module, self.graph, args, kwargs, self.devices[0], self.options.batch_dim,
+                         self.directory, self.use_cache, self.options.progress, label)
+
+    def measured(self, plan: Plan, key: str, args: tuple, kwargs: dict) -> Plan:
+        """``plan`` calibrated on the batch ``args, kwargs``, where calibration applies."""
+        options, graph = self.options, self.graph
+        if not options.calibrate or not calibration.applies_to(plan, graph):
+            return plan
+        assert self.module is not None and graph is not None
+        calibration_key = calibration.calibration_key(key, plan, options.recompute)
+        found = calibration.load(self.directory, calibration_key, plan.num_stages) if self.use_cache else None
+        read_from = calibration.calibration_file(self.directory, calibration_key) if found is not None else None
+        if found is None:
+            found = calibration.calibrate(self.module, graph, plan, args, kwargs, batch_dim=options.batch_dim,
+                                          recompute=options.recompute, progress=options.progress,
+                                          cpu_threads=options.cpu_threads)
+            if self.use_cache:
+                calibration.store(self.directory, calibration_key, found)
+        return calibration.calibrated(plan, found, read_from)
+
+    def best_measured(self, raw: Plan, cost: nx.DiGraph, key: str, args: tuple, kwargs: dict,
+                      first: Plan | None = None) -> Plan:
+        """``raw`` measured, then cut again on its measured stage times while that measures better
+        (:mod:`.rebalance`); ``raw`` measured alone where there is nothing to measure or to move."""
+        options = self.options
+        if options.balance is not None or not options.rebalance_rounds or not options.calibrate or (
+                not calibration.applies_to(raw, self.graph)):
+            return first if first is not None else self.measured(raw, key, args, kwargs)
+        return rebalanced(raw, cost, lambda scaled: self.cut(scaled, raw.chunks),
+                          lambda p: self.measured(p, key, args, kwargs), rounds=options.rebalance_rounds, first=first)
+
+    def with_chunks_chosen(self, args: tuple, kwargs: dict, size: int, name: str) -> Planned:
+        """``chunks="auto"``: the plan of the micro-batch count predicted fastest on the whole batch
+        ``args, kwargs`` of ``size`` samples, measured."""
+        module = self.module
+        assert module is not None
+        optimizer_s = timed_optimizer_step_s(module, args, kwargs, self.optimizers, self.devices[0])
+        chosen, cost, cached_from, key = _choose_chunks(
+            module, args, kwargs, self.options.batch_dim, size, len(self.devices), name, optimizer_s,
+            self.options.even_chunks, self.profiled,
+            lambda cost, count, key: self.measured(self.cut(cost, count), key, args, kwargs))
+        plan = self.best_measured(self.cut(cost, chosen.chunks), cost, key, args, kwargs, first=chosen)
+        plan.candidates, plan.batch_size = chosen.candidates, chosen.batch_size
+        return Planned(plan, self.graph, cost, cached_from)
 
 
 def timed_optimizer_step_s(module: nn.Module | None, args: tuple, kwargs: dict,

@@ -98,17 +98,8 @@ def profile(
     if just_in_time is None:
         just_in_time = has_meta_state(module) or _too_big_for(module, device)
     if just_in_time:
-        if graph.graph_module is None:
-            raise ValueError(
-                f"{type(module).__name__} is profiled operation by operation (it is on the meta device, or too "
-                f"big for {device}), which needs its captured graph, but it could not be captured ({graph.note}). "
-                "Make it capturable (see docs/capture.md)."
-            )
         args, kwargs = split_inputs(example_inputs)
-        reporter = Progress(len(graph.nodes) * (warmup + repeats), enabled=progress, label=label, unit="op runs")
-        streamed = profile_just_in_time(graph, args, kwargs, device, lambda call: _time_once(call, timer),
-                                        warmup + repeats, warmup, reporter.step)
-        reporter.close()
+        streamed = _profile_streamed(graph, module, args, kwargs, device, timer, warmup, repeats, progress, label)
         calls, samples, kept = streamed.calls, streamed.samples, streamed.kept
         capacity, scale = None, 1.0  # both need whole-model runs
         just_in_time = {"just_in_time": True, "profile_peak_bytes": streamed.peak_bytes,
@@ -123,6 +114,23 @@ def profile(
     cost.graph.update(just_in_time)
     carry(cost, graph)  # a Pipeline given a plan made from this profile runs this capture
     return cost
+
+
+def _profile_streamed(graph: OpGraph, module: nn.Module, args: tuple, kwargs: dict, device: torch.device,
+                      timer: Callable[..., Any], warmup: int, repeats: int, progress: bool, label: str) -> Any:
+    """Every operation of ``graph`` timed from a copy of ``module`` on meta, one at a time
+    (:mod:`~lightning_antichain.planner.just_in_time`)."""
+    if graph.graph_module is None:
+        raise ValueError(
+            f"{type(module).__name__} is profiled operation by operation (it is on the meta device, or too "
+            f"big for {device}), which needs its captured graph, but it could not be captured ({graph.note}). "
+            "Make it capturable (see docs/capture.md)."
+        )
+    reporter = Progress(len(graph.nodes) * (warmup + repeats), enabled=progress, label=label, unit="op runs")
+    streamed = profile_just_in_time(graph, args, kwargs, device, lambda call: _time_once(call, timer),
+                                    warmup + repeats, warmup, reporter.step)
+    reporter.close()
+    return streamed
 
 
 def _too_big_for(module: nn.Module, device: torch.device) -> bool:

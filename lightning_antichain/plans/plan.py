@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..device import shares_host
+from .plan_table import plan_table
 from .schedule import GRADIENT_OUT, INPUT_SHARE, Phase, Schedule, Task, Timed, make_schedule, timeline
 
 PLAN_FORMAT = "lightning-antichain/plan/1"
@@ -220,92 +221,8 @@ class Plan:
             ) from exc
 
     def table(self) -> str:
-        """A fixed-width table of the stages, with the plan's totals underneath."""
-        named = any(s.modules for s in self.stages)
-        span = "first .. last module" if named else "first .. last op"
-        header = ("stage", "device", "ops", span, "compute ms", "transfer ms", "memory MB")
-        rows = [
-            (
-                str(s.index),
-                s.device,
-                str(len(s.nodes)),
-                _span(s.modules if named else s.nodes),
-                f"{1e3 * s.compute_s:.2f}",
-                f"{1e3 * s.transfer_s:.2f}",
-                f"{s.memory_bytes / 1e6:.1f}",
-            )
-            for s in self.stages
-        ]
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-        def line(row: tuple[str, ...]) -> str:
-            cells = (c.ljust(w) if i == 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-            return "  ".join(cells)
-
-        bandwidth = "unlimited" if self.bandwidth_gbps is None else f"{self.bandwidth_gbps:g} GB/s"
-        lines = [
-            f"plan for {self.model or 'model'}: {self.num_stages} stages, {self.chunks} micro-batches"
-            f" of {self.micro_batch_size}, method {self.method}, bandwidth {bandwidth}",
-            line(header),
-            line(tuple("-" * w for w in widths)),
-            *map(line, rows),
-            f"bottleneck {1e3 * self.bottleneck_s:.2f} ms/micro-batch, "
-            f"lower bound {1e3 * self.lower_bound_s:.2f} ms (x{self.bound_ratio:.3f}); "
-            f"predicted step {1e3 * self.predicted_step_s:.1f} ms",
-            f"{self.num_nodes} ops, {self.num_states} states, solved in {self.solve_s:.3f} s"
-            + ("" if self.profile_s is None else f", profiled in {self.profile_s:.1f} s")
-            + ("" if self.frontend is None else f"; captured by {self.frontend}"),
-        ]
-        costs = [f"runtime {1e3 * self.task_overhead_s:.2f} ms per task, {1e3 * self.step_overhead_s:.2f} ms per step"]
-        if self.optimizer_step_s:
-            costs.append(f"optimizer step {1e3 * self.optimizer_step_s:.1f} ms")
-        if self.parallel_capacity is not None:
-            costs.append(f"two CPU stages at once do {self.parallel_capacity:.2f}x the work of one")
-        lines.append("included: " + ", ".join(costs))
-        if self.calibration is not None:
-            profiled = sum(self.calibration["profiled_compute_s"])
-            was = self.calibration["profiled_parallel_capacity"]
-            lines.append(
-                f"calibrated on {self.calibration['steps']} steps of this plan: stage times "
-                f"x{self.total_compute_s / profiled if profiled > 0 else 1.0:.2f} of profiled"
-                + ("" if was is None or self.parallel_capacity == was else f", parallel capacity was {was:.2f}")
-                + (f" (cached: {self.calibration['read_from']})" if self.calibration.get("read_from") else "")
-            )
-        if self.calibration is not None and self.calibration.get("profiled_bound_ratio") is not None:
-            lines.append(f"measured balance: bottleneck x{self.bound_ratio:.3f} of the measured stages' bound; "
-                         f"x{self.calibration['profiled_bound_ratio']:.3f} predicted when it was cut")
-        if len(self.rounds) > 1:
-            lines.append(f"split measured in {len(self.rounds)} rounds (each cut again on the operation times "
-                         "measured so far), the best kept:")
-            for i, row in enumerate(self.rounds):
-                lines.append(
-                    f"  round {i}: {row['balance']} ops, predicted x"
-                    f"{_ratio(row['profiled_bottleneck_s'], row['profiled_lower_bound_s']):.3f}, measured bottleneck "
-                    f"{1e3 * row['measured_bottleneck_s']:.2f} ms (x"
-                    f"{_ratio(row['measured_bottleneck_s'], row['measured_lower_bound_s']):.3f})"
-                    + ("  <- chosen" if row.get("chosen") else ""))
-        for reference, blocks in self.repeated_blocks.items():
-            lines.append(f"profiled once: {_span(blocks)} ({len(blocks)} blocks) repeat {reference} operation for "
-                         f"operation, and took its times and memory")
-        if self.candidates:
-            lines.append(f"chunks=auto for batches of {self.batch_size}: chose {self.chunks}")
-            for row in self.candidates:
-                if row.get("fails"):
-                    step = f"cannot run: {row['fails']}"
-                elif not row["fits"]:
-                    step = "does not fit in memory"
-                else:
-                    step = (f"predicted step {1e3 * row['predicted_step_s']:.1f} ms, "
-                            f"peak {row['peak_memory_bytes'] / 1e6:.1f} MB")
-                lines.append(f"  chunks {row['chunks']:>3} (micro-batches of {row['micro_batch_size']}): {step}")
-        if self.layout:
-            lines.append(f"stages=auto for batches of {self.batch_size}: chose {_layout_name(self.layout)}, "
-                         f"{self.chunks} micro-batches")
-            lines += [f"  {_layout_name(row)}{_chunks_of(row, count)}: " + _weighed(row)
-                      for row, count in _best_per_layout(self.layouts)]
-        lines += [f"capture: {reason}" for reason in self.refused]
-        lines += [f"note: {c}" for c in self.compression]
-        return "\n".join(lines)
+        """A fixed-width table of the stages, with the plan's totals underneath (:mod:`.plan_table`)."""
+        return plan_table(self)
 
     def __str__(self) -> str:
         return self.table()
@@ -373,51 +290,12 @@ class Plan:
         return max(t.end for t in self.timeline(schedule, replicas)) + self.step_overhead_s + self.optimizer_step_s
 
 
-def _layout_name(row: dict[str, Any]) -> str:
-    name = f"dp={row['dp']} x pp={row['pp']} {row['schedule']}"
-    return name + (f" ({row['virtual_stages']} stages each)" if row.get("virtual_stages", 1) > 1 else "")
 
 
-def _best_per_layout(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int]]:
-    """Each layout's fastest micro-batch count (or its first row, where none runs), with the count
-    of its rows."""
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["dp"], row["pp"], row["schedule"]), []).append(row)
 
-    def rank(row: dict[str, Any]) -> tuple[bool, bool, float]:  # fits and runs first, then by step
-        ran = row.get("predicted_step_s") is not None
-        return not ran, ran and row.get("lost", "").startswith("needs"), row.get("predicted_step_s") or 0.0
-
-    return [(min(group, key=rank), len(group)) for group in groups.values()]
-
-
-def _chunks_of(row: dict[str, Any], count: int) -> str:
-    if row.get("chunks") is None:
-        return ""
-    return f", chunks {row['chunks']}" + (f" (best of {count})" if count > 1 else "")
-
-
-def _weighed(row: dict[str, Any]) -> str:
-    step = "" if row.get("predicted_step_s") is None else (
-        f"predicted step {1e3 * row['predicted_step_s']:.1f} ms, peak {row['peak_memory_bytes'] / 1e6:.1f} MB per "
-        "rank")
-    return ", ".join(part for part in (step, row.get("lost", "chosen")) if part)
-
-
-def _span(nodes: list[str]) -> str:
-    if not nodes:
-        return "-"
-    return nodes[0] if len(nodes) == 1 else f"{nodes[0]} .. {nodes[-1]}"
 
 
 def _json_number(value: Any) -> Any:
     if isinstance(value, float) and math.isinf(value):
         return None
     return float(value)
-
-
-def _ratio(bottleneck: float, bound: float) -> float:
-    """A bottleneck over its lower bound, as :attr:`Plan.bound_ratio` reads one (1.0 where the
-    bound is 0: stages measured faster than the runtime's own cost per task leave no time)."""
-    return bottleneck / bound if bound > 0 else 1.0
