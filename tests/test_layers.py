@@ -22,7 +22,8 @@ FOLDER_LAYERS = {"device": "device", "capture": "capture", "plans": "blocks", "b
                  "weights": "blocks", "measure": "blocks", "stages": "blocks", "in_process": "execution",
                  "processes": "execution", "planner": "planner", "lightning": "runtimes"}
 MODULE_LAYERS = {"in_process.in_process_runtime": "runtimes", "in_process.planned_pipeline": "runtimes",
-                 "processes.process_runtime": "runtimes", "lightning.strategy": "strategy"}
+                 "processes.process_runtime": "runtimes", "processes.rank_holdings": "runtimes",
+                 "lightning.strategy": "strategy"}
 DEVICE_LAYER = "device"
 # Device-type tests allowed outside the device layer: the CLI checks what a user typed.
 DEVICE_BRANCH_ALLOWED = {"device.py", "cli.py"}

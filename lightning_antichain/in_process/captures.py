@@ -21,12 +21,13 @@ from torch import nn
 
 from ..batches import microbatch
 from ..batches.batch_dims import first_micro_batch, placeholder_batch_dims
-from ..capture import NEEDS_EXAMPLE, OpGraph, capture, capture_call
+from ..capture import NEEDS_EXAMPLE, OpGraph, capture
 from ..capture.assignments import Output
 from ..capture.devices import on_module_device
 from ..capture.isolation import training_flags, training_flags_set
 from ..device import StageStreams
 from ..plans.plan import Plan
+from ..stages.plan_capture import graph_for_plan
 from ..stages.split import PlanMismatchError, StageModule, place_stages, split_stages
 from ..stages.tied_copies import TiedCopies
 from ..weights.initialization import Initializer, ParamInitFn
@@ -168,8 +169,7 @@ class Captures:
         """Capture the module on the first micro-batch of this call, with the plan's frontend."""
         first = on_module_device(self.module, first_micro_batch(self.module, args, kwargs, self.chunks,
                                                                 self.batch_dim))
-        return capture_call(self.module, *first, leaf_modules=self.leaf_modules,
-                            frontends=(self.plan.frontend or "fx",), batch_dim=self.batch_dim)
+        return graph_for_plan(self.module, first, self.plan, self.leaf_modules, self.batch_dim)
 
     def stages_for(self, run: Runnable, values: list[Any]) -> list[StageModule]:
         """The stage modules for one micro-batch: captured again if the graph does not hold for it,

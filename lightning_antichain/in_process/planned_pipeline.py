@@ -19,7 +19,7 @@ from torch import nn
 from ..batches.batch_dims import batch_size_of, refuse_per_sample_lists
 from ..capture import OpGraph
 from ..capture.pytrees import map_tensors
-from ..lightning.runtime import Host
+from ..lightning.runtime import Host, rank_zeros_plan
 from ..planner.planning import AUTO
 from ..planner.prediction_check import PredictionCheck
 from ..planner.public import planned_for_call, planning_call
@@ -58,11 +58,8 @@ class PlannedPipeline:
         if self.plan is not None and self.plan_path is None and planned_for is not target:
             self.plan, self._graph = None, None  # fit(a) then validate(b): b gets its own plan
         if self.plan is None:
-            plan = self._make_plan(target, args, kwargs) if strategy.is_global_zero else None
-            if strategy.is_distributed:  # every replica runs rank 0's plan
-                data = strategy.broadcast(plan.to_dict() if plan is not None else None)
-                plan = Plan.from_dict(data)
-            self.plan = plan
+            self.plan = rank_zeros_plan(lambda: self._make_plan(target, args, kwargs), strategy,
+                                        shared=strategy.is_distributed)  # every replica runs rank 0's plan
             self._planned_for = weakref.ref(target)
             rank_zero_info(self.plan.table())
         graph = self._graph if self._graph is not None and self._graph.module is target else None

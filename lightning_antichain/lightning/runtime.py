@@ -218,3 +218,14 @@ class Runtime(ABC):
     def stepped(self, optimizer: Any) -> set[int] | None:
         """The indices of the parameters of ``optimizer`` this rank steps (``None``: all)."""
         return None
+
+
+def rank_zeros_plan(make: Callable[[], Plan], host: Host, shared: bool) -> Plan:
+    """Rank 0's plan on every rank: ``make`` runs on global rank 0 only, and where ``shared``
+    (several processes run it) the plan goes to every other rank as data, so that every rank runs
+    the same plan, whatever it would have measured itself."""
+    plan = make() if host.is_global_zero else None
+    if not shared:
+        assert plan is not None
+        return plan
+    return Plan.from_dict(host.broadcast(plan.to_dict() if plan is not None else None))

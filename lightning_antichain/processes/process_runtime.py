@@ -28,7 +28,6 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -37,11 +36,10 @@ from torch import nn
 from ..batches import microbatch
 from ..batches.batch_dims import first_micro_batch
 from ..batches.model_loss import counted_items
-from ..capture import capture_call
-from ..capture.pytrees import flatten, iter_tensors, map_tensors
+from ..capture.pytrees import flatten, map_tensors
 from ..device import is_accelerator
 from ..lightning.forward_patch import ForwardPatch
-from ..lightning.runtime import GivenOptions, Host, Runtime
+from ..lightning.runtime import GivenOptions, Host, Runtime, rank_zeros_plan
 from ..measure.link_speed import measured_gbps
 from ..planner.layout_cost import Links
 from ..planner.layout_search import layout_search, plan_layouts
@@ -52,15 +50,16 @@ from ..plans.layout import Layout
 from ..plans.options import PipelineOptions, compile_arguments
 from ..plans.plan import Plan
 from ..plans.process_schedules import ProcessSchedule, process_schedule
+from ..stages.plan_capture import graph_for_plan
 from ..weights.initialization import Initializer
-from ..weights.materialize import release_tensors
 from ..weights.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
 from .global_norm import clip_by_global_norm
 from .micro_batch_steps import MicroBatchSteps
 from .process_pipeline import ProcessPipeline, equal_runs
 from .rank_faults import explained
+from .rank_holdings import RankHoldings, everyone
 from .replica_batches import replica_loader
-from .replication import REPLICATIONS, Replication, is_shard
+from .replication import REPLICATIONS, Replication
 from .same_batches import StepAgreement, agree_on_step, same_order_everywhere
 from .small_broadcast import broadcast_object
 from .step_logs import (
@@ -83,7 +82,7 @@ _CONTEXTS = {"training_step": "train_step_context", "validation_step": "val_step
              "test_step": "test_step_context", "predict_step": "predict_step_context"}
 
 
-class ProcessRuntime(Runtime):
+class ProcessRuntime(RankHoldings, Runtime):
     """This rank's share of the pipeline and the steps it runs (see the module's docstring)."""
 
     foreign_options = {
@@ -457,7 +456,7 @@ class ProcessRuntime(Runtime):
         """The step's loss, logs and predictions over every replica's share: the loss the mean of
         theirs (each weighted by its share already), the logs reduced over the shares, the
         predictions in the batch's order, with every micro-batch's samples."""
-        shares = _everyone((mean, merged, results, sizes), self._replicas_group())
+        shares = everyone((mean, merged, results, sizes), self._replicas_group())
         mean = sum(share[0] for share in shares) / len(shares)
         merged = averaged_logs([share[1] for share in shares], list(agreement.samples))
         return mean, merged, [r for share in shares for r in share[2]], [n for share in shares for n in share[3]]
@@ -468,7 +467,7 @@ class ProcessRuntime(Runtime):
         assert self.plan is not None and self.pipeline is not None
         layout = self.layout
         table = self.schedule.table(layout.pp, self.plan.chunks)
-        records = _everyone(calibration.record())
+        records = everyone(calibration.record())
         first = [records[rank] for rank in layout.pipeline(0)]  # every replica takes the first one's plan
         self.plan = self.pipeline.plan = from_records(self.plan, table, first)
         self.calibration = None
@@ -502,106 +501,6 @@ class ProcessRuntime(Runtime):
         for p, grad in stashed:
             p.grad = grad if p.grad is None else p.grad + grad
 
-    def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The LightningModule's ``state`` (keys of its ``state_dict``) as rank 0 saves it: each
-        stage's tensors from the rank that trains them. Every rank calls it; rank 0's is whole."""
-        if self.pipeline is None or self.steps is None:
-            return state  # no step yet: every rank holds the same values
-        parts = _gathered({key: state[key] for key in self._owned_keys() if key in state and self._writes()})
-        merged = dict(state)
-        for part in parts:
-            merged.update(part)
-        return type(state)(merged) if parts else state
-
-    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-        """``optimizer``'s ``state_dict`` as rank 0 saves it: each parameter's state (momentum,
-        Adam's moments) from the rank that steps it, not the stale copy another rank loaded."""
-        mine = self.stepped(optimizer)
-        if mine is None:
-            return state
-        parts = _gathered({i: v for i, v in state["state"].items() if i in mine and self._writes()})
-        if not parts:
-            return state
-        merged = dict(state["state"])
-        for part in parts:
-            merged.update(part)
-        return {**state, "state": dict(sorted(merged.items()))}
-
-    def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of ``state`` (keys of the LightningModule's ``state_dict``) in a
-        checkpoint of shards: what its stages train, and on rank 0 also what no stage holds."""
-        if self.pipeline is None or self.steps is None:
-            return state if self.strategy.global_rank == 0 else type(state)()
-        owned = self._owned_keys()
-        keeps = self._share(owned)
-        # a replica's part of a sharded tensor is its own to write, whichever replica it is
-        return type(state)((k, v) for k, v in state.items() if keeps(k) or (k in owned and is_shard(v)))
-
-    def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of ``optimizer``'s ``state_dict`` in a checkpoint of shards: the
-        state of the parameters it steps, on rank 0 also of those no stage holds."""
-        mine = self.stepped(optimizer)
-        if mine is None:
-            return state if self.strategy.global_rank == 0 else {**state, "state": {}}
-        keeps = self._share(mine)
-        return {**state, "state": {i: v for i, v in state["state"].items()
-                                   if keeps(i) or (i in mine and any(is_shard(t) for t in iter_tensors(v)))}}
-
-    def stepped(self, optimizer: Any) -> set[int] | None:
-        """The indices in ``optimizer``'s ``state_dict`` of the parameters this rank steps
-        (``None`` before the stages are built: every rank holds every one alike)."""
-        if self.pipeline is None:
-            return None
-        owned = self._mine()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        return {i for i, p in enumerate(params) if id(p) in owned}
-
-    def _owned_keys(self) -> set[str]:
-        """The LightningModule's ``state_dict`` keys whose tensors this rank trains (:meth:`_mine`)."""
-        assert self.pipeline is not None and self.steps is not None
-        owned = self._mine()
-        return {key for key, value in self.steps.module.state_dict(keep_vars=True).items()
-                if isinstance(value, torch.Tensor) and id(value) in owned}
-
-    def _mine(self) -> set[int]:
-        """The ids of the LightningModule's parameters and buffers this rank trains and saves: those
-        its stages use, and, on the rank of the last stage, those no stage uses (a head or a loss
-        outside ``module=``, which the step uses after the module's call, there)."""
-        assert self.pipeline is not None and self.steps is not None
-        mine = self.pipeline.owned()
-        if self.pipeline.holds_last:
-            module = self.steps.module
-            mine |= {id(t) for t in [*module.parameters(), *module.buffers()] if id(t) not in self.pipeline.staged}
-        return mine
-
-    def _hold_own_only(self) -> None:
-        """Free what this rank does not train: the parameters and buffers of other ranks' stages,
-        and, but on the last stage's rank, the trainable parameters no stage uses. They go to the
-        meta device in place, so that reading one fails loudly instead of giving a value training
-        never changed; their optimizer state goes too. (Buffers and frozen parameters outside the
-        stages stay: the step may read them before it calls the module.)"""
-        assert self.pipeline is not None and self.steps is not None
-        module, mine, staged = self.steps.module, self._mine(), self.pipeline.staged
-        others = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in mine and not t.is_meta and (
-            id(t) in staged or (isinstance(t, nn.Parameter) and t.requires_grad))]
-        gone = {id(t) for t in others}
-        for optimizer in self.strategy.optimizers:
-            for param in [p for p in optimizer.state if id(p) in gone]:
-                del optimizer.state[param]
-        release_tensors(others)
-
-    def _share(self, mine: set[Any]) -> Callable[[Any], bool]:
-        """Which keys this rank writes to a checkpoint of shards: ``mine``, and on rank 0 those no
-        rank's stages hold. Every rank calls it (it gathers every rank's ``mine``)."""
-        staged = set().union(*_everyone(mine))
-        first, writes = self.strategy.global_rank == 0, self._writes()
-        return lambda key: (writes and key in mine) or (first and key not in staged)
-
-    def _writes(self) -> bool:
-        """Whether this rank's stages go into checkpoints: the first replica's do, the others hold
-        the same values (each stage's replicas are kept in step)."""
-        return self.layout.replica(self.strategy.global_rank) == 0
-
     def _pipeline_group(self) -> Any:
         """The process group of this rank's pipeline (``None``, the world, where there is one pipeline)."""
         return None if self.layout.dp == 1 else self.device_mesh["pp"].get_group()
@@ -626,14 +525,15 @@ class ProcessRuntime(Runtime):
             measured = None  # every rank takes part in timing the links the planner weighs layouts on
             if self.layout_search is not None and not is_accelerator(strategy.root_device):
                 measured = measured_gbps(strategy.root_device)
-            if strategy.global_rank == 0:
+            captured: list[Any] = []  # the graph rank 0 planned on
+
+            def make() -> Plan:
                 planned = self._make_plan(target, hook, batch, rest, measured)
-                graph, plan_data = planned.graph, planned.plan.to_dict()
-            else:
-                plan_data = None
-            sent = [plan_data]
-            dist.broadcast_object_list(sent, src=0)
-            self.plan = Plan.from_dict(sent[0])
+                captured.append(planned.graph)
+                return planned.plan
+
+            self.plan = rank_zeros_plan(make, strategy, shared=True)
+            graph = captured[0] if captured else None
             chosen = self.plan.layout
             if chosen is not None and self.layout_search is not None:
                 self.schedule = process_schedule(chosen["schedule"], chosen["virtual_stages"])
@@ -649,9 +549,7 @@ class ProcessRuntime(Runtime):
             self.calibration = None  # a plan timed under this schedule (a resumed one) is kept as it is
         whole = self.steps.call_of(hook, self._replica_share(batch), rest)
         first = first_micro_batch(target, *whole, plan.chunks, self.options.batch_dim)
-        if graph is None or not _holds(graph, first):
-            graph = capture_call(target, *first, leaf_modules=self.options.leaf_modules,
-                                 frontends=(plan.frontend or "fx",), batch_dim=self.options.batch_dim)
+        graph = graph_for_plan(target, first, plan, self.options.leaf_modules, self.options.batch_dim, reuse=graph)
         layout = self.layout
         replication = None if layout.dp == 1 else (self.replication, self.device_mesh["dp"])
         self.pipeline = ProcessPipeline(graph, plan, self.schedule, layout.position(strategy.global_rank), layout.pp,
@@ -682,25 +580,6 @@ class ProcessRuntime(Runtime):
         with torch.enable_grad():
             args, kwargs = planning_call(target, *whole, options, count_items=False)
             return planned_for_call(target, args, kwargs, devices, options, self.strategy.optimizers)
-
-
-def _gathered(part: Any) -> list[Any]:
-    """Every rank's ``part``, on rank 0; an empty list elsewhere."""
-    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(part, parts, dst=0)
-    return parts or []
-
-
-def _everyone(part: Any, group: Any = None) -> list[Any]:
-    """Every rank's ``part`` (of ``group``, default all), on every rank, by rank."""
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, part, group=group)
-    return parts
-
-
-def _holds(graph: Any, call: tuple[tuple, dict]) -> bool:
-    specialization = graph.specialization
-    return specialization is None or specialization.holds_for(graph.bind(*call))
 
 
 def _shape_of(micro: list[Any]) -> tuple:
