@@ -367,11 +367,13 @@ def test_a_stage_that_recomputes_keeps_only_its_inputs_for_backward_and_gives_th
     torch.testing.assert_close(input_grad, input_grad_recomputing, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("deferred", [False, True])
-def test_a_recomputed_stage_updates_batchnorm_statistics_once(deferred):
+@pytest.mark.parametrize(("deferred", "frontend"), [(False, "fx"), (True, "fx"), (False, "export")])
+def test_a_recomputed_stage_updates_batchnorm_statistics_once(deferred, frontend):
     """The forward that a recomputing stage runs again in backward normalises as the first did, but
     leaves the running statistics (and, with deferral, the moments) alone: after a step they equal
-    a stage that did not recompute, and the count of batches tracked goes up by one."""
+    a stage that did not recompute, and the count of batches tracked goes up by one. Also where the
+    graph updates the statistics itself, whatever the module's momentum (an exported graph: it was
+    updated twice)."""
     import lightning_antichain as la
     from lightning_antichain.capture import capture_call
     from lightning_antichain.processes.process_stages import FlatStage
@@ -381,9 +383,11 @@ def test_a_recomputed_stage_updates_batchnorm_statistics_once(deferred):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)).double()
     x = torch.randn(12, 8, dtype=torch.float64)
-    graph = capture_call(model, (x,), {})
+    graph = capture_call(model, (x,), {}, frontends=(frontend,))
+    assert graph.frontend == frontend
     cost = la.profile(model, x, op_graph=graph, repeats=1, warmup=0, progress=False, runtime_overhead=False)
-    (stage,) = split_stages(graph, la.plan_from_balance(cost, [4], chunks=1), [torch.device("cpu")])
+    (stage,) = split_stages(graph, la.plan_from_balance(cost, [cost.number_of_nodes()], chunks=1),
+                            [torch.device("cpu")])
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     after = []
     for recompute in (False, True):

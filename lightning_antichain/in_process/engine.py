@@ -50,6 +50,7 @@ from ..device import (
 )
 from ..measure.saved_tensors import HeldMemory
 from ..plans.schedule import Schedule, Task, Timed, gpipe
+from ..stages.batchnorm import recomputing
 from ..stages.randomness import drawing
 from ..stages.split import StageModule
 from .worker import WorkerPool
@@ -463,31 +464,15 @@ def _grad_of(value: Any) -> torch.Tensor | None:
 
 def _recompute(stage: StageModule, saved: _Saved, state: PassState, m: int) -> tuple[list[Any], Callable[[], None]]:
     """Run a recomputed micro-batch's forward again: its random operations draw what they drew
-    the first time, under the forward's autocast.
+    the first time, under the forward's autocast, and BatchNorm statistics are not updated again
+    (:class:`~lightning_antichain.stages.batchnorm.recomputing`, as the process runtime's stages).
 
-    Returns the outputs and a function that undoes the second update of BatchNorm running
-    statistics; call it after the backward, which checks that saved tensors were not changed.
+    Returns the outputs and a function that puts back what the second forward changed of the
+    buffers the stage's graph updates itself; call it after the backward, which may read them.
     """
-    norms = [
-        m
-        for m in stage.submodules()
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
-    kept = [{k: v.clone() for k, v in m.named_buffers(recurse=False)} for m in norms]
-    # buffers an ATen graph updates in place (running statistics read through get_attr)
-    fetched = stage.buffers()
-    kept_fetched = [b.clone() for b in fetched]
-    with torch.enable_grad(), drawing(state.seed, m), contextlib.ExitStack() as stack:
+    again = recomputing(stage.submodules(), stage.buffers(), restore_later=True)
+    with torch.enable_grad(), drawing(state.seed, m), again, contextlib.ExitStack() as stack:
         for manager in autocast_managers(state.autocast):
             stack.enter_context(manager)
         outputs, _ = stage(saved.inputs, saved.spec)
-
-    def restore() -> None:
-        with torch.no_grad():
-            for module, buffers in zip(norms, kept):
-                for name, value in buffers.items():
-                    getattr(module, name).copy_(value)
-            for buffer, value in zip(fetched, kept_fetched):
-                buffer.copy_(value)
-
-    return outputs, restore
+    return outputs, again.restore

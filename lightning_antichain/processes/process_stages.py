@@ -82,7 +82,7 @@ class FlatStage(nn.Module):
 
     def _contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """The forward as is; its recomputation without a second update of BatchNorm statistics."""
-        return contextlib.nullcontext(), recomputing(self.stage.submodules())
+        return contextlib.nullcontext(), recomputing(self.stage.submodules(), self.stage.buffers())
 
 
 class _Fetched(nn.Module):

@@ -85,20 +85,30 @@ class recomputing:  # noqa: N801 - used as a context manager, like contextlib's
     """A forward run again to recompute what its backward needs, after it already ran once: the
     BatchNorm layers among ``modules`` normalise as they did, but their running statistics (and
     deferred moments) are not updated a second time. Their momentum is 0 within the block, and the
-    count of batches tracked is put back after it. The block may be entered again and again (a
-    backward split in two recomputes twice)."""
+    count of batches tracked is put back after it. A graph that updates ``buffers`` itself (an
+    exported graph reads the running statistics and writes them back in place, whatever the
+    module's momentum) has each buffer it changed put back: at the end of the block, or, with
+    ``restore_later``, when :meth:`restore` is called (after the backward that may read them). The
+    block may be entered again and again (a backward split in two recomputes twice). Both runtimes
+    recompute through it."""
 
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
+    def __init__(self, modules: Iterable[nn.Module], buffers: Iterable[torch.Tensor] = (),
+                 restore_later: bool = False) -> None:
         self.norms = [m for m in modules if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+        self.buffers = list(buffers)
+        self.restore_later = restore_later
         self._kept: list[list[tuple[float | None, torch.Tensor]]] = []
         self._was: list[bool] = []
+        self._values: list[list[torch.Tensor]] = []
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> recomputing:
         self._kept.append([(m.momentum, m.num_batches_tracked.clone()) for m in self.norms])
+        self._values.append([b.clone() for b in self.buffers])
         self._was.append(getattr(_again, "active", False))
         _again.active = True
         for module in self.norms:
             module.momentum = 0.0
+        return self
 
     def __exit__(self, *exc: object) -> None:
         _again.active = self._was.pop()
@@ -106,6 +116,16 @@ class recomputing:  # noqa: N801 - used as a context manager, like contextlib's
             module.momentum = momentum
             with torch.no_grad():
                 module.num_batches_tracked.copy_(tracked)
+        if not self.restore_later:
+            self.restore()
+
+    def restore(self) -> None:
+        """Put back each buffer the block changed (one untouched keeps its version)."""
+        values = self._values.pop()
+        with torch.no_grad():
+            for buffer, value in zip(self.buffers, values):
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)
 
 
 def _recording_forward(module: _BatchNorm, moments: _Moments):
