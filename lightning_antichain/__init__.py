@@ -26,6 +26,11 @@ from .weights.materialize import UninitializedTensorError, load_state_dict
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    return moved_modules.gone_package(name)  # la.runtime.pipeline, before the modules moved
+
+
 moved_modules.install()  # the old module paths still import, with a warning
 register()  # strategy="antichain_pipeline" works once the package is imported
 

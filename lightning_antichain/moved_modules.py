@@ -7,6 +7,7 @@ and warns once with the new path. The public names (``la.*``) never moved.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -80,6 +81,7 @@ class _Alias(importlib.abc.Loader):
         if self.new is None:  # a package that is gone: empty, its submodules found again here
             module = types.ModuleType(spec.name)
             module.__path__ = []
+            module.__getattr__ = functools.partial(_submodule, spec.name)  # type: ignore[method-assign]
             return module
         warnings.warn(f"{spec.name} moved to {self.new}; import it from there (the old path will go)",
                       DeprecationWarning, stacklevel=2)
@@ -97,6 +99,21 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         if name in GONE_PACKAGES:
             return importlib.machinery.ModuleSpec(name, _Alias(None), is_package=True)
         return None
+
+
+def _submodule(package: str, name: str) -> types.ModuleType:
+    """``package.name`` as an attribute of a package that is gone (``la.runtime.pipeline``)."""
+    if f"{package}.{name}" not in MOVED:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return importlib.import_module(f"{package}.{name}")
+
+
+def gone_package(name: str) -> types.ModuleType:
+    """The package ``lightning_antichain.name`` that is gone, as an attribute of the package."""
+    full = f"lightning_antichain.{name}"
+    if full not in GONE_PACKAGES:
+        raise AttributeError(f"module 'lightning_antichain' has no attribute {name!r}")
+    return importlib.import_module(full)
 
 
 def install() -> None:

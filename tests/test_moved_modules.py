@@ -33,6 +33,13 @@ from lightning_antichain.lightning.process_runtime import ProcessRuntime
 import lightning_antichain.batches.microbatch as now
 assert Pipeline is la.Pipeline and microbatch is now
 assert ProcessRuntime.__module__ == "lightning_antichain.processes.process_runtime"
+assert la.runtime.autograd_bridge is la.in_process.autograd_bridge  # as attributes too
+try:
+    la.no_such_name
+except AttributeError as error:
+    assert "no attribute 'no_such_name'" in str(error)
+else:
+    raise AssertionError("no AttributeError")
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
