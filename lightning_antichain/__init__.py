@@ -5,7 +5,7 @@ Profile a model (:func:`profile`), cut it into balanced stages over its antichai
 """
 
 from . import moved_modules
-from .batches.batch_dims import BatchDependenceError, check_micro_batchable
+from .batches.batch_dependence import BatchDependenceError, check_micro_batchable
 from .batches.microbatch import MicroBatchError
 from .capture import OpGraph, UntraceableModelError, trace
 from .capture.assignments import AssignmentError

@@ -23,12 +23,8 @@ import torch
 from torch import nn
 
 from ..batches import microbatch
-from ..batches.batch_dims import (
-    check_per_sample,
-    grown_by_one,
-    refuse_per_sample_lists,
-    with_samples_of,
-)
+from ..batches.batch_dependence import check_per_sample, refuse_per_sample_lists
+from ..batches.batch_dims import grown_by_one, with_samples_of
 from ..batches.model_loss import WeightedSum, is_items_in_batch, join_weights, joins_as, with_items_in_batch
 from ..batches.output_join import (
     Assigned,
@@ -91,7 +87,7 @@ class Pipeline(nn.Module):
     on ``output_device`` (default: the device of the first input tensor, else the first stage's).
     A batch with fewer samples than ``chunks`` runs as that many micro-batches of one sample.
     On the first call it checks that ``forward`` treats each sample on its own
-    (:func:`lightning_antichain.batches.batch_dims.check_per_sample`), as the strategy does before
+    (:func:`lightning_antichain.batches.batch_dependence.check_per_sample`), as the strategy does before
     profiling; ``check_batch=False`` skips that where the dependence is meant (a mixture of experts
     with a capacity per batch). With stages on several devices and a ``graph`` from torch.export or
     concrete capture, call :func:`lightning_antichain.check_micro_batchable` on the module before

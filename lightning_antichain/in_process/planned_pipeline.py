@@ -16,7 +16,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from ..batches.batch_dims import batch_size_of, refuse_per_sample_lists
+from ..batches.batch_dependence import refuse_per_sample_lists
+from ..batches.batch_dims import batch_size_of
 from ..capture import OpGraph
 from ..capture.pytrees import map_tensors
 from ..lightning.runtime import Host, rank_zeros_plan

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from ..batches import microbatch
-from ..batches.batch_dims import batch_size_of, call_dims, check_micro_batchable, first_micro_batch
+from ..batches.batch_dependence import check_micro_batchable
+from ..batches.batch_dims import batch_size_of, call_dims, first_micro_batch
 from ..capture import OpGraph, UntraceableModelError, capture_call, children_instead
 from ..capture.devices import on_module_device
 from ..capture.isolation import keeps_random_state, planned_in_training
@@ -133,7 +134,7 @@ def plan_model(
     """Plan ``module`` over ``devices`` (one stage each) for micro-batches like ``args, kwargs``.
 
     The module is captured on the micro-batch and checked (``check_batch``, see
-    :func:`~lightning_antichain.batches.batch_dims.check_micro_batchable`); its profile is read from
+    :func:`~lightning_antichain.batches.batch_dependence.check_micro_batchable`); its profile is read from
     ``profile_cache`` (default ``~/.cache/lightning-antichain``) where a valid entry exists, else
     measured on ``devices[0]`` and stored. ``cost`` skips all that and plans a saved cost graph.
     ``balance`` fixes the operations per stage instead of planning. ``fallback="children"`` plans
