@@ -94,6 +94,9 @@ class ProcessRuntime(RankHoldings, Runtime):
                             "plan takes its stage times from the ranks' first steps (calibrate=): leave it out",
     }
 
+    plan: Plan | None = None  # type: ignore[assignment]  # Runtime's properties, plain attributes here
+    pipeline: ProcessPipeline | None = None  # type: ignore[assignment]
+
     def __init__(self, strategy: Host, schedule: str, virtual_stages: int | None,
                  pipeline_ranks: int | str | None, calibrate: bool, replication: Replication) -> None:
         super().__init__(strategy)
@@ -108,10 +111,10 @@ class ProcessRuntime(RankHoldings, Runtime):
         self._pipeline_ranks = None if pipeline_ranks == AUTO else pipeline_ranks
         #: how each stage is kept in step with its replicas' where there are several
         self.replication = replication
-        self._plan: Plan | None = None
+        self.plan = None
         #: times the actions of the first training steps, until the plan takes its stage times from them
         self.calibration: StepCalibration | None = StepCalibration() if calibrate else None
-        self._pipeline: ProcessPipeline | None = None
+        self.pipeline = None
         self.steps: MicroBatchSteps | None = None
         self._forward_patch = ForwardPatch()
         self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -144,22 +147,6 @@ class ProcessRuntime(RankHoldings, Runtime):
         first steps, :mod:`~lightning_antichain.planner.process_calibration`)."""
         return options.replace(schedule="gpipe" if self.schedule.name == "gpipe" else "1f1b", calibrate=False,
                                even_chunks=True)
-
-    @property
-    def plan(self) -> Plan | None:
-        return self._plan
-
-    @plan.setter
-    def plan(self, plan: Plan | None) -> None:
-        self._plan = plan
-
-    @property
-    def pipeline(self) -> ProcessPipeline | None:
-        return self._pipeline
-
-    @pipeline.setter
-    def pipeline(self, pipeline: ProcessPipeline | None) -> None:
-        self._pipeline = pipeline
 
     # -- processes and devices -------------------------------------------------------------------
 
