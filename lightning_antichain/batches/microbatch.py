@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..capture.batch_axis import batch_dim_candidates
+from .model_loss import join_weights
 
 
 class MicroBatchError(ValueError):
@@ -160,6 +161,8 @@ def gather(chunks: Sequence[Any], device: torch.device | str | None = None,
 
 def _join(chunks: Sequence[torch.Tensor], device: torch.device | str | None, sizes: Sequence[int | None] | None,
           dim: Any) -> torch.Tensor:
+    """One tensor of every micro-batch joined: on ``dim``, or as the weighted sum a loss joins by
+    (:class:`~.model_loss.WeightedSum`); both runtimes' joins end here."""
     weights = getattr(dim, "weights", None)
     if weights is not None:  # a loss: model_loss.WeightedSum
         target = device or chunks[0].device
@@ -202,11 +205,10 @@ def join_results(results: Sequence[Any], sizes: Sequence[int]) -> Any:
     first = results[0]
     if all(isinstance(r, torch.Tensor) for r in results):
         if first.dim() == 0 and first.is_floating_point():
-            total = sum(sizes)
-            return sum((r * (n / total) for r, n in zip(results[1:], sizes[1:])), first * (sizes[0] / total))
+            return _join(results, None, sizes, join_weights(sizes, summed=False))
         dim = output_batch_dim(results, sizes) if first.dim() > 0 else None
         if dim is not None:
-            return torch.cat(list(results), dim=dim)
+            return _join(results, None, sizes, dim)
         if all(r.shape == first.shape and torch.equal(r, first) for r in results[1:]):
             return first
         raise MicroBatchError(

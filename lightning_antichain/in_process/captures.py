@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -32,6 +32,7 @@ from ..stages.split import PlanMismatchError, StageModule, place_stages, split_s
 from ..stages.tied_copies import TiedCopies
 from ..weights.initialization import Initializer, ParamInitFn
 from ..weights.materialize import has_meta_state, materialize
+from .call_layout import CallLayout, Recent
 from .projection import project_plan
 
 
@@ -66,10 +67,11 @@ class Captures:
         run = self.runnables[graph.training or training_flags(self.module), None] = self.use(graph, None)
         return run
 
-    def for_call(self, args: tuple, kwargs: dict) -> Runnable:
-        """The capture that runs this call: the one made in the modules' present mode (captured now
-        if none was), or, where that graph does not hold for the call's first micro-batch (``None``
-        where it saw a tensor, another constant) or for the caches the module holds now
+    def for_call(self, args: tuple, kwargs: dict) -> BoundCall:
+        """The capture that runs this call, with the call bound to its placeholders and split into
+        micro-batches: the capture made in the modules' present mode (captured now if none was),
+        or, where that graph does not hold for the call's first micro-batch (``None`` where it saw
+        a tensor, another constant) or for the caches the module holds now
         (:mod:`~lightning_antichain.capture.kept`), one captured for that call from that state."""
         if self._modules is None:
             self._modules = list(self.module.modules())
@@ -77,9 +79,11 @@ class Captures:
         run = self.runnables.get((mode, None))
         if run is None:
             run = self.runnables[(mode, None)] = self.use(self.capture_for(args, kwargs), (args, kwargs))
+        values = run.graph.bind(args, kwargs)
+        micro_values = microbatch.scatter(values, self.chunks, run.input_dims)
         specialization, cache = run.graph.specialization, run.graph.cache
         if specialization is not None or cache is not None:
-            first = microbatch.scatter(run.graph.bind(args, kwargs), self.chunks, run.input_dims)[0]
+            first = micro_values[0]
             inputs_hold = specialization is None or specialization.holds_for(first)
             if not inputs_hold or (cache is not None and not cache.holds(self.module)):
                 key = (mode, None if inputs_hold else specialization.key_of(first),  # type: ignore[union-attr]
@@ -89,9 +93,11 @@ class Captures:
                     graph = self._recapture(run.graph, first)
                     found = self.runnables[key] = self.use(graph, (args, kwargs))
                 run = found
+                values = run.graph.bind(args, kwargs)
+                micro_values = microbatch.scatter(values, self.chunks, run.input_dims)
         if run.graph.cache is not None:
             run.graph.cache.apply(self.module)
-        return run
+        return BoundCall(run, values, micro_values)
 
     def _recapture(self, graph: OpGraph, values: list[Any]) -> OpGraph:
         """``graph``'s frontend again, on these placeholder values, from the module's present state
@@ -213,7 +219,8 @@ class Runnable:
     Pipeline's, or that plan carried over to this graph), and how a call's values map onto the stages.
 
     ``variants`` are the stages of graphs captured again for micro-batches of other shapes, by what
-    they specialised; ``grown`` the output shapes of a run with one sample more, by input shapes.
+    they specialised; ``grown`` the output shapes of a run with one sample more, by input shapes;
+    ``layouts`` how calls are split and joined, by their shapes (:mod:`.call_layout`).
     """
 
     graph: OpGraph
@@ -226,6 +233,16 @@ class Runnable:
     input_dims: list[Any]
     variants: dict[Hashable, list[StageModule]] = field(default_factory=dict)
     grown: dict[Hashable, Any] = field(default_factory=dict)
+    layouts: Recent[Hashable, CallLayout] = field(default_factory=lambda: Recent(8))
+
+
+class BoundCall(NamedTuple):
+    """A call as the capture that runs it takes it: its placeholders' values, and those split into
+    micro-batches."""
+
+    run: Runnable
+    values: list[Any]
+    micro_values: list[list[Any]]
 
 
 def _same_interface(plan: Plan, graph: OpGraph, like: Plan, like_graph: OpGraph) -> Plan:

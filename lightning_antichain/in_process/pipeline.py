@@ -45,12 +45,13 @@ from ..measure.cpu_threads import stage_threads
 from ..measure.saved_tensors import HeldMemory, state_storages
 from ..plans.options import PipelineOptions, compile_arguments
 from ..plans.plan import Plan, recomputed_micro_batches
-from ..plans.schedule import Schedule, make_schedule, runs_in_process
+from ..plans.schedule import make_schedule, runs_in_process
 from ..stages.batchnorm import deferred_batch_norm
 from ..stages.randomness import step_seed
-from ..stages.split import PlanMismatchError, StageModule
+from ..stages.split import PlanMismatchError
 from ..stages.tied_copies import TiedCopies
 from .autograd_bridge import PipelineBackward, PipelineFunction
+from .call_layout import CallLayout, call_key
 from .captures import Captures, Runnable
 from .engine import PassState, StepRecord, run_forward
 from .worker import WorkerPool, keep_freed_memory
@@ -62,15 +63,17 @@ class SplitBatch:
     read by running and joining."""
 
     run: Runnable
+    layout: CallLayout
     call: tuple[tuple, dict]
     values: list[Any]
     micro_values: list[list[Any]]
-    micro_stages: list[list[StageModule]]
-    sizes: list[int | None]
     inputs: list[tuple[list[Any], Any]]
     output_device: torch.device
-    schedule: Schedule
     seed: int | None
+
+    @property
+    def sizes(self) -> list[int | None]:
+        return self.layout.sizes
 
 
 class Pipeline(nn.Module):
@@ -266,25 +269,31 @@ class Pipeline(nn.Module):
         return self._join(batch, outputs, assigned, state)
 
     def _split(self, args: tuple, kwargs: dict) -> SplitBatch:
-        """The call bound to the capture that runs it, checked, and cut into micro-batches: each
-        one's values, stages (those of its specialisation), samples and flattened inputs."""
+        """The call bound to the capture that runs it, checked, and cut into micro-batches as its
+        shape's layout says: each one's values, stages, samples and flattened inputs."""
         args, kwargs = with_items_in_batch(self.module, args, kwargs)
         if self.check_batch:
             refuse_per_sample_lists(self.module, args, kwargs, self.batch_dim)
-        run = self._run = self._captures.for_call(args, kwargs)
-        values = run.graph.bind(args, kwargs)
+        run, values, micro_values = self._captures.for_call(args, kwargs)
+        self._run = run
         if self.check_batch:
-            self._check_per_sample(run, values)
-        micro_values = microbatch.scatter(values, self.chunks, run.input_dims)
-        micro_stages = [self._captures.stages_for(run, v) for v in micro_values]
-        draws = any(stage.random_nodes for stages in micro_stages for stage in stages)
+            self._check_per_sample(run, micro_values[0])
+        layout = run.layouts.get(call_key(values, self.chunks), lambda: self._layout(run, micro_values))
         return SplitBatch(
-            run=run, call=(args, kwargs), values=values, micro_values=micro_values, micro_stages=micro_stages,
-            sizes=[microbatch.batch_size(v, run.input_dims) for v in micro_values],
+            run=run, layout=layout, call=(args, kwargs), values=values, micro_values=micro_values,
             inputs=[flatten([v[i] for i in run.input_slots]) for v in micro_values],
             output_device=self.output_device or _first_device(args, kwargs) or self._devices[0],
+            seed=step_seed() if layout.draws else None,
+        )
+
+    def _layout(self, run: Runnable, micro_values: list[list[Any]]) -> CallLayout:
+        """How calls of this shape split: made on the first one."""
+        micro_stages = [self._captures.stages_for(run, v) for v in micro_values]
+        return CallLayout(
+            sizes=[microbatch.batch_size(v, run.input_dims) for v in micro_values],
+            micro_stages=micro_stages,
             schedule=make_schedule(self.plan.schedule, len(run.stages), len(micro_values)),
-            seed=step_seed() if draws else None,
+            draws=any(stage.random_nodes for stages in micro_stages for stage in stages),
         )
 
     def _pass_state(self, batch: SplitBatch) -> PassState:
@@ -301,11 +310,13 @@ class Pipeline(nn.Module):
         """Every micro-batch's forward through the stages, by the schedule; under autograd
         (``state``), keeping what the backward needs (all but the micro-batches recomputed)."""
         if state is None:
-            outputs = run_forward(self._pool, batch.micro_stages, batch.inputs, None, 0, batch.schedule, batch.seed)
+            outputs = run_forward(self._pool, batch.layout.micro_stages, batch.inputs, None, 0, batch.layout.schedule,
+                                  batch.seed)
             return self._take_assigned_of(batch.run, outputs)
         stop = recomputed_micro_batches(self.recompute, len(batch.inputs)) if self.training else 0
         with deferred_batch_norm(self.module.modules()) if self.deferred_batch_norm else nullcontext():
-            outputs = run_forward(self._pool, batch.micro_stages, batch.inputs, state, stop, batch.schedule)
+            outputs = run_forward(self._pool, batch.layout.micro_stages, batch.inputs, state, stop,
+                                  batch.layout.schedule)
         return self._take_assigned_of(batch.run, outputs)
 
     def _join(self, batch: SplitBatch, outputs: MicroOutputs, assigned: Assigned, state: PassState | None) -> Any:
@@ -313,10 +324,12 @@ class Pipeline(nn.Module):
         (under autograd, through one function whose backward runs the stages' backwards), and the
         attributes ``forward`` assigns given the whole batch's values."""
         run, sizes, micro_values = batch.run, batch.sizes, batch.micro_values
-        dims = output_dims(outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
-                           lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes),
-                           lambda i: self._loss_weights(run, batch.call, batch.values, i, sizes))
-        gathered = microbatch.gather([leaves for leaves, _ in outputs], batch.output_device, sizes, dims)
+        micro_leaves = [leaves for leaves, _ in outputs]
+        dims = batch.layout.output_dims(micro_leaves, lambda: output_dims(
+            outputs, sizes, lambda: self._grown_run(run, micro_values[0])[0],
+            lambda: self._rows_in_sample_order(run, micro_values, outputs, sizes),
+            lambda i: self._loss_weights(run, batch.call, batch.values, i, sizes)))
+        gathered = microbatch.gather(micro_leaves, batch.output_device, sizes, dims)
         if state is not None:
             gathered = self._through_backward(batch, outputs, assigned, state, gathered, dims)
         result = self._assemble(run, gathered, outputs[0][1])
@@ -369,14 +382,13 @@ class Pipeline(nn.Module):
         (``True``) or eval mode now, rather than at the first such call. The strategy prepares
         the eval graph before Lightning's model summary runs the module with its hooks attached."""
         with training_flags_set(self.module, training):
-            self._run = self._captures.for_call(args, kwargs)
+            self._run = self._captures.for_call(args, kwargs).run
 
-    def _check_per_sample(self, run: Runnable, values: list[Any]) -> None:
+    def _check_per_sample(self, run: Runnable, first: list[Any]) -> None:
         """Refuse, before the first step, a ``forward`` that micro-batching would change. The stages
         run the check where they call the user's modules (fx), the module itself where the stages
         share one device. An exported graph across devices is left to the caller: its training
         graph bakes in the batch statistics that eval mode keeps out of the check."""
-        first = microbatch.scatter(values, self.chunks, run.input_dims)[0]
         signature = run.graph.signature
 
         def eager(call: list[Any]) -> Any:
@@ -469,8 +481,8 @@ class Pipeline(nn.Module):
 
     def _checked_loss_join(self, call: tuple[tuple, dict], leaf: int, sizes: list[int | None]) -> WeightedSum:
         with training_flags_set(self.module, False), side_effects_undone(self.module), torch.no_grad():
-            evaluated = self._captures.for_call(*call)
-            values = microbatch.scatter(evaluated.graph.bind(*call), self.chunks, evaluated.input_dims)
+            bound = self._captures.for_call(*call)
+            evaluated, values = bound.run, bound.micro_values
             together = with_samples_of(values[0], values[1], evaluated.input_dims, slice(None))
             losses = [self._run_whole(evaluated, v)[0][0][0][leaf] for v in (values[0], values[1], together)]
         parts, whole = losses[:2], losses[2]
