@@ -23,6 +23,16 @@ from .signature import FlatSignature, FxSignature
 from .specialization import Specialization
 
 
+def block_of(path: str) -> str | None:
+    """The element of a module list that the module at ``path`` is or belongs to
+    (``model.layers.17`` for ``model.layers.17.mlp``), if any: a block, such as a decoder layer."""
+    parts = path.split(".") if path else []
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return None
+
+
 @dataclass(frozen=True)
 class OpNode:
     """One operation of the model: what it calls, which nodes feed it, which state it reads.
@@ -41,6 +51,11 @@ class OpNode:
     owner: str = ""
     state: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
+
+    @property
+    def block(self) -> str | None:
+        """The element of a module list (``layers.17``) whose code issued this operation, if any."""
+        return block_of(self.target if self.kind == "call_module" else self.owner)
 
     @property
     def top_level(self) -> str:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..capture import OpGraph
-from ..capture.opgraph import AttrFetch
+from ..capture.opgraph import AttrFetch, block_of
 
 
 @dataclass
@@ -45,15 +45,6 @@ class Repeat:
         """Each node and outside input of the repeat -> the reference's."""
         return {**dict(zip(self.block.inputs, self.reference.inputs)), **dict(zip(self.block.nodes,
                                                                                   self.reference.nodes))}
-
-
-def block_of(owner: str) -> str | None:
-    """The element of a module list that ``owner`` belongs to (``model.layers.17``), if any."""
-    parts = owner.split(".") if owner else []
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return None
 
 
 def find_repeats(graph: OpGraph, graph_module: fx.GraphModule) -> list[Repeat]:

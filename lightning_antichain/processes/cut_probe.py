@@ -46,7 +46,7 @@ def probed_layouts(stages: Sequence[StageModule], schedule: ProcessSchedule, ran
         assert values is not None
         found[index] = layout_of(values)
         with torch.set_grad_enabled(train), side_effects_undone(stage.module):
-            outputs = tuple(stage.module(*stage.arguments(values)))
+            outputs = tuple(stage.hookless_module(*stage.arguments(values)))
         if splits_backward and train and index > 0:  # no trial of torch's split backward on real weights here
             whole.add(index)
         if index == len(stages) - 1:

@@ -148,7 +148,7 @@ def cut_layouts(stages: Sequence[StageModule], inputs: tuple, device: torch.devi
         for stage in stages:
             state = {name: _fake_like(t, device) for name, t in _named_state(stage)}
             leaves, spec = flatten(tuple(values))
-            outputs = functional_call(stage.module, state, stage.arguments(tuple(unflatten(leaves, spec))),
+            outputs = functional_call(stage.hookless_module, state, stage.arguments(tuple(unflatten(leaves, spec))),
                                       tie_weights=True, strict=False)
             if splits_backward and train and stage.index > 0 and weights_missed(leaves, outputs, state.values()):
                 whole.add(stage.index)
@@ -221,7 +221,7 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
 
 def _named_state(stage: StageModule) -> list[tuple[str, torch.Tensor]]:
     """The stage's parameters and buffers, each once (``functional_call`` ties the other names)."""
-    module = stage.module
+    module = stage.hookless_module
     return [*module.named_parameters(), *module.named_buffers()]
 
 

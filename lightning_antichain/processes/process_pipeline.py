@@ -35,7 +35,7 @@ from ..weights.initialization import Initializer
 from .cut_probe import probed_layouts
 from .cut_values import CutLayouts, cut_layouts, registered
 from .process_stages import FlatStage, holders, place_rank, schedule_runner, split_for_ranks, torch_stages
-from .replication import Replication, replicated
+from .replication import Regather, Replication, gathered, replicated
 from .tied_parameters import TiedParameters
 
 #: a micro-batch's loss from its output, as the module returns it, and its index
@@ -71,15 +71,16 @@ class ProcessPipeline:
     (``recompute``: every stage keeps only its inputs and runs its forward again in backward;
     ``deferred_batch_norm``: BatchNorm running statistics from the whole batch, once per step;
     ``replication``: how and over which 1-D mesh of ranks each stage is kept in step with the
-    other replicas', :mod:`.replication`; ``compile_arguments``: each stage's graph through
-    ``torch.compile`` with these). ``rank``, ``ranks`` and ``group`` are the pipeline's: its ranks
+    other replicas', :mod:`.replication`, and, with FSDP2, how often a block's parameters are
+    gathered, ``regather``; ``compile_arguments``: each stage's graph through ``torch.compile``
+    with these). ``rank``, ``ranks`` and ``group`` are the pipeline's: its ranks
     alone."""
 
     def __init__(self, graph: OpGraph, plan: Plan, schedule: ProcessSchedule, rank: int, ranks: int,
                  device: torch.device, group: Any = None, initializer: Initializer | None = None,
                  recompute: bool = False, deferred_batch_norm: bool = False,
                  replication: tuple[Replication, Any] | None = None,
-                 compile_arguments: dict[str, Any] | None = None) -> None:
+                 compile_arguments: dict[str, Any] | None = None, regather: Regather = "step") -> None:
         self.graph, self.plan, self.schedule = graph, plan, schedule
         self.rank, self.ranks, self.device, self.group = rank, ranks, device, group
         every = split_for_ranks(graph, plan, schedule, ranks, device)
@@ -93,7 +94,15 @@ class ProcessPipeline:
             raise ValueError("weights tied across the ranks of a pipeline are not kept in step with replicas yet: "
                              "train without replicas, or keep the tie within one stage (colocate_tied=True)")
         self.tied = TiedParameters(holders(every, schedule, ranks), params, names, rank)
-        self.stages: list[FlatStage] = place_rank(every, schedule, rank, ranks, initializer, recompute)
+        by_block = replication is not None and replication[0] == "fsdp"
+        if by_block and regather == "micro_batch" and schedule.splits_backward:
+            raise ValueError(
+                f"schedule {schedule.name!r} takes input and weight gradients apart, and FSDP2 reduce-scatters a "
+                "block's gradients when its backward reaches the block's inputs, before the weight gradients exist: "
+                "gather once per step (regather='step') with it, or choose a schedule that back-propagates whole "
+                "(1f1b, interleaved1f1b, gpipe)")
+        self.stages: list[FlatStage] = place_rank(every, schedule, rank, ranks, initializer, recompute,
+                                                  blocks_of=graph if by_block else None)
         for stage in self.stages:
             stage.stage.compile_arguments = compile_arguments
         self.tied.share_values()
@@ -103,7 +112,8 @@ class ProcessPipeline:
         self.replaced: dict[int, torch.nn.Parameter] = {}
         if replication is not None:
             for i, stage in enumerate(self.stages):
-                self.modules[i], replaced = replicated(stage, *replication)
+                blocks = [unit.module for unit in stage.stage.block_units]
+                self.modules[i], replaced = replicated(stage, *replication, blocks=blocks, regather=regather)
                 self.replaced.update(replaced)
         held = {stage.stage.index: stage.stage for stage in self.stages}
         first, last = held.get(0), held.get(plan.num_stages - 1)
@@ -192,9 +202,10 @@ class ProcessPipeline:
         dist.broadcast_object_list(sent, group_src=self.schedule.rank_of(0, self.ranks), group=self.group)
         if sent[0] is not None:
             return registered(sent[0])
-        return probed_layouts(self.every, self.schedule, self.rank, self.ranks,
-                              None if call is None else self._values_of(*call), self.device, train, self.group,
-                              self.schedule.splits_backward)
+        with gathered(self.modules):  # FSDP2's shards whole (a stage at once), for stages run outside its hooks
+            return probed_layouts(self.every, self.schedule, self.rank, self.ranks,
+                                  None if call is None else self._values_of(*call), self.device, train, self.group,
+                                  self.schedule.splits_backward)
 
     def _give_layouts(self, layouts: CutLayouts) -> None:
         for stage in self.stages:

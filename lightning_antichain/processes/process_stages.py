@@ -26,6 +26,7 @@ from ..capture.pytrees import flatten, unflatten
 from ..plans.plan import Plan
 from ..plans.process_schedules import ProcessSchedule
 from ..stages.batchnorm import recomputing
+from ..stages.block_units import outline_stage
 from ..stages.split import StageModule, place_stages, split_stages
 from ..weights.initialization import Initializer
 from .cut_sizes import without_sizes
@@ -127,11 +128,16 @@ def split_for_ranks(graph: OpGraph, plan: Plan, schedule: ProcessSchedule, ranks
 
 
 def place_rank(stages: list[StageModule], schedule: ProcessSchedule, rank: int, ranks: int,
-               initializer: Initializer | None = None, recompute: bool = False) -> list[FlatStage]:
+               initializer: Initializer | None = None, recompute: bool = False,
+               blocks_of: OpGraph | None = None) -> list[FlatStage]:
     """Rank ``rank``'s stages among ``stages``, placed (made real, where the model is on meta) on
-    their device: these stages alone; with ``recompute``, each keeping only its inputs for backward."""
+    their device: these stages alone; with ``recompute``, each keeping only its inputs for backward;
+    with ``blocks_of``, each with its operations grouped by the blocks of that graph that issued
+    them (:mod:`~lightning_antichain.stages.block_units`), for FSDP2 to shard block by block."""
     mine = [stages[i] for i in schedule.stages_of(rank, ranks)]
     place_stages(mine, initializer)
+    for stage in mine if blocks_of is not None else ():
+        outline_stage(stage, blocks_of)
     return [FlatStage(stage, recompute) for stage in mine]
 
 

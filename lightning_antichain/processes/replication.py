@@ -10,30 +10,80 @@ micro-batch's backward, not after the step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from torch import nn
 
 Replication = Literal["ddp", "fsdp"]
 REPLICATIONS: tuple[Replication, ...] = ("ddp", "fsdp")
+Regather = Literal["micro_batch", "step"]
+"""How often FSDP2 gathers a block's parameters: for each micro-batch's forward and again for its
+backward, its gradients reduce-scattered in each backward (the least memory: a block or two
+gathered at a time); or once per step, kept gathered and its gradients reduced once, after the
+last micro-batch (the fewest collectives: the whole stage and its gradients gathered)."""
+REGATHERS: tuple[Regather, ...] = ("micro_batch", "step")
 
 
-def replicated(stage: nn.Module, how: Replication, mesh: Any) -> tuple[nn.Module, dict[int, nn.Parameter]]:
+def replicated(stage: nn.Module, how: Replication, mesh: Any, blocks: Sequence[nn.Module] = (),
+               regather: Regather = "step") -> tuple[nn.Module, dict[int, nn.Parameter]]:
     """``stage`` kept in step over the ranks of ``mesh`` (a 1-D ``DeviceMesh``: the ranks that hold
     this stage in the other replicas): wrapped in DDP, or sharded in place by FSDP2; and the
     parameters FSDP2 replaced (the user's modules then hold a ``DTensor`` shard of each), by the
-    id of the parameter each replaced."""
+    id of the parameter each replaced.
+
+    FSDP2 shards each of ``blocks`` (modules the stage calls, in the order it calls them) as a unit
+    of its own, gathered for its forward with the next one prefetched, and for its backward with
+    the one before it prefetched, its gradients reduce-scattered as its backward ends; then the
+    stage, for the parameters outside them. ``regather``: how often (:data:`Regather`)."""
     if how == "ddp":
         return nn.parallel.DistributedDataParallel(stage, process_group=mesh.get_group()), {}
     if how == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         before = dict(stage.named_parameters())
+        if regather not in REGATHERS:
+            raise ValueError(f"regather={regather!r} is not one of {', '.join(REGATHERS)}")
+        units = [fully_shard(block, mesh=mesh, reshard_after_forward=regather == "micro_batch") for block in blocks]
+        for unit, after in zip(units, units[1:]):
+            unit.set_modules_to_forward_prefetch([after])
         sharded = fully_shard(stage, mesh=mesh)
-        return sharded, {id(before[name]): param for name, param in stage.named_parameters()
-                         if param is not before[name]}
+        replaced = {id(before[name]): param for name, param in stage.named_parameters() if param is not before[name]}
+        return (sharded if regather == "step" else EveryMicroBatch(sharded)), replaced
     raise ValueError(f"replication={how!r} is not one of {', '.join(REPLICATIONS)}")
+
+
+class EveryMicroBatch(nn.Module):
+    """A stage FSDP2 sharded, which torch's pipeline stage takes for a plain module: FSDP2's own
+    hooks then free each block's gathered parameters after its backward and reduce-scatter its
+    gradients there, in every micro-batch. Given the sharded module itself, torch's stage keeps
+    everything gathered and the gradients whole until the last micro-batch (``Regather`` "step")."""
+
+    def __init__(self, sharded: nn.Module) -> None:
+        super().__init__()
+        self.sharded = sharded
+
+    def forward(self, *args: Any) -> Any:
+        return self.sharded(*args)
+
+
+@contextlib.contextmanager
+def gathered(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside this block, the parameters FSDP2 sharded in ``modules`` are whole: for running a
+    stage outside the hooks that gather them (to find what crosses its cuts). Every replica of the
+    stages calls it, as FSDP2's gathers are collectives."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = list({id(m): m for module in modules for m in module.modules() if isinstance(m, FSDPModule)}.values())
+    for module in sharded:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in sharded:
+            module.reshard()
 
 
 def full(value: Any) -> Any:

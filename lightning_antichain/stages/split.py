@@ -14,7 +14,7 @@ being shipped between stages.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -60,6 +60,17 @@ class StageModule:
     clock: OpClock | None = None
     #: ``torch.compile``'s arguments where the stage runs compiled (``compile_stages``); ``None``: eager
     compile_arguments: dict[str, Any] | None = None
+    #: its operations grouped by block, each group a submodule, where they were
+    #: (:mod:`~lightning_antichain.stages.block_units`): FSDP2 shards each block on its own
+    block_units: list[Any] = field(default_factory=list)
+    #: the stage's graph as it was cut, its operations not grouped: what runs the stage outside the
+    #: hooks FSDP2 puts on the groups (finding what crosses its cuts); ``None``: ``module`` is that
+    ungrouped: fx.GraphModule | None = None
+
+    @property
+    def hookless_module(self) -> fx.GraphModule:
+        """The stage's graph with no module of its own in between (:attr:`ungrouped`)."""
+        return self.ungrouped if self.ungrouped is not None else self.module
 
     def __post_init__(self) -> None:
         if self.streams is None:
