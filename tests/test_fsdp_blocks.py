@@ -7,7 +7,8 @@ and backward of every micro-batch), the parameter bytes alive on it: its shards,
 parameters gathered then. Regathered per micro-batch, that peak is the shards, the parameters
 outside the blocks (gathered by the stage for the step) and at most two blocks (the one running
 and the one prefetched), never the whole stage; gathered once per step, it is the whole stage.
-The gradients and AdamW's moments after two steps equal the plain module's, in float64.
+The gradients and AdamW's moments after two steps, with a validation pass after each, equal the
+plain module's, in float64.
 """
 
 from __future__ import annotations
@@ -108,6 +109,9 @@ def fsdp_process(rank: int, port: int, dp: int, regather: str, results: mp.Queue
                 pipeline.run("step", calls, lambda out, m: dp * loss_fn(out, targets[m]), CHUNKS, train=True)
             grads = {n: p.grad.full_tensor().numpy() for n, p in params.items()}
             optimizer.step()
+            with torch.inference_mode():  # a validation pass between steps, as Lightning's loop runs one
+                pipeline.run("eval", calls, lambda out, m: loss_fn(out, targets[m]), CHUNKS, train=False)
+            assert all(isinstance(p, DTensor) for p in pipeline.parameters()), "gathered after an evaluation"
 
         def whole(value: torch.Tensor) -> torch.Tensor:
             return value.full_tensor() if isinstance(value, DTensor) else value

@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 import lightning_antichain as la
-from lightning_antichain.planner.layout_cost import BUCKET_BYTES, Links, layout_cost, ring_all_reduce_s
+from lightning_antichain.planner.layout_cost import (
+    BUCKET_BYTES,
+    Links,
+    layout_cost,
+    ring_all_gather_s,
+    ring_all_reduce_s,
+)
 from lightning_antichain.planner.layout_search import layout_search, plan_layouts
 from lightning_antichain.plans.layout import Layout
 from lightning_antichain.plans.options import PipelineOptions
@@ -64,16 +70,42 @@ def test_a_cut_across_nodes_is_charged_the_slower_link():
     assert across.step_s - within.step_s > shipped  # on the critical path once per micro-batch at least
 
 
-def test_fsdp_keeps_a_share_of_the_optimizer_state_per_rank_and_ddp_all_of_it():
-    plan = two_stage_plan()
+def test_fsdp_keeps_a_share_of_each_tensor_per_rank_and_gathers_a_block_or_the_stage_and_ddp_all_of_it():
+    plan = two_stage_plan()  # 100 MB parameters, their gradients, 200 MB of optimizer state, 600 MB else
     links = Links(4, 100.0, 100.0)
     ddp = layout_cost(plan, ONE_F_ONE_B, Layout(4, 2), links, "ddp")
-    fsdp = layout_cost(plan, ONE_F_ONE_B, Layout(4, 2), links, "fsdp")
     assert ddp.rank_bytes == (1000 * MB, 1000 * MB)
-    assert fsdp.rank_bytes == tuple(int(1000 * MB - 2 * 100 * MB * 3 / 4) for _ in range(2))
+    step = layout_cost(plan, ONE_F_ONE_B, Layout(4, 2), links, "fsdp", "step")
+    assert step.rank_bytes == (900 * MB, 900 * MB)  # shards of 25 + the stage gathered, both ways; 50 optimizer
+    unknown = layout_cost(plan, ONE_F_ONE_B, Layout(4, 2), links, "fsdp", "micro_batch")
+    assert unknown.rank_bytes == step.rank_bytes  # no blocks known: the stage is gathered whole all the same
+    blocks = dataclasses.replace(plan, stages=[dataclasses.replace(s, largest_block_bytes=10 * MB,
+                                                                   unblocked_param_bytes=5 * MB) for s in plan.stages])
+    per_micro_batch = layout_cost(blocks, ONE_F_ONE_B, Layout(4, 2), links, "fsdp", "micro_batch")
+    # shards 25 + 5 outside blocks + two blocks of 10; gradients: shards 25 + one block's 10; optimizer 50
+    assert per_micro_batch.rank_bytes == (735 * MB, 735 * MB)
     zbv = process_schedule("zbv")
     four = Plan(**{**dataclasses.asdict(plan), "stages": [stage(i) for i in range(4)]})
     assert layout_cost(four, zbv, Layout(1, 2), links).rank_bytes == (2000 * MB, 2000 * MB)  # two stages a rank
+
+
+def test_gathering_per_micro_batch_costs_collectives_per_task_and_once_per_step_at_the_step_ends():
+    plan = dataclasses.replace(two_stage_plan(chunks=8), stages=[
+        dataclasses.replace(s, largest_block_bytes=20 * MB, unblocked_param_bytes=0) for s in two_stage_plan().stages])
+    alone = layout_cost(plan, ONE_F_ONE_B, Layout(1, 2), Links(4, 10.0, 10.0))
+    slow, fast = Links(4, 10.0, 10.0), Links(4, 1000.0, 1000.0)
+    gather = ring_all_gather_s(100 * MB, 2, 10.0)  # ~5 ms: under the 10 ms forward, hidden but the first block
+    per_micro_batch = layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), slow, "fsdp", "micro_batch")
+    once = layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), slow, "fsdp", "step")
+    first_block = ring_all_gather_s(20 * MB, 2, 10.0)
+    # once per step: the first block's gather (the rest behind the first forward), the gradients' scatter
+    assert once.reduction_s == pytest.approx(first_block + gather, rel=1e-6)
+    assert per_micro_batch.reduction_s == 0.0  # every collective is in a task
+    assert per_micro_batch.step_s - alone.step_s >= 8 * 2 * first_block  # each forward and backward waits for one
+    assert per_micro_batch.step_s > once.step_s  # slow links: eight micro-batches' gathers against one
+    assert per_micro_batch.peak_bytes < once.peak_bytes
+    quick = layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), fast, "fsdp", "micro_batch")
+    assert quick.step_s < per_micro_batch.step_s and quick.step_s - alone.step_s < 0.01
 
 
 class Blocks(nn.Module):
@@ -85,14 +117,31 @@ class Blocks(nn.Module):
         return self.blocks(x)
 
 
-def search(world: int, *, stages="auto", schedule="auto", **settings):
+def search(world: int, *, stages="auto", schedule="auto", replication="ddp", **settings):
     torch.manual_seed(0)
     model = Blocks()
     options = PipelineOptions(use_profile_cache=False, progress=False, **settings)
     return plan_layouts(model, (torch.randn(32, 64),), {}, world,
                         lambda layout, s: [torch.device("cpu")] * s.num_stages(layout.pp),
                         layout_search(stages, schedule, None), Links(per_node=world), options,
-                        optimizers=[torch.optim.Adam(model.parameters())])
+                        optimizers=[torch.optim.Adam(model.parameters())], replication=replication)
+
+
+def test_with_fsdp_the_search_weighs_both_ways_to_gather_and_per_micro_batch_fits_where_once_per_step_does_not():
+    free = search(4, schedule="1f1b", replication="fsdp").plan
+    assert {r.get("regather") for r in free.layouts if r["dp"] > 1} == {"micro_batch", "step"}
+    assert all("regather" not in r for r in free.layouts if r["dp"] == 1)
+    assert (free.regather is None) == (free.layout["dp"] == 1) and free.layout.get("regather") == free.regather
+    pure = {(r["regather"], r["chunks"]): r for r in free.layouts if r["dp"] == 4 and "peak_memory_bytes" in r}
+    counts = {chunks for _, chunks in pure}
+    assert counts and all(pure["micro_batch", c]["peak_memory_bytes"] < pure["step", c]["peak_memory_bytes"]
+                          for c in counts)  # a block or two gathered at a time, against all four
+    limit = max(pure["micro_batch", c]["peak_memory_bytes"] for c in counts)
+    tight = search(4, schedule="1f1b", replication="fsdp", memory_gb=limit / 1e9).plan
+    lost = [r for r in tight.layouts if r["dp"] == 4 and r.get("regather") == "step"]
+    assert lost and all("over its" in r["lost"] for r in lost)
+    assert any("over its" not in r.get("lost", "") for r in tight.layouts if r.get("regather") == "micro_batch")
+    assert "FSDP2 gathering" in tight.table()
 
 
 def test_auto_weighs_every_layout_schedule_and_count_and_takes_the_fastest_that_fits():

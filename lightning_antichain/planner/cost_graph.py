@@ -28,6 +28,8 @@ them a stage is taken to keep its inputs and every node's output.
 A hand-made graph is a valid cost graph too::
 
     >>> import networkx as nx
+
+from ..capture.opgraph import block_of
     >>> g = nx.DiGraph([("a", "b"), ("b", "c")])
     >>> nx.set_node_attributes(g, 1.0, "forward_s")
     >>> total_compute(normalize_cost_graph(g))
@@ -41,6 +43,8 @@ import os
 from typing import Any
 
 import networkx as nx
+
+from ..capture.opgraph import block_of
 
 GRAPH_FORMAT = "lightning-antichain/cost-graph/1"
 
@@ -106,6 +110,29 @@ def node_compute(graph: nx.DiGraph, name: Any) -> float:
 def total_compute(graph: nx.DiGraph) -> float:
     """Forward plus backward seconds of the whole model for one micro-batch."""
     return sum(node_compute(graph, n) for n in graph.nodes)
+
+
+def block_of_node(attrs: dict[str, Any]) -> str | None:
+    """The block (an element of a module list: a decoder layer) whose code issued the node, from
+    its ``kind``, ``target`` and ``owner`` as the profiler writes them; ``None``: none."""
+    path = attrs.get("target") if attrs.get("kind") == "call_module" else attrs.get("owner")
+    return block_of(str(path)) if path else None
+
+
+def block_param_bytes(graph: nx.DiGraph, nodes: Any) -> tuple[int, int]:
+    """Of the parameters ``nodes`` own, the bytes of the largest block's, and of those no block
+    owns: what FSDP2, sharding each block on its own, gathers at once at most, and what it keeps
+    gathered for a whole step."""
+    per_block: dict[str, int] = {}
+    outside = 0
+    for v in nodes:
+        attrs = graph.nodes[v]
+        block = block_of_node(attrs)
+        if block is None:
+            outside += int(attrs["param_bytes"])
+        else:
+            per_block[block] = per_block.get(block, 0) + int(attrs["param_bytes"])
+    return max(per_block.values(), default=0), outside
 
 
 def cost_graph_to_dict(graph: nx.DiGraph) -> dict[str, Any]:

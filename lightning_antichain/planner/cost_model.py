@@ -17,6 +17,7 @@ import networkx as nx
 import numpy as np
 
 from ..plans.plan import RECOMPUTE_MODES, Stage
+from .cost_graph import block_param_bytes
 
 
 class InfeasiblePlanError(ValueError):
@@ -213,6 +214,7 @@ def evaluate_stages(
         out_bytes = sum(graph.nodes[v]["output_bytes"] for v in cut_out)
         sum_attr = lambda key: sum(graph.nodes[v][key] for v in nodes if not graph.nodes[v]["pinned"])  # noqa: E731,B023
         activations, kept_inputs = kept_bytes(graph, nodes, cut_in, cut_out)
+        largest_block, unblocked = block_param_bytes(graph, [v for v in nodes if not graph.nodes[v]["pinned"]])
         built.append(
             Stage(
                 index=k,
@@ -227,6 +229,8 @@ def evaluate_stages(
                 loss_workspace_bytes=int(model.loss_side_bytes(activations, kept_inputs, k, k == 0)
                                          - (model.joined_output_bytes if k == 0 else 0)),
                 param_bytes=int(sum_attr("param_bytes")),
+                largest_block_bytes=largest_block,
+                unblocked_param_bytes=unblocked,
                 frozen_bytes=int(sum_attr("frozen_bytes")),
                 modules=module_span(graph, nodes),
                 buffer_bytes=int(sum_attr("buffer_bytes")),

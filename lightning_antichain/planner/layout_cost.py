@@ -4,16 +4,27 @@ A plan cut into stages predicts its step from the schedule's table of tasks (tor
 as processes). Laid out as ``dp`` replicas of a pipeline of ``pp`` ranks, three things change:
 the ``dp`` pipelines run at once, so where they share a machine's CPU they slow each other as a
 pipeline's own stages do; a cut between ranks on two nodes ships its values over the slower link
-between nodes; and each stage's gradients are reduced over its replicas. DDP reduces them during
-the last micro-batch's backward, bucket by bucket, so a rank's reduction delays its end of the
-step only by what that backward does not hide, and at least by its last bucket. On a CPU the
-reduction is work for the same cores, which hides nothing and slows the other ranks: the step
-then lasts at least all ranks' work (tasks, reductions, optimizer steps) over what the cores get
-through at once. FSDP2 (sharding
-a stage whole) keeps ``1/dp`` of the optimizer state per rank; the parameters and gradients are
-whole while the stage computes, and it gathers and reduces the same bytes as DDP. Each rank
-steps the optimizer on its own parameters (its share of them, with FSDP2), all ranks at once: on
-a shared CPU, as slowly as the ranks' sharing of its cores makes it.
+between nodes; and the ranks that hold a stage keep their copies in step.
+
+DDP reduces the gradients during the last micro-batch's backward, bucket by bucket, so a rank's
+reduction delays its end of the step only by what that backward does not hide, and at least by
+its last bucket. On a CPU the reduction is work for the same cores, which hides nothing and slows
+the other ranks: the step then lasts at least all ranks' work (tasks, reductions, optimizer steps)
+over what the cores get through at once.
+
+FSDP2 keeps ``1/dp`` of each parameter, gradient and optimizer state per rank and shards each
+block (a decoder layer) on its own (:mod:`~lightning_antichain.stages.block_units`). Gathered per
+micro-batch (``regather="micro_batch"``), every forward all-gathers the stage's parameters a block
+at a time and every backward gathers the blocks again and reduce-scatters their gradients: a rank
+holds its shards, the parameters outside blocks and two blocks (the one running, the next
+prefetched), and a block's gradients before they are scattered. On an accelerator the gathers of
+the next block overlap the current one's compute, so a task lasts as long as the longer of the
+two, plus the first block's gather; on a CPU they add. Gathered once per step
+(``regather="step"``, torch's pipelining default), the whole stage is gathered for the first
+forward and its gradients, kept whole, are reduce-scattered once after the last backward: the
+fewest collectives, and the most memory (the stage whole besides its shards). Each rank steps the
+optimizer on its own parameters (its share of them, with FSDP2), all ranks at once: on a shared
+CPU, as slowly as the ranks' sharing of its cores makes it.
 """
 
 from __future__ import annotations
@@ -24,10 +35,10 @@ from dataclasses import dataclass
 
 from ..device import shares_host
 from ..plans.layout import Layout
-from ..plans.plan import Plan
+from ..plans.plan import Plan, Stage
 from ..plans.process_schedules import ProcessSchedule
 from ..plans.schedule import Schedule
-from ..processes.replication import Replication
+from ..processes.replication import Regather, Replication
 
 BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket: the last one is reduced after the backward that fills it ends."""
@@ -56,9 +67,15 @@ class Links:
 
 def ring_all_reduce_s(nbytes: float, ranks: int, gbps: float | None) -> float:
     """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks on links of ``gbps``."""
+    return 2.0 * ring_all_gather_s(nbytes, ranks, gbps)
+
+
+def ring_all_gather_s(nbytes: float, ranks: int, gbps: float | None) -> float:
+    """Seconds of a ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``ranks`` ranks
+    on links of ``gbps``: each rank sends and receives all but its own share."""
     if ranks <= 1 or gbps is None or nbytes <= 0:
         return 0.0
-    return 2.0 * (ranks - 1) / ranks * nbytes / (gbps * 1e9)
+    return (ranks - 1) / ranks * nbytes / (gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -76,11 +93,15 @@ class LayoutCost:
 
 
 def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links,
-                replication: Replication = "ddp") -> LayoutCost:
+                replication: Replication = "ddp", regather: Regather = "step") -> LayoutCost:
     """``plan`` (cut into ``schedule.num_stages(layout.pp)`` stages) run under ``schedule`` as
-    ``layout`` (see the module's docstring)."""
+    ``layout``, its stages kept in step by ``replication`` (with FSDP2, gathered as ``regather``
+    says) (see the module's docstring)."""
     pp, dp = layout.pp, layout.dp
     linked = _over_links(plan, schedule, layout, links)
+    gathers = _Gathers(linked, schedule, layout, links, regather) if replication == "fsdp" and dp > 1 else None
+    if gathers is not None:
+        linked = gathers.in_tasks()
     table = schedule.table(pp, plan.chunks)
     timed = linked.timeline(table, replicas=dp)
     holder = {s: schedule.rank_of(s, pp) for s in range(plan.num_stages)}
@@ -97,6 +118,11 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         hidden = 0.0 if any(shares_host(s.device) for s in stages) else last_backward[position]
         grads = sum(s.param_bytes - s.frozen_bytes for s in stages)
         gbps = links.slowest([layout.rank(d, position) for d in range(dp)])
+        if gathers is not None:  # FSDP2: what its tasks do not already carry
+            exposed = gathers.at_step_ends(position)
+            reductions.append(exposed)
+            finish.append(ends[position] + exposed)
+            continue
         whole, tail = ring_all_reduce_s(grads, dp, gbps), ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps)
         reductions.append(whole if dp > 1 else 0.0)
         finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
@@ -109,7 +135,7 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         end = max(end, work / capacity)
     step = end + linked.step_overhead_s + optimizer_s
     reduction = end - max(ends)
-    rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication) for s in schedule.stages_of(p, pp))
+    rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication, regather) for s in schedule.stages_of(p, pp))
                        for p in range(pp))
     return LayoutCost(step, reduction, rank_bytes)
 
@@ -137,12 +163,78 @@ def _optimizer_s(plan: Plan, schedule: ProcessSchedule, layout: Layout, replicat
     return plan.optimizer_step_s * share * slowdown
 
 
-def _stage_bytes(plan: Plan, index: int, dp: int, replication: Replication) -> int:
+def _stage_bytes(plan: Plan, index: int, dp: int, replication: Replication, regather: Regather) -> int:
+    """A stage's peak on its rank: as planned alone (DDP keeps whole copies), or with FSDP2's
+    shards, what it gathers at once, and ``1/dp`` of the optimizer state."""
     stage = plan.stages[index]
     if replication != "fsdp" or dp == 1:
         return stage.memory_bytes
-    optimizer = (stage.param_bytes - stage.frozen_bytes) * plan.optimizer_multiplier
-    return int(stage.memory_bytes - optimizer * (1 - 1 / dp))
+    params, grads = stage.param_bytes, stage.param_bytes - stage.frozen_bytes
+    optimizer = grads * plan.optimizer_multiplier
+    rest = stage.memory_bytes - params - grads - optimizer
+    if regather == "micro_batch":
+        largest, unblocked = _blocks(stage)
+        gathered = min(params, unblocked + 2 * largest)
+        unscattered = min(grads, max(largest, unblocked))  # the gradients of one unit, before they scatter
+    else:
+        gathered, unscattered = params, grads
+    return int(rest + params / dp + gathered + grads / dp + unscattered + optimizer / dp)
+
+
+def _blocks(stage: Stage) -> tuple[int, int]:
+    """The stage's largest block's parameter bytes and those outside blocks; a stage that says
+    nothing of its blocks (a plan made by hand) has all its parameters outside them."""
+    if stage.largest_block_bytes or stage.unblocked_param_bytes:
+        return stage.largest_block_bytes, stage.unblocked_param_bytes
+    return 0, stage.param_bytes
+
+
+class _Gathers:
+    """FSDP2's collectives in a layout: per micro-batch in the stages' tasks, or once per step."""
+
+    def __init__(self, plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links,
+                 regather: Regather) -> None:
+        self.plan, self.schedule, self.layout, self.regather = plan, schedule, layout, regather
+        self.gbps = [links.slowest([layout.rank(d, schedule.rank_of(s, layout.pp)) for d in range(layout.dp)])
+                     for s in range(plan.num_stages)]
+
+    def _gather_s(self, index: int, nbytes: float) -> float:
+        return ring_all_gather_s(nbytes, self.layout.dp, self.gbps[index])
+
+    def in_tasks(self) -> Plan:
+        """The plan with each task carrying the gathers and reductions of its micro-batch (none
+        where the stage is gathered once per step)."""
+        if self.regather == "step":
+            return self.plan
+        stages = []
+        for stage in self.plan.stages:
+            params, grads = stage.param_bytes, stage.param_bytes - stage.frozen_bytes
+            largest, unblocked = _blocks(stage)
+            forward = self._gather_s(stage.index, params)
+            backward = self._gather_s(stage.index, params - unblocked) + self._gather_s(stage.index, grads)
+            first = self._gather_s(stage.index, largest)
+            if shares_host(stage.device):  # the cores that compute also move the bytes
+                stages.append(dataclasses.replace(stage, forward_s=stage.forward_s + forward,
+                                                  backward_s=stage.backward_s + backward))
+            else:  # the next block's gather behind this one's compute
+                stages.append(dataclasses.replace(stage, forward_s=max(stage.forward_s, forward) + first,
+                                                  backward_s=max(stage.backward_s, backward) + first))
+        return dataclasses.replace(self.plan, stages=stages)
+
+    def at_step_ends(self, position: int) -> float:
+        """What rank ``position``'s step adds outside its tasks: once per step, the whole stage's
+        gather before its first forward (prefetched block by block behind it, on an accelerator)
+        and its gradients' reduce-scatter after the last backward."""
+        if self.regather == "micro_batch":
+            return 0.0
+        total = 0.0
+        for index in self.schedule.stages_of(position, self.layout.pp):
+            stage = self.plan.stages[index]
+            gather = self._gather_s(index, stage.param_bytes)
+            if not shares_host(stage.device):
+                gather = max(gather - stage.forward_s, self._gather_s(index, _blocks(stage)[0]))
+            total += gather + self._gather_s(index, stage.param_bytes - stage.frozen_bytes)
+        return total
 
 
 def _over_links(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links) -> Plan:

@@ -27,7 +27,7 @@ from ..plans.layout import Layout
 from ..plans.options import PipelineOptions
 from ..plans.plan import Plan
 from ..plans.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_schedule
-from ..processes.replication import Replication
+from ..processes.replication import REGATHERS, Regather, Replication
 from .layout_cost import LayoutCost, Links, layout_cost
 from .partition import InfeasiblePlanError
 from .planning import (
@@ -112,14 +112,26 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
     return _chosen(rows, best, world_size, size, graph)
 
 
-Weigh = Callable[[nx.DiGraph, Layout, ProcessSchedule, int], tuple[Plan, LayoutCost, float | None]]
+Weigh = Callable[[nx.DiGraph, Layout, ProcessSchedule, int], tuple[Plan, dict[Regather | None, LayoutCost],
+                                                                     float | None]]
+
+
+def regathers(replication: Replication, layout: Layout, schedule: ProcessSchedule) -> tuple[Regather | None, ...]:
+    """How often FSDP2 may gather a block's parameters in ``layout`` under ``schedule``: per
+    micro-batch or once per step, where replicas shard; once per step only under a schedule that
+    takes input and weight gradients apart (:class:`~lightning_antichain.processes.process_pipeline.ProcessPipeline`
+    refuses the other); ``None`` where nothing is sharded."""
+    if replication != "fsdp" or layout.dp == 1:
+        return (None,)
+    return ("step",) if schedule.splits_backward else REGATHERS
 
 
 def _weighed(layout: Layout, schedule: ProcessSchedule, size: int, replication: Replication,
              profiled: Callable[[int], tuple[nx.DiGraph, str] | Exception], weigh: Weigh
              ) -> Iterator[tuple[dict[str, Any], Plan | None, nx.DiGraph | None]]:
-    """A row for each micro-batch count of ``layout`` under ``schedule`` for a batch of ``size``,
-    with its plan and cost graph where it runs and fits (a row that lost says why)."""
+    """A row for each micro-batch count of ``layout`` under ``schedule`` for a batch of ``size``
+    (and, with FSDP2, for each way to gather: :func:`regathers`), with its plan and cost graph
+    where it runs and fits (a row that lost says why)."""
     dp, pp = layout.dp, layout.pp
     base = {"dp": dp, "pp": pp, "schedule": schedule.name, "virtual_stages": schedule.virtual_stages,
             "replication": replication}
@@ -145,13 +157,15 @@ def _weighed(layout: Layout, schedule: ProcessSchedule, size: int, replication: 
             row["lost"] = str(exc).splitlines()[0]
             yield row, None, None
             continue
-        row.update(predicted_step_s=predicted.step_s, reduction_s=predicted.reduction_s,
-                   peak_memory_bytes=predicted.peak_bytes)
-        if limit is not None and predicted.peak_bytes > limit:
-            row["lost"] = f"needs {predicted.peak_bytes / GB:.1f} GB on a rank, over its {limit / GB:.1f} GB"
-            yield row, None, None
-            continue
-        yield row, plan, cost
+        for regather, weighed in predicted.items():
+            gathered = {**row, **({} if regather is None else {"regather": regather}),
+                        "predicted_step_s": weighed.step_s, "reduction_s": weighed.reduction_s,
+                        "peak_memory_bytes": weighed.peak_bytes}
+            if limit is not None and weighed.peak_bytes > limit:
+                gathered["lost"] = f"needs {weighed.peak_bytes / GB:.1f} GB on a rank, over its {limit / GB:.1f} GB"
+                yield gathered, None, None
+                continue
+            yield gathered, plan, cost
 
 
 def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiGraph] | None, world_size: int,
@@ -167,8 +181,10 @@ def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiG
         if row is not chosen and "lost" not in row:
             row["lost"] = (f"{'slower' if row['predicted_step_s'] > chosen['predicted_step_s'] else 'no faster'}: "
                            f"{1e3 * row['predicted_step_s']:.1f} ms against {1e3 * chosen['predicted_step_s']:.1f} ms")
-    plan.layout = {k: chosen[k] for k in ("dp", "pp", "schedule", "virtual_stages", "replication")}
+    plan.layout = {k: chosen[k] for k in ("dp", "pp", "schedule", "virtual_stages", "replication", "regather")
+                   if k in chosen}
     plan.predicted_step_s = chosen["predicted_step_s"]  # in its layout
+    plan.regather = chosen.get("regather")
     plan.layouts = rows
     plan.batch_size = size
     return Planned(plan, graph, cost)
@@ -176,9 +192,10 @@ def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiG
 
 def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chunks: int, devices_of: DevicesOf,
                links: Links, options: PipelineOptions, multiplier: float, replication: Replication
-               ) -> tuple[Plan, LayoutCost, float | None]:
-    """The plan of ``layout`` under ``schedule`` at ``chunks`` micro-batches, its cost there, and
-    the memory of a rank's device in bytes (``None``: unlimited)."""
+               ) -> tuple[Plan, dict[Regather | None, LayoutCost], float | None]:
+    """The plan of ``layout`` under ``schedule`` at ``chunks`` micro-batches, its cost there for
+    each way FSDP2 may gather (:func:`regathers`), and the memory of a rank's device in bytes
+    (``None``: unlimited)."""
     schedule.table(layout.pp, chunks)  # a count torch's schedule refuses raises here
     devices = devices_of(layout, schedule)
     device_gb = default_memory_gb(devices) if options.memory_gb is None else _per_device(options.memory_gb,
@@ -195,7 +212,28 @@ def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chun
         # sharding the optimizer state over the replicas may fit what a stage alone does not
         plan = _cut(cost, devices, chunks, options.recompute, None, options.method, links.within_gbps, None,
                     multiplier, family)
-    return plan, layout_cost(plan, schedule, layout, links, replication), min(known) * GB if known else None
+    costs = {regather: layout_cost(plan, schedule, layout, links, replication, regather or "step")
+             for regather in regathers(replication, layout, schedule)}
+    return plan, costs, min(known) * GB if known else None
+
+
+def chosen_regather(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links, replication: Replication,
+                    devices: Sequence[torch.device], memory_gb: float | tuple[float | None, ...] | None
+                    ) -> Regather | None:
+    """For a plan in a layout given: how FSDP2 gathers (:func:`regathers`), the fastest way that
+    fits the devices' memory (``memory_gb``, else what they have), else the one needing the least;
+    ``None`` where nothing is sharded."""
+    options = regathers(replication, layout, schedule)
+    if options == (None,):
+        return None
+    device_gb = default_memory_gb(devices) if memory_gb is None else _per_device(memory_gb, len(devices))
+    known = [gb for gb in device_gb if gb is not None]
+    limit = min(known) * GB if known else None
+    costs = {r: layout_cost(plan, schedule, layout, links, replication, r) for r in options if r is not None}
+    fitting = [r for r, c in costs.items() if limit is None or c.peak_bytes <= limit]
+    if fitting:
+        return min(fitting, key=lambda r: (costs[r].step_s, costs[r].peak_bytes))
+    return min(costs, key=lambda r: costs[r].peak_bytes)
 
 
 def _per_device(memory_gb: float | tuple[float | None, ...], count: int) -> list[float | None]:

@@ -82,6 +82,11 @@ class Stage:
     backward_weight_s: float | None = None
     joined_output_bytes: int = 0
     loss_workspace_bytes: int = 0
+    #: of ``param_bytes``, the largest share one block's operations own (a decoder layer), and the
+    #: share no block owns: FSDP2 sharding each block on its own gathers one block at a time, and
+    #: the rest for the whole step (:mod:`~lightning_antichain.stages.block_units`)
+    largest_block_bytes: int = 0
+    unblocked_param_bytes: int = 0
 
     def backward_halves(self) -> tuple[float, float]:
         """The seconds of the two halves of a split backward: as measured, else ``backward_s``
@@ -164,6 +169,10 @@ class Plan:
     repeated_blocks: dict[str, list[str]] = field(default_factory=dict)
     layout: dict[str, Any] | None = None
     layouts: list[dict[str, Any]] = field(default_factory=list)
+    #: how often FSDP2 gathers each block's parameters where replicas shard the stages:
+    #: ``"micro_batch"`` or ``"step"`` (:data:`~lightning_antichain.processes.replication.Regather`),
+    #: as the layout search or the planner for a given layout chose it; ``None``: nothing sharded
+    regather: str | None = None
 
     @property
     def num_stages(self) -> int:

@@ -119,14 +119,20 @@ def _choice_lines(plan: Any) -> list[str]:
 
 def _layout_name(row: dict[str, Any]) -> str:
     name = f"dp={row['dp']} x pp={row['pp']} {row['schedule']}"
-    return name + (f" ({row['virtual_stages']} stages each)" if row.get("virtual_stages", 1) > 1 else "")
+    name += f" ({row['virtual_stages']} stages each)" if row.get("virtual_stages", 1) > 1 else ""
+    regather = row.get("regather")
+    return name + ("" if regather is None else f", FSDP2 gathering {REGATHER_WORDS.get(regather, regather)}")
+
+
+REGATHER_WORDS = {"micro_batch": "per micro-batch", "step": "once per step"}
+
 
 def _best_per_layout(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int]]:
     """Each layout's fastest micro-batch count (or its first row, where none runs), with the count
     of its rows."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault((row["dp"], row["pp"], row["schedule"]), []).append(row)
+        groups.setdefault((row["dp"], row["pp"], row["schedule"], row.get("regather")), []).append(row)
 
     def rank(row: dict[str, Any]) -> tuple[bool, bool, float]:  # fits and runs first, then by step
         ran = row.get("predicted_step_s") is not None

@@ -35,7 +35,7 @@ from ..weights.initialization import Initializer
 from .cut_probe import probed_layouts
 from .cut_values import CutLayouts, cut_layouts, registered
 from .process_stages import FlatStage, holders, place_rank, schedule_runner, split_for_ranks, torch_stages
-from .replication import Regather, Replication, gathered, replicated
+from .replication import Regather, Replication, gathered, replicated, resharded
 from .tied_parameters import TiedParameters
 
 #: a micro-batch's loss from its output, as the module returns it, and its index
@@ -183,6 +183,7 @@ class ProcessPipeline:
                     run_pre_split(runner, inputs, targets, train=True)
             else:
                 run_pre_split(runner, inputs, targets, train=False)
+                resharded(self.modules)
         finally:
             self._loss, self._targets = None, []
 

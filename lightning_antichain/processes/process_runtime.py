@@ -42,7 +42,7 @@ from ..lightning.forward_patch import ForwardPatch
 from ..lightning.runtime import GivenOptions, Host, Runtime, rank_zeros_plan
 from ..measure.link_speed import measured_gbps
 from ..planner.layout_cost import Links
-from ..planner.layout_search import layout_search, plan_layouts
+from ..planner.layout_search import chosen_regather, layout_search, plan_layouts
 from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
 from ..planner.process_calibration import StepCalibration, from_records
 from ..planner.public import planned_for_call, planning_call
@@ -59,7 +59,7 @@ from .process_pipeline import ProcessPipeline, equal_runs
 from .rank_faults import explained
 from .rank_holdings import RankHoldings, everyone
 from .replica_batches import replica_loader
-from .replication import REPLICATIONS, Replication
+from .replication import REPLICATIONS, Regather, Replication
 from .same_batches import StepAgreement, agree_on_step, same_order_everywhere
 from .small_broadcast import broadcast_object
 from .step_logs import (
@@ -539,12 +539,15 @@ class ProcessRuntime(RankHoldings, Runtime):
         graph = graph_for_plan(target, first, plan, self.options.leaf_modules, self.options.batch_dim, reuse=graph)
         layout = self.layout
         replication = None if layout.dp == 1 else (self.replication, self.device_mesh["dp"])
+        if plan.regather is None:  # a plan given, for this layout: the same choice on every rank
+            plan.regather = self._regather(plan, None)
         self.pipeline = ProcessPipeline(graph, plan, self.schedule, layout.position(strategy.global_rank), layout.pp,
                                         strategy.root_device, group=self._pipeline_group(), replication=replication,
                                         initializer=Initializer(target, self.options.param_init_fn),
                                         recompute=self.options.recompute == "always",
                                         deferred_batch_norm=self.options.deferred_batch_norm,
-                                        compile_arguments=compile_arguments(self.options.compile_stages))
+                                        compile_arguments=compile_arguments(self.options.compile_stages),
+                                        regather=plan.regather or "step")
         with_replaced_parameters(strategy.optimizers, self.pipeline.replaced)
         strategy.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
         state_sharded_like_parameters(strategy.optimizers)
@@ -566,7 +569,15 @@ class ProcessRuntime(RankHoldings, Runtime):
         devices = self.stage_devices_of(self.layout, self.schedule)
         with torch.enable_grad():
             args, kwargs = planning_call(target, *whole, options, count_items=False)
-            return planned_for_call(target, args, kwargs, devices, options, self.strategy.optimizers)
+            planned = planned_for_call(target, args, kwargs, devices, options, self.strategy.optimizers)
+        planned.plan.regather = self._regather(planned.plan, measured_gbps)
+        return planned
+
+    def _regather(self, plan: Plan, measured_gbps: float | None) -> Regather | None:
+        """How FSDP2 gathers in the layout given: the fastest way that fits (see ``chosen_regather``)."""
+        devices = self.stage_devices_of(self.layout, self.schedule)
+        return chosen_regather(plan, self.schedule, self.layout, self.links(measured_gbps), self.replication,
+                               devices, self.options.memory_gb)
 
 
 def _shape_of(micro: list[Any]) -> tuple:

@@ -86,6 +86,19 @@ def gathered(modules: Sequence[nn.Module]) -> Iterator[None]:
             module.reshard()
 
 
+def resharded(modules: Sequence[nn.Module]) -> None:
+    """Free what FSDP2 keeps gathered after a forward without backward (an evaluation): the stage
+    that holds the rest keeps its parameters gathered after its forward, for the backward that
+    would come; until resharded, the modules hold those whole tensors in place of the shards that
+    the optimizer steps."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+
+
 def full(value: Any) -> Any:
     """``value`` whole where it is a ``DTensor`` shard (every rank of its mesh calls it, in the same
     order), else as it is."""
