@@ -5,12 +5,13 @@ Rank 0 plans each layout ``dp x pp`` of the ranks as ``stages="auto"`` weighs it
 and micro-batch count, :func:`~lightning_antichain.planner.layout_search.plan_layouts` with the
 processes per pipeline fixed), and once more with the layout free: the auto choice. Every rank
 then builds each layout on a copy of the model of its own (a ``(dp, pp)`` DeviceMesh, its stages
-under the planned schedule over ``"pp"``, DDP over ``"dp"``, each replica running its share of the
-batch) and trains AdamW steps, the layouts taking turns so that a machine getting busier or
-quieter weighs on all alike. A step is the slowest rank's: forward, backward, the replicas'
+under the planned schedule over ``"pp"``, DDP over ``"dp"`` or FSDP2 gathering as the plan chose,
+each replica running its share of the batch) and trains AdamW steps, the layouts taking turns so
+that a machine getting busier or quieter weighs on all alike. A step is the slowest rank's: forward, backward, the replicas'
 reduction and the optimizer step. The batch is the same whole batch in every layout.
 
     python benchmarks/layouts_cpu.py --ranks 4 --models gpt,resnet50 --repeats 5
+    python benchmarks/layouts_cpu.py --ranks 4 --models gpt --replication ddp,fsdp
 """
 
 from __future__ import annotations
@@ -35,15 +36,8 @@ from report import machine  # noqa: E402
 
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
-    from lightning_antichain.capture import capture_call
     from lightning_antichain.measure.link_speed import measured_gbps
-    from lightning_antichain.planner.layout_cost import Links
-    from lightning_antichain.planner.layout_search import LayoutSearch, layout_search, plan_layouts
-    from lightning_antichain.plans.layout import Layout
-    from lightning_antichain.plans.options import PipelineOptions
-    from lightning_antichain.plans.plan import Plan
-    from lightning_antichain.plans.process_schedules import process_schedule
-    from lightning_antichain.processes.process_pipeline import ProcessPipeline
+    from lightning_antichain.planner.layout_search import layout_search
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -55,59 +49,80 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
             loss_fn = loss_of(model_name)
             free = layout_search("auto", "auto", None)
             counts = free.pipeline_counts(ranks)
-            sent: list = [None]
             gbps = measured_gbps(cpu)  # as the strategy does before it plans a layout on CPU processes
-            if rank == 0:
-                options = PipelineOptions(profile_cache=Path(cache), progress=False)
-                optimizers = [torch.optim.AdamW(model.parameters())]
-                searches = [free, *(LayoutSearch(pp, free.schedules) for pp in counts)]
-                # the first profiles every micro-batch size once; the others read the profiles back
-                chosen, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, Links(ranks, gbps, gbps),
-                                                    options, optimizers=optimizers).plan for search in searches]
-                sent = [({pp: plan.to_dict() for pp, plan in zip(counts, per_layout)}, chosen.layout,
-                         chosen.predicted_step_s)]
-            dist.broadcast_object_list(sent, src=0)
-            plans, auto, _ = sent[0]
-            runs = {}
-            for pp in counts:
-                plan = Plan.from_dict(plans[pp])
-                chosen_layout = plan.layout
-                layout = Layout(chosen_layout["dp"], chosen_layout["pp"])
-                schedule = process_schedule(chosen_layout["schedule"], chosen_layout["virtual_stages"])
-                mesh = layout.mesh("cpu")
-                replica, position = layout.replica(rank), layout.position(rank)
-                share = len(x) // layout.dp
-                xs, ys = x[replica * share:(replica + 1) * share], y[replica * share:(replica + 1) * share]
-                own = copy.deepcopy(model)  # DDP's hooks stay on a model's parameters: one model per layout
-                graph = capture_call(own, (xs[:share // plan.chunks],), {})
-                pipeline = ProcessPipeline(graph, plan, schedule, position, layout.pp, cpu,
-                                           group=mesh["pp"].get_group() if layout.dp > 1 else None,
-                                           replication=("ddp", mesh["dp"]) if layout.dp > 1 else None)
-                optimizer = torch.optim.AdamW(pipeline.parameters())
-                micro_x, micro_y = xs.chunk(plan.chunks), ys.chunk(plan.chunks)
-                calls = [((m,), {}) for m in micro_x] if pipeline.holds_first else None
-
-                runs[pp] = (functools.partial(train_step, pipeline, optimizer, calls, micro_y, loss_fn, plan.chunks),
-                            plan, chosen_layout)
-            times: dict[int, list[float]] = {pp: [] for pp in runs}
-            for repeat in range(args.repeats + 1):
-                for pp, (step, _, _) in runs.items():
-                    dist.barrier()
-                    started = time.perf_counter()
-                    step()
-                    elapsed = torch.tensor([time.perf_counter() - started])
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    if repeat:
-                        times[pp].append(float(elapsed))
-            if rank == 0:
-                for pp, (_, plan, chosen_layout) in runs.items():
-                    best = min((r for r in plan.layouts if r.get("predicted_step_s") is not None and "lost" not in r),
-                               key=lambda r: r["predicted_step_s"])
-                    results.put((model_name, gbps, chosen_layout, plan.chunks, best["predicted_step_s"],
-                                 best.get("reduction_s", 0.0), statistics.median(times[pp]),
-                                 chosen_layout["dp"] == auto["dp"] and chosen_layout["schedule"] == auto["schedule"]))
+            for how in args.replication.split(","):
+                _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, gbps, cache, args,
+                         results)
     finally:
         dist.destroy_process_group()
+
+
+def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: str, free, counts, gbps: float,
+             cache: str, args: argparse.Namespace, results: mp.Queue) -> None:
+    """Plan every layout kept in step by ``how`` (and the free choice) on rank 0, then train each, in turns."""
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.planner.layout_cost import Links
+    from lightning_antichain.planner.layout_search import LayoutSearch, plan_layouts
+    from lightning_antichain.plans.layout import Layout
+    from lightning_antichain.plans.options import PipelineOptions
+    from lightning_antichain.plans.plan import Plan
+    from lightning_antichain.plans.process_schedules import process_schedule
+    from lightning_antichain.processes.process_pipeline import ProcessPipeline
+
+    cpu = torch.device("cpu")
+    sent: list = [None]
+    if rank == 0:
+        options = PipelineOptions(profile_cache=Path(cache), progress=False)
+        optimizers = [torch.optim.AdamW(model.parameters())]
+        searches = [free, *(LayoutSearch(pp, free.schedules) for pp in counts)]
+        # the first profiles every micro-batch size once; the others read the profiles back
+        chosen, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, Links(ranks, gbps, gbps),
+                                            options, optimizers=optimizers, replication=how).plan
+                               for search in searches]
+        sent = [({pp: plan.to_dict() for pp, plan in zip(counts, per_layout)}, chosen.layout,
+                 chosen.predicted_step_s)]
+    dist.broadcast_object_list(sent, src=0)
+    plans, auto, _ = sent[0]
+    runs = {}
+    for pp in counts:
+        plan = Plan.from_dict(plans[pp])
+        chosen_layout = plan.layout
+        layout = Layout(chosen_layout["dp"], chosen_layout["pp"])
+        schedule = process_schedule(chosen_layout["schedule"], chosen_layout["virtual_stages"])
+        mesh = layout.mesh("cpu")
+        replica, position = layout.replica(rank), layout.position(rank)
+        share = len(x) // layout.dp
+        xs, ys = x[replica * share:(replica + 1) * share], y[replica * share:(replica + 1) * share]
+        own = copy.deepcopy(model)  # DDP's hooks stay on a model's parameters: one model per layout
+        graph = capture_call(own, (xs[:share // plan.chunks],), {})
+        pipeline = ProcessPipeline(graph, plan, schedule, position, layout.pp, cpu,
+                                   group=mesh["pp"].get_group() if layout.dp > 1 else None,
+                                   replication=(how, mesh["dp"]) if layout.dp > 1 else None,
+                                   regather=plan.regather or "step")
+        optimizer = torch.optim.AdamW(pipeline.parameters())
+        micro_x, micro_y = xs.chunk(plan.chunks), ys.chunk(plan.chunks)
+        calls = [((m,), {}) for m in micro_x] if pipeline.holds_first else None
+
+        runs[pp] = (functools.partial(train_step, pipeline, optimizer, calls, micro_y, loss_fn, plan.chunks),
+                    plan, chosen_layout)
+    times: dict[int, list[float]] = {pp: [] for pp in runs}
+    for repeat in range(args.repeats + 1):
+        for pp, (step, _, _) in runs.items():
+            dist.barrier()
+            started = time.perf_counter()
+            step()
+            elapsed = torch.tensor([time.perf_counter() - started])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if repeat:
+                times[pp].append(float(elapsed))
+    if rank == 0:
+        for pp, (_, plan, chosen_layout) in runs.items():
+            best = min((r for r in plan.layouts if r.get("predicted_step_s") is not None and "lost" not in r),
+                       key=lambda r: r["predicted_step_s"])
+            results.put((model_name, gbps, chosen_layout, plan.chunks, best["predicted_step_s"],
+                         best.get("reduction_s", 0.0), statistics.median(times[pp]),
+                         chosen_layout["dp"] == auto["dp"] and chosen_layout["schedule"] == auto["schedule"]
+                         and chosen_layout.get("regather") == auto.get("regather"), how))
 
 
 def on_cpu(layout, schedule) -> list[torch.device]:
@@ -126,8 +141,10 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="gpt,resnet50")
+    parser.add_argument("--replication", default="ddp", help="ddp, fsdp, or both: ddp,fsdp")
     args = parser.parse_args()
-    layouts_per_model = sum(1 for n in range(1, args.ranks + 1) if args.ranks % n == 0)
+    layouts_per_model = sum(1 for n in range(1, args.ranks + 1) if args.ranks % n == 0) * len(
+        args.replication.split(","))
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -139,17 +156,22 @@ def main() -> None:
         rows = collected(processes, results, layouts_per_model * len(args.models.split(",")))
     print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, AdamW, the batch of 32 "
           f"split over the replicas; median of {args.repeats} interleaved steps\n")
-    print("| model | layout | schedule | chunks | predicted ms | of it, reduction ms | measured ms "
+    print("| model | replicas | layout | schedule | chunks | predicted ms | of it, replicas ms | measured ms "
           "| measured / predicted | measured / best measured | auto | link GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models.split(","):
-        mine = [r for r in rows if r[0] == model_name]
-        best = min(r[6] for r in mine)
-        for _, gbps, layout, chunks, predicted, reduction, measured, auto in sorted(mine, key=lambda r: r[2]["pp"]):
-            schedule = layout["schedule"] + (f" (v={layout['virtual_stages']})" if layout["virtual_stages"] > 1 else "")
-            print(f"| {model_name} | dp={layout['dp']} x pp={layout['pp']} | {schedule} | {chunks} "
-                  f"| {1e3 * predicted:.1f} | {1e3 * reduction:.1f} | {1e3 * measured:.1f} "
-                  f"| {measured / predicted:.2f} | {measured / best:.2f} | {'chosen' if auto else ''} | {gbps:.2f} |")
+        for how in args.replication.split(","):
+            mine = [r for r in rows if r[0] == model_name and r[8] == how]
+            best = min(r[6] for r in mine)
+            for _, gbps, layout, chunks, predicted, reduction, measured, auto, _ in sorted(
+                    mine, key=lambda r: r[2]["pp"]):
+                schedule = layout["schedule"] + (
+                    f" (v={layout['virtual_stages']})" if layout["virtual_stages"] > 1 else "")
+                kept = how if layout["dp"] == 1 or how == "ddp" else f"fsdp, {layout.get('regather')}"
+                print(f"| {model_name} | {kept} | dp={layout['dp']} x pp={layout['pp']} | {schedule} | {chunks} "
+                      f"| {1e3 * predicted:.1f} | {1e3 * reduction:.1f} | {1e3 * measured:.1f} "
+                      f"| {measured / predicted:.2f} | {measured / best:.2f} | {'chosen' if auto else ''} "
+                      f"| {gbps:.2f} |")
 
 
 if __name__ == "__main__":
