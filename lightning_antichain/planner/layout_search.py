@@ -209,9 +209,10 @@ def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chun
     except InfeasiblePlanError:
         if replication != "fsdp" or layout.dp == 1:
             raise
-        # sharding the optimizer state over the replicas may fit what a stage alone does not
-        plan = _cut(cost, devices, chunks, options.recompute, None, options.method, links.within_gbps, None,
-                    multiplier, family)
+        # sharding over the replicas may fit what a stage whole does not: cut without a budget
+        # (None per device; None alone would mean the devices' own memory), FSDP2's peak is weighed below
+        plan = _cut(cost, devices, chunks, options.recompute, None, options.method, links.within_gbps,
+                    [None] * len(devices), multiplier, family)
     costs = {regather: layout_cost(plan, schedule, layout, links, replication, regather or "step")
              for regather in regathers(replication, layout, schedule)}
     return plan, costs, min(known) * GB if known else None
