@@ -12,7 +12,7 @@ weighed, with its prediction and why it lost (:attr:`~lightning_antichain.plans.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,12 +100,13 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
 
     rows: list[dict[str, Any]] = []
     best: tuple[Plan, dict[str, Any], nx.DiGraph] | None = None
+    cuts: dict[Hashable, Plan | InfeasiblePlanError] = {}  # schedules of one stage count share their cuts
     for pp in search.pipeline_counts(world_size):
         for schedule in schedules:
             for row, plan, cost in _weighed(Layout(world_size // pp, pp), schedule, size, replication, profiled,
                                             lambda cost, layout, schedule, chunks: _candidate(
                                                 cost, layout, schedule, chunks, devices_of, links, options,
-                                                multiplier, replication)):
+                                                multiplier, replication, cuts)):
                 rows.append(row)
                 if plan is not None and (best is None or row["predicted_step_s"] < best[1]["predicted_step_s"]):
                     best = (plan, row, cost)
@@ -191,7 +192,8 @@ def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiG
 
 
 def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chunks: int, devices_of: DevicesOf,
-               links: Links, options: PipelineOptions, multiplier: float, replication: Replication
+               links: Links, options: PipelineOptions, multiplier: float, replication: Replication,
+               cuts: dict[Hashable, Plan | InfeasiblePlanError] | None = None
                ) -> tuple[Plan, dict[Regather | None, LayoutCost], float | None]:
     """The plan of ``layout`` under ``schedule`` at ``chunks`` micro-batches, its cost there for
     each way FSDP2 may gather (:func:`regathers`), and the memory of a rank's device in bytes
@@ -203,16 +205,29 @@ def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chun
     budgets = [None if gb is None else gb / schedule.virtual_stages for gb in device_gb]
     known = [gb for gb in device_gb if gb is not None]
     family = "gpipe" if schedule.name == "gpipe" else "1f1b"
+    cuts = {} if cuts is None else cuts
+
+    def cut(limits: list[float | None]) -> Plan:
+        key = (id(cost), tuple(map(str, devices)), chunks, family, tuple(limits))
+        if key not in cuts:
+            try:
+                cuts[key] = _cut(cost, devices, chunks, options.recompute, None, options.method, links.within_gbps,
+                                 limits, multiplier, family)
+            except InfeasiblePlanError as exc:
+                cuts[key] = InfeasiblePlanError(*exc.args)  # without its traceback: the DP's tables stay freed
+        found = cuts[key]
+        if isinstance(found, InfeasiblePlanError):
+            raise found
+        return found
+
     try:
-        plan = _cut(cost, devices, chunks, options.recompute, None, options.method, links.within_gbps, budgets,
-                    multiplier, family)
+        plan = cut(budgets)
     except InfeasiblePlanError:
         if replication != "fsdp" or layout.dp == 1:
             raise
         # sharding over the replicas may fit what a stage whole does not: cut without a budget
         # (None per device; None alone would mean the devices' own memory), FSDP2's peak is weighed below
-        plan = _cut(cost, devices, chunks, options.recompute, None, options.method, links.within_gbps,
-                    [None] * len(devices), multiplier, family)
+        plan = cut([None] * len(devices))
     costs = {regather: layout_cost(plan, schedule, layout, links, replication, regather or "step")
              for regather in regathers(replication, layout, schedule)}
     return plan, costs, min(known) * GB if known else None
