@@ -7,8 +7,9 @@ processes per pipeline fixed), and once more with the layout free: the auto choi
 then builds each layout on a copy of the model of its own (a ``(dp, pp)`` DeviceMesh, its stages
 under the planned schedule over ``"pp"``, DDP over ``"dp"`` or FSDP2 gathering as the plan chose,
 each replica running its share of the batch) and trains AdamW steps, the layouts taking turns so
-that a machine getting busier or quieter weighs on all alike. A step is the slowest rank's: forward, backward, the replicas'
-reduction and the optimizer step. The batch is the same whole batch in every layout.
+that a machine getting busier or quieter weighs on all alike. A step is the slowest rank's:
+forward, backward, the replicas' reduction and the optimizer step. The batch is the same whole
+batch in every layout.
 
     python benchmarks/layouts_cpu.py --ranks 4 --models gpt,resnet50 --repeats 5
     python benchmarks/layouts_cpu.py --ranks 4 --models gpt --replication ddp,fsdp
