@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import copy
 import os
-import queue
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_block_units import VOCAB, Decoder
-from test_process_stages import started, stop
+from test_process_stages import reports_of, started
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
@@ -144,18 +143,7 @@ def plain_run() -> tuple[dict, dict]:
 
 @pytest.mark.parametrize(("dp", "regather"), [(2, "micro_batch"), (4, "micro_batch"), (2, "step")])
 def test_fsdp_gathers_a_block_at_a_time_and_trains_as_the_plain_module(dp, regather):
-    processes, results = started(fsdp_process, 4, dp, regather)
-    reports = []
-    try:
-        for _ in range(4):
-            report = results.get(timeout=240)
-            assert report[1] != "error", report[2]
-            reports.append(report)
-    except queue.Empty:
-        pytest.fail("an FSDP process gave no result within 240 s")
-    finally:
-        stop(processes)
-    assert all(p.exitcode == 0 for p in processes)
+    reports = reports_of(*started(fsdp_process, 4, dp, regather), 240, "an FSDP process")
     grads, moments = plain_run()
     seen = set()
     for rank, peak, shards, outside, blocks, whole, rank_grads, rank_moments in reports:

@@ -121,6 +121,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reports_of(processes: list, results: mp.Queue, timeout: float, what: str) -> list:
+    """One report from each process (a report ``(rank, "error", message, ...)`` fails the test),
+    every process stopped after, each having exited cleanly."""
+    reports = []
+    try:
+        for _ in processes:
+            report = results.get(timeout=timeout)
+            assert report[1] != "error", report[2]
+            reports.append(report)
+    except queue.Empty:
+        pytest.fail(f"{what} gave no result within {timeout:.0f} s")
+    finally:
+        stop(processes)
+    assert all(p.exitcode == 0 for p in processes)
+    return reports
+
+
 def started(target, count: int, *args) -> tuple[list, mp.Queue]:
     """``count`` spawned processes, each running ``target(rank, port, *args, results)``, meeting on
     one free port; and the queue they report to."""

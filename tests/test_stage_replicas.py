@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_process_stages import BALANCES, CHUNKS, batch, build, loss_fn, started, stop
+from test_process_stages import BALANCES, CHUNKS, batch, build, loss_fn, reports_of, started, stop
 
 pytestmark = pytest.mark.processes
 
@@ -66,18 +66,7 @@ def replica_process(rank: int, port: int, how: str, results: mp.Queue) -> None:
 @pytest.mark.slow  # 25 s each; the DDP replicas' Trainer test stays in the default suite
 @pytest.mark.parametrize("how", ["ddp", "fsdp"])
 def test_each_stage_replicated_over_dp_by_torch_trains_as_the_plain_module(how):
-    processes, results = started(replica_process, 4, how)
-    reports = []
-    try:
-        for _ in range(4):
-            report = results.get(timeout=180)
-            assert report[1] != "error", report[2]
-            reports.append(report)
-    except queue.Empty:
-        pytest.fail("a replica process gave no result within 180 s")
-    finally:
-        stop(processes)
-    assert all(p.exitcode == 0 for p in processes)
+    reports = reports_of(*started(replica_process, 4, how), 180, "a replica process")
     model = build()
     x, y = batch()
     loss_fn(model(x), y).backward()

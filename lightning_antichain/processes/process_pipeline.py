@@ -110,6 +110,7 @@ class ProcessPipeline:
         self.modules: list[torch.nn.Module] = list(self.stages)
         #: the parameters FSDP2 replaced by shards, by the id of the one each replaced
         self.replaced: dict[int, torch.nn.Parameter] = {}
+        self._sharded = by_block
         if replication is not None:
             for i, stage in enumerate(self.stages):
                 blocks = [unit.module for unit in stage.stage.block_units]
@@ -183,7 +184,8 @@ class ProcessPipeline:
                     run_pre_split(runner, inputs, targets, train=True)
             else:
                 run_pre_split(runner, inputs, targets, train=False)
-                resharded(self.modules)
+                if self._sharded:
+                    resharded(self.modules)
         finally:
             self._loss, self._targets = None, []
 

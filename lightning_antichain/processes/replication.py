@@ -74,9 +74,7 @@ def gathered(modules: Sequence[nn.Module]) -> Iterator[None]:
     """Inside this block, the parameters FSDP2 sharded in ``modules`` are whole: for running a
     stage outside the hooks that gather them (to find what crosses its cuts). Every replica of the
     stages calls it, as FSDP2's gathers are collectives."""
-    from torch.distributed.fsdp import FSDPModule
-
-    sharded = list({id(m): m for module in modules for m in module.modules() if isinstance(m, FSDPModule)}.values())
+    sharded = sharded_modules(modules)
     for module in sharded:
         module.unshard()
     try:
@@ -91,12 +89,15 @@ def resharded(modules: Sequence[nn.Module]) -> None:
     that holds the rest keeps its parameters gathered after its forward, for the backward that
     would come; until resharded, the modules hold those whole tensors in place of the shards that
     the optimizer steps."""
+    for module in sharded_modules(modules):
+        module.reshard()
+
+
+def sharded_modules(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """The modules FSDP2 sharded in ``modules``' trees, each once, outermost first."""
     from torch.distributed.fsdp import FSDPModule
 
-    for module in modules:
-        for sub in module.modules():
-            if isinstance(sub, FSDPModule):
-                sub.reshard()
+    return list({id(m): m for module in modules for m in module.modules() if isinstance(m, FSDPModule)}.values())
 
 
 def full(value: Any) -> Any:
