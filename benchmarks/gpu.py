@@ -180,6 +180,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     parser.add_argument("--chunk-counts", default="1,2,4,8", help="micro-batch counts of the one-stage table")
+    parser.add_argument("--compiled-models", default="ResNet-50,GPT-2 (12 x 768)",
+                        help="comma-separated models of the compiled table")
     parser.add_argument("--parts", default="one,memory,shared,simulated,processes",
                         help="which tables: one (one stage), compiled (one stage through torch.compile), memory, "
                              "shared (K stages on one GPU), simulated, processes (torch's schedules, one process "
@@ -248,7 +250,7 @@ def main() -> None:
               "| model | chunks | plain ms | plain compiled ms | stage ms | stage compiled ms "
               "| stage compiled, CUDA graphs ms | stage compiled / plain compiled |",
               "|---|---|---|---|---|---|---|---|"]
-    for name in ("ResNet-50", "GPT-2 (12 x 768)") if "compiled" in parts else ():
+    for name in args.compiled_models.split(",") if "compiled" in parts else ():
         for chunks in map(int, args.chunk_counts.split(",")):
             build, batch, size = zoo[name]
             if size // chunks < 2:

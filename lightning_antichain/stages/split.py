@@ -82,7 +82,19 @@ class StageModule:
             with watching(self.clock):
                 return flatten(self.clocked_module(*self.arguments(tuple(unflatten(leaves, spec)))))
         module = self.module if self.compile_arguments is None else self.compiled_module
-        return flatten(module(*self.arguments(tuple(unflatten(leaves, spec)))))
+        outputs = module(*self.arguments(tuple(unflatten(leaves, spec))))
+        if self.replays_graphs:
+            outputs = pytree.tree_map(_kept, outputs)
+        return flatten(outputs)
+
+    @cached_property
+    def replays_graphs(self) -> bool:
+        """Whether the compiled stage replays CUDA graphs, whose outputs live in a pool that the next
+        replay overwrites: the next micro-batch's, before the pipeline joins them."""
+        arguments = self.compile_arguments or {}
+        options = arguments.get("options") or {}
+        return (self.device.type == "cuda" and arguments.get("mode") in ("reduce-overhead", "max-autotune")
+                or bool(options.get("triton.cudagraphs")))
 
     @cached_property
     def compiled_module(self) -> Callable[..., Any]:
@@ -345,3 +357,8 @@ def _move_in_place(tensor: torch.Tensor, device: torch.device) -> None:
         tensor.data = tensor.data.to(device)
         if tensor.grad is not None:
             tensor.grad = tensor.grad.to(device)
+
+
+def _kept(value: Any) -> Any:
+    """A CUDA graph's output copied out of the graph's pool (autograd goes through the copy)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
