@@ -148,3 +148,38 @@ def test_branch_chain_compression_groups():
 def test_enumeration_is_iterative_on_long_chains():
     n = 5000  # far past Python's recursion limit
     assert len(enumerate_down_sets([[]] + [[i] for i in range(n - 1)])) == n + 1
+
+
+def _skip_chain(n: int, seed: int) -> nx.DiGraph:
+    """A chain with skip connections over two nodes (a residual stream), random costs."""
+    rng = torch.Generator().manual_seed(seed)
+    graph = nx.DiGraph()
+    for v in range(n):
+        forward, output, params = torch.rand(3, generator=rng).tolist()
+        graph.add_node(f"n{v}", forward_s=0.1 + forward, backward_s=0.2 + 2 * forward,
+                       output_bytes=int(1000 + 9000 * output), param_bytes=int(50_000 * params), order=v)
+        graph.add_edges_from((f"n{u}", f"n{v}") for u in (v - 1, v - 3) if u >= 0)
+    return graph
+
+
+def test_prefix_states_sum_each_prefix_and_take_the_times_of_the_graph_they_are_built_for():
+    """Past its limit the space keeps the prefixes only; their sums run over the nodes, and a graph of
+    the same shape with other times (a layout search's next micro-batch size) gets its own sums."""
+    graph = _skip_chain(60, seed=0)
+    space = build_state_space(graph, max_states=50)
+    assert space.prefixes_only and len(space) == 61
+    nodes = space.nodes
+    for state in (0, 1, 17, 60):
+        inside = space.down_set(state)
+        assert space.compute[state] == pytest.approx(sum(graph.nodes[v]["forward_s"] + graph.nodes[v]["backward_s"]
+                                                         for v in inside))
+        assert space.cut_bytes[state] == sum(graph.nodes[v]["output_bytes"] for v in space.cut(state))
+        assert inside == nodes[:state]
+    slower = graph.copy()
+    for v in slower.nodes:
+        slower.nodes[v]["forward_s"] *= 3
+    again = build_state_space(slower, max_states=50)
+    assert again.membership is space.membership  # the shape's states were found once
+    assert again.forward[-1] == pytest.approx(3 * space.forward[-1])
+    contains = space.contains()
+    assert contains[5, 4] and not contains[4, 5] and not contains[4, 4]

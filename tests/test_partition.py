@@ -198,3 +198,41 @@ def test_tied_parameters_are_colocated_only_when_asked():
     assert (stage_of["embed"], stage_of["head"]) == (0, 1)
 
 
+
+
+@pytest.mark.parametrize("stages", [3, 8])
+def test_a_long_chain_is_cut_coarse_to_fine_within_a_percent_of_the_exact_program(stages):
+    """1,400 prefixes: the program runs first on one prefix per window, then near its cuts; its
+    slowest stage is within 1% of the program over every prefix."""
+    from test_antichain import _skip_chain
+
+    from lightning_antichain.planner.antichain import build_state_space
+    from lightning_antichain.planner.cost_model import CostModel, device_specs
+    from lightning_antichain.planner.dp import solve_bottleneck, stage_nodes_of_chain
+
+    graph = _skip_chain(1400, seed=stages)
+    plan = la.partition(graph, stages, max_states=100)
+    assert any("then at every prefix near those cuts" in note for note in plan.compression)
+    space = build_state_space(graph, max_states=100)
+    model = CostModel(1, math.inf, 2.0, "never")
+    chain, _ = solve_bottleneck(space, device_specs(stages, None, None, None), model)
+    exact = max(sum(graph.nodes[v]["forward_s"] + graph.nodes[v]["backward_s"] for v in nodes)
+                for nodes in stage_nodes_of_chain(space, chain))
+    assert exact * (1 - 1e-9) <= plan.bottleneck_s <= 1.01 * exact
+
+
+def test_a_long_chain_whose_only_fitting_split_falls_between_the_coarse_states_is_still_found():
+    """Equal operations and a memory limit that only a split into equal quarters meets: the coarse
+    program's states miss it, so a split that fits is found among all the prefixes and the program
+    runs again with its states."""
+    graph = nx.DiGraph()
+    for v in range(1400):
+        graph.add_node(f"n{v}", forward_s=1.0, backward_s=2.0, output_bytes=1000, param_bytes=10_000, order=v)
+        if v:
+            graph.add_edge(f"n{v - 1}", f"n{v}")
+    quarters = la.plan_from_balance(graph, [350] * 4)
+    limit = max(stage.memory_bytes for stage in quarters.stages)
+    plan = la.partition(graph, 4, memory_gb=limit / 1e9, max_states=100)
+    assert [len(stage.nodes) for stage in plan.stages] == [350] * 4
+    with pytest.raises(la.InfeasiblePlanError, match="no split into 4 stages fits"):
+        la.partition(graph, 4, memory_gb=0.999 * limit / 1e9, max_states=100)

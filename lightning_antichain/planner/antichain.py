@@ -16,12 +16,17 @@ the chains inside parallel branches into single nodes, and as a last resort keep
 prefixes of the execution order. Every step taken is listed in :attr:`StateSpace.compression`. The
 prefixes of the execution order are always added, so every cut a contiguous splitter could make is
 among the states.
+
+The states depend on the graph's shape alone, so they are found once per shape
+(:func:`_shape_of`): a layout search cuts one model's cost graph for every micro-batch size and
+device count, and each of those graphs has the same shape and other times and sizes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
@@ -60,6 +65,8 @@ class StateSpace:
     cut_membership: np.ndarray = field(repr=False)
     forbidden: np.ndarray = field(default=None, repr=False)  # states no stage may end at
     compression: list[str] = field(default_factory=list)
+    #: whether every state is a prefix of the execution order (the states then form one chain)
+    prefixes_only: bool = False
     _contains: np.ndarray | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,8 +102,25 @@ class StateSpace:
         once: the program asks for it per device kind and per count of micro-batches a stage holds
         (16 times for 16 stages under 1F1B), and on 5000 states it takes seconds."""
         if self._contains is None:
-            self._contains = self._containment()
+            if self.prefixes_only:
+                self._contains = np.tri(len(self), k=-1, dtype=bool)
+            else:
+                self._contains = self._containment()
         return self._contains
+
+    def subset(self, states: Sequence[int]) -> StateSpace:
+        """The space of ``states`` alone (increasing indices, the first and the last state among
+        them): a chain through them is a chain of this space."""
+        kept = np.asarray(states)
+        if kept[0] != 0 or kept[-1] != len(self) - 1 or np.any(np.diff(kept) <= 0):
+            raise ValueError("a subset of states keeps the first and the last, in increasing order")
+        arrays = {name: getattr(self, name)[kept] for name in (
+            "compute", "forward", "backward", "param_bytes", "frozen_bytes", "buffer_bytes", "activation_bytes",
+            "cut_bytes", "membership", "cut_membership", "forbidden")}
+        smaller = replace(self, masks=[self.masks[i] for i in kept], **arrays)
+        if self._contains is not None:
+            smaller._contains = self._contains[np.ix_(kept, kept)]
+        return smaller
 
     def _containment(self) -> np.ndarray:
         index = self.index
@@ -197,11 +221,70 @@ def build_state_space(graph: nx.DiGraph, max_states: int = DEFAULT_MAX_STATES) -
     """
     graph = normalize_cost_graph(graph)
     nodes = ordered_nodes(graph)
+    if not any(not graph.nodes[v]["pinned"] for v in nodes):
+        raise ValueError("the cost graph has no operations besides its inputs")
+    return _state_space(graph, _shape_states(graph, nodes, max_states))
+
+
+@dataclass
+class _ShapeStates:
+    """What the states of a graph's shape are, whatever its times and sizes."""
+
+    nodes: list[Any]
+    masks: list[int]
+    membership: np.ndarray
+    cut_membership: np.ndarray
+    compression: list[str]
+    prefixes_only: bool
+    #: per cut entry (a node in a state's cut): its state and its node, to sum the cuts' bytes
+    cut_entries: tuple[np.ndarray, np.ndarray] = field(init=False)
+    #: where every state is a prefix: the node each state adds to the one before it
+    added: np.ndarray | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cut_entries = np.nonzero(self.cut_membership)
+        self.added = (np.argmax(self.membership[1:] & ~self.membership[:-1], axis=1) if self.prefixes_only
+                      else None)
+
+    def totals(self, values: np.ndarray) -> np.ndarray:
+        """Per state, the sum of ``values`` (one per node) over its nodes."""
+        if self.added is not None:  # each state holds the one before it and one node more
+            return np.cumsum(np.concatenate([[values[self.membership[0]].sum()], values[self.added]]))
+        return self.membership.astype(np.float64) @ values
+
+    def cut_totals(self, values: np.ndarray) -> np.ndarray:
+        """Per state, the sum of ``values`` over the nodes in its cut."""
+        states, members = self.cut_entries
+        return np.bincount(states, weights=values[members], minlength=len(self.masks))
+
+
+#: the states of the last few shapes planned (a layout search asks for one shape many times)
+_SHAPES: OrderedDict[Hashable, _ShapeStates] = OrderedDict()
+_SHAPES_KEPT = 2
+
+
+def _shape_of(graph: nx.DiGraph, nodes: list[Any], max_states: int) -> Hashable:
+    """Everything the states depend on: the nodes in order, the edges, the pinned inputs, the outputs."""
+    return (tuple(nodes), tuple(graph.edges), tuple(bool(graph.nodes[v]["pinned"]) for v in nodes),
+            tuple(graph.graph.get("outputs", [])), max_states)
+
+
+def _shape_states(graph: nx.DiGraph, nodes: list[Any], max_states: int) -> _ShapeStates:
+    key = _shape_of(graph, nodes, max_states)
+    if key in _SHAPES:
+        _SHAPES.move_to_end(key)
+        return _SHAPES[key]
+    found = _enumerated(graph, nodes, max_states)
+    _SHAPES[key] = found
+    while len(_SHAPES) > _SHAPES_KEPT:
+        _SHAPES.popitem(last=False)
+    return found
+
+
+def _enumerated(graph: nx.DiGraph, nodes: list[Any], max_states: int) -> _ShapeStates:
     index = {v: i for i, v in enumerate(nodes)}
     pinned_mask = sum(1 << index[v] for v in nodes if graph.nodes[v]["pinned"])
     free = [v for v in nodes if not graph.nodes[v]["pinned"]]
-    if not free:
-        raise ValueError("the cost graph has no operations besides its inputs")
     compression: list[str] = []
 
     groups: list[list[Any]] = [[v] for v in free]
@@ -216,6 +299,7 @@ def build_state_space(graph: nx.DiGraph, max_states: int = DEFAULT_MAX_STATES) -
             f"merged the chains inside parallel branches into at most {pieces + 1} piece(s) each: "
             f"{len(free)} -> {len(groups)} nodes" + ("" if masks is not None else ", still too many states")
         )
+    prefixes_only = masks is None
     if masks is None:
         masks = []
         compression.append(
@@ -226,7 +310,8 @@ def build_state_space(graph: nx.DiGraph, max_states: int = DEFAULT_MAX_STATES) -
         mask |= 1 << index[v]
         prefixes.append(mask)
     all_masks = sorted({pinned_mask | m for m in [0, *masks, *prefixes]}, key=lambda m: (m.bit_count(), m))
-    return _state_space(graph, nodes, all_masks, compression)
+    membership, cut_membership = _memberships(graph, nodes, all_masks)
+    return _ShapeStates(nodes, all_masks, membership, cut_membership, compression, prefixes_only)
 
 
 def _try_enumerate(
@@ -256,7 +341,8 @@ def _try_enumerate(
     return result
 
 
-def _state_space(graph: nx.DiGraph, nodes: list[Any], masks: list[int], compression: list[str]) -> StateSpace:
+def _memberships(graph: nx.DiGraph, nodes: list[Any], masks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per state and node: whether the node is in the state, and whether it is in its cut."""
     n = len(nodes)
     index = {v: i for i, v in enumerate(nodes)}
     nbytes = (n + 7) // 8
@@ -266,7 +352,6 @@ def _state_space(graph: nx.DiGraph, nodes: list[Any], masks: list[int], compress
             for m in masks
         ]
     ).astype(bool)
-    attr = lambda key: np.array([float(graph.nodes[v][key]) for v in nodes])  # noqa: E731
     outputs = {index[v] for v in graph.graph.get("outputs", []) if v in index}
     needed_outside = np.zeros_like(membership)
     for v, name in enumerate(nodes):
@@ -275,22 +360,29 @@ def _state_space(graph: nx.DiGraph, nodes: list[Any], masks: list[int], compress
             needed_outside[:, v] = True
         elif succ:
             needed_outside[:, v] = ~membership[:, succ].all(axis=1)
-    cut_membership = membership & needed_outside
-    fmember = membership.astype(np.float64)
+    return membership, membership & needed_outside
+
+
+def _state_space(graph: nx.DiGraph, shape: _ShapeStates) -> StateSpace:
+    nodes = shape.nodes
+    attr = lambda key: np.array([float(graph.nodes[v][key]) for v in nodes])  # noqa: E731
     compute = np.array([node_compute(graph, v) for v in nodes])
+    totals = shape.totals
     return StateSpace(
         graph=graph,
         nodes=nodes,
-        masks=masks,
-        compute=fmember @ compute,
-        forward=fmember @ attr("forward_s"),
-        backward=fmember @ attr("backward_s"),
-        param_bytes=fmember @ attr("param_bytes"),
-        frozen_bytes=fmember @ attr("frozen_bytes"),
-        buffer_bytes=fmember @ attr("buffer_bytes"),
-        activation_bytes=fmember @ attr("saved_bytes"),
-        cut_bytes=cut_membership.astype(np.float64) @ attr("output_bytes"),
-        membership=membership,
-        cut_membership=cut_membership,
-        compression=compression,
+        masks=shape.masks,
+        compute=totals(compute),
+        forward=totals(attr("forward_s")),
+        backward=totals(attr("backward_s")),
+        param_bytes=totals(attr("param_bytes")),
+        frozen_bytes=totals(attr("frozen_bytes")),
+        buffer_bytes=totals(attr("buffer_bytes")),
+        activation_bytes=totals(attr("saved_bytes")),
+        cut_bytes=shape.cut_totals(attr("output_bytes")),
+        membership=shape.membership,
+        cut_membership=shape.cut_membership,
+        compression=list(shape.compression),
+        prefixes_only=shape.prefixes_only,
     )
+

@@ -43,18 +43,80 @@ def stage_times(space: StateSpace, speed: float, model: CostModel) -> np.ndarray
     return np.where(valid, compute + transfer, np.inf)
 
 
-def _stage_memory(space: StateSpace, model: CostModel, index: int | None = None) -> np.ndarray:
+def _stage_memory(space: StateSpace, model: CostModel, index: int | None = None, start: int | None = None
+                  ) -> np.ndarray:
     """Every stage's peak, from additive quantities: with counted saved tensors, what its operations
     made and something keeps, plus both its cuts (a cut tensor that is also kept counts twice); else
-    every output and the input cut. Never below :func:`evaluate_stages`'s exact count but for views."""
-    diff = lambda a: a[:, None] - a[None, :]  # noqa: E731
-    inputs = np.broadcast_to(space.cut_bytes[None, :], (len(space), len(space)))
+    every output and the input cut. Never below :func:`evaluate_stages`'s exact count but for views.
+    ``start``: only the stages from that state (one column, ``[j, 0]``)."""
+    columns = slice(None) if start is None else [start]
+    diff = lambda a: a[:, None] - a[None, columns]  # noqa: E731
+    width = len(space) if start is None else 1
+    inputs = np.broadcast_to(space.cut_bytes[None, columns], (len(space), width))
     activations = diff(space.activation_bytes) + inputs
     if space.graph.graph.get("saved_counted"):
         activations = activations + space.cut_bytes[:, None]
-    first = (np.arange(len(space)) == 0)[None, :]  # a stage from state 0, the empty down-set, is the first
+    first = (np.arange(len(space)) == 0)[None, columns]  # a stage from state 0, the empty down-set, is the first
     return model.memory_bytes(diff(space.param_bytes), diff(space.buffer_bytes), activations, inputs,
                               diff(space.frozen_bytes), index=index, first=first)
+
+
+def _fitting_chain(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel) -> list[int] | None:
+    """A chain of states whose stages each fit their device, in the devices' order, each stage
+    reaching as far as its device holds (leaving a state for each stage after it); ``None`` where
+    this finds none. Linear in the states: what the coarse program of :func:`solve_coarse_to_fine`
+    is given when its few states hold no chain that fits."""
+    chain, state, last = [], 0, len(space) - 1
+    after = np.arange(len(space))
+    for index, spec in enumerate(specs):
+        room = last - (len(specs) - 1 - index)  # the farthest this stage may end
+        fits = (after > state) & (after <= room) & ~space.forbidden
+        if spec.memory_bytes is not None:
+            fits &= _stage_memory(space, model, index, state)[:, 0] <= spec.memory_bytes
+        if not fits.any() or (index == len(specs) - 1 and not fits[last]):
+            return None
+        state = last if index == len(specs) - 1 else int(np.flatnonzero(fits)[-1])
+        chain.append(state)
+    return chain
+
+
+#: a chain of more states than this is cut coarse to fine (:func:`solve_coarse_to_fine`)
+COARSE_STATES = 512
+#: how many of the coarse program's windows either side of each of its cuts the fine one reopens
+FINE_MARGIN = 2
+
+
+def solve_coarse_to_fine(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
+                         ) -> tuple[list[int], list[DeviceSpec]]:
+    """:func:`solve_bottleneck` for a space whose states form one chain (prefixes of the execution
+    order): past :data:`COARSE_STATES`, the program first runs on one state per window of
+    consecutive states (the one with the smallest cut), then on every state within
+    :data:`FINE_MARGIN` windows of the cuts it chose. The program's tables grow with the square of
+    the states: a 70 B decoder has 5,000 prefixes, and a layout search cuts it dozens of times."""
+    count = len(space)
+    if not space.prefixes_only or count <= 2 * COARSE_STATES:
+        return solve_bottleneck(space, specs, model)
+    width = -(-(count - 2) // COARSE_STATES)
+    cut = np.where(space.forbidden, np.inf, space.cut_bytes)
+    picks = [0]
+    for start in range(1, count - 1, width):
+        window = cut[start:min(start + width, count - 1)]
+        picks.append(start + len(window) - 1 - int(np.argmin(window[::-1])))  # the smallest cut, the last of ties
+    picks.append(count - 1)
+    try:
+        chain, _ = solve_bottleneck(space.subset(picks), specs, model)
+    except InfeasiblePlanError:
+        fitting = _fitting_chain(space, specs, model)  # a split that fits between the coarse states
+        if fitting is None:
+            raise
+        picks = sorted(set(picks) | set(fitting))
+        chain, _ = solve_bottleneck(space.subset(picks), specs, model)
+    near = set(picks)
+    for state in (picks[i] for i in chain[:-1]):
+        near.update(range(max(1, state - FINE_MARGIN * width), min(count - 1, state + FINE_MARGIN * width + 1)))
+    fine = sorted(near)
+    chain, order = solve_bottleneck(space.subset(fine), specs, model)
+    return [fine[i] for i in chain], order
 
 
 def solve_bottleneck(
@@ -151,6 +213,10 @@ def stage_nodes_of_chain(space: StateSpace, chain: Sequence[int]) -> list[list[A
     return sets
 
 
+#: the operations, heaviest first, checked for needing more than a device alone
+_ALONE_CHECKED = 64
+
+
 def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel) -> InfeasiblePlanError:
     """Explain why no chain exists: too few states, or which stage exceeds which memory limit."""
     graph = space.graph
@@ -159,7 +225,9 @@ def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
     if not limits:
         return InfeasiblePlanError(f"cannot cut these {len(free)} operations into {len(specs)} stages")
     largest_limit = max(limits)
-    for v in free:
+    heaviest = sorted(free, key=lambda v: -sum(graph.nodes[v][k] for k in (
+        "param_bytes", "frozen_bytes", "buffer_bytes", "saved_bytes", "output_bytes")))
+    for v in heaviest[:_ALONE_CHECKED]:
         alone = memory_of(graph, [v], model)
         if alone > largest_limit:
             return InfeasiblePlanError(

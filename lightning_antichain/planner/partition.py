@@ -26,7 +26,7 @@ from .antichain import DEFAULT_MAX_STATES, build_state_space
 from .baselines import baseline_split
 from .cost_graph import node_compute, normalize_cost_graph, ordered_nodes, total_compute
 from .cost_model import CostModel, DeviceSpec, InfeasiblePlanError, checked_mode, device_specs, evaluate_stages
-from .dp import solve_bottleneck, stage_nodes_of_chain
+from .dp import COARSE_STATES, solve_coarse_to_fine, stage_nodes_of_chain
 
 METHODS = PLANNING_METHODS
 
@@ -107,7 +107,7 @@ def _solved(graph: nx.DiGraph, specs: list[DeviceSpec], model: CostModel, max_st
     for group in groups + [set(g) for g in graph.graph.get("together", [])]:
         space.forbidden = space.forbidden | space.splits(group)
     try:
-        chain, order = solve_bottleneck(space, specs, model)
+        chain, order = solve_coarse_to_fine(space, specs, model)
     except InfeasiblePlanError as exc:
         if groups:
             names = "; ".join(", ".join(sorted(map(str, g))) for g in groups)
@@ -116,7 +116,11 @@ def _solved(graph: nx.DiGraph, specs: list[DeviceSpec], model: CostModel, max_st
                 f"share parameters: {names}. Use fewer stages, or let the tie be cut (colocate_tied=False)."
             ) from exc
         raise
-    return stage_nodes_of_chain(space, chain), order, space.compression, len(space)
+    compression = list(space.compression)
+    if space.prefixes_only and len(space) > 2 * COARSE_STATES:
+        compression.append(f"{len(space)} prefixes: cut at one in each window of about "
+                           f"{-(-(len(space) - 2) // COARSE_STATES)} first, then at every prefix near those cuts")
+    return stage_nodes_of_chain(space, chain), order, compression, len(space)
 
 
 def held_micro_batches(schedule: str, stages: int, chunks: int) -> tuple[int, ...]:
