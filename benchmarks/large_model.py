@@ -25,15 +25,19 @@ few steps over 4 stages, reporting each stage's measured peak against its predic
 Part 4 (``--part nodes``) plans the same Llama-2-70B shapes for training past one node: nodes of
 8 GPUs of 80 GB (NVLink within a node, one 200 Gb/s adapter per GPU across), AdamW in bf16-mixed
 (fp32 weights, gradients and both moments: 16 bytes a parameter), FSDP2 over each stage's
-replicas. For 1, 2, 4, ... nodes it runs ``stages="auto"``'s search over every layout of replicas
-x stages, schedule and micro-batch count, and stops at the fewest nodes where a layout fits. It
-prints, for each node count, the candidate whose ranks need the least memory (and why it did or
-did not fit), and the layout chosen. The model is profiled on this machine's CPU from meta; the
-GPUs are named for the memory and the links, so the step times are this CPU's, not a GPU's.
+replicas a decoder layer at a time. For 1, 2, 4, ... nodes (or ``--nodes N``) it runs
+``stages="auto"``'s search over every layout of replicas x stages, schedule, micro-batch count
+and FSDP2 regather, and stops at the fewest nodes where a layout fits. It prints, for each node
+count, the candidate whose ranks need the least memory and the layout chosen, then each layout's
+best candidate and why it lost, the search's time and the process's peak resident set.
+``--node-model 405b`` does the same for Llama-3.1-405B's shapes. The model is profiled on this
+machine's CPU from meta; the GPUs are named for the memory and the links, so the step times are
+this CPU's, not a GPU's.
 
     python benchmarks/large_model.py              # parts 1 and 2, on the CPU
     python benchmarks/large_model.py --part llama # part 3
     python benchmarks/large_model.py --part nodes # part 4
+    python benchmarks/large_model.py --part nodes --node-model 405b --nodes 4
     python benchmarks/large_model.py --device cuda:0 --part train
 """
 
@@ -61,13 +65,19 @@ from report import machine, publish, section  # noqa: E402
 
 START, END = "<!-- large-model:start -->", "<!-- large-model:end -->"
 LLAMA_START, LLAMA_END = "<!-- llama:start -->", "<!-- llama:end -->"
-NODES_START, NODES_END = "<!-- llama-nodes:start -->", "<!-- llama-nodes:end -->"
+NODES_MARKERS = {"70b": ("<!-- llama-nodes:start -->", "<!-- llama-nodes:end -->"),
+                 "405b": ("<!-- llama-405b-nodes:start -->", "<!-- llama-405b-nodes:end -->")}
 BF16_MIXED_ADAMW = 6.0
 """Optimizer state per bf16 parameter byte in bf16-mixed with AdamW: an fp32 master copy and two
 fp32 moments (12 bytes per 2), so that with the parameter and its gradient a parameter costs 16."""
 LLAMA_2_70B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                    num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5,
                    use_cache=False, tie_word_embeddings=False)
+LLAMA_3_1_405B = dict(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                      num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                      use_cache=False, tie_word_embeddings=False)
+#: part 4's models, by --node-model
+NODE_MODELS = {"70b": ("Llama-2-70B", LLAMA_2_70B), "405b": ("Llama-3.1-405B", LLAMA_3_1_405B)}
 LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                 num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, use_cache=False,
                 tie_word_embeddings=False)
@@ -289,41 +299,45 @@ def plan_llama(device: torch.device, stages: int, batch: int, tokens: int, chunk
     ]
 
 
-def plan_nodes(gpus: int, gpu_gb: float, batch: int, tokens: int, most_nodes: int = 16) -> list[str]:
-    """Part 4: the fewest nodes of ``gpus`` GPUs of ``gpu_gb`` that train Llama-2-70B's shapes."""
+def plan_nodes(key: str, gpus: int, gpu_gb: float, batch: int, tokens: int, nodes: int | None,
+               most_nodes: int = 16) -> list[str]:
+    """Part 4: the fewest nodes of ``gpus`` GPUs of ``gpu_gb`` that train ``NODE_MODELS[key]``'s
+    shapes (or the plan for ``nodes`` nodes), and why every other layout lost."""
     from lightning_antichain.planner.cost_model import InfeasiblePlanError
     from lightning_antichain.planner.layout_cost import Links
     from lightning_antichain.planner.layout_search import layout_search, plan_layouts
     from lightning_antichain.plans.options import PipelineOptions
 
-    model = llama(LLAMA_2_70B, torch.bfloat16)
+    name, config = NODE_MODELS[key]
+    model = llama(config, torch.bfloat16)
     count = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, LLAMA_2_70B["vocab_size"], (batch, tokens))
+    ids = torch.randint(0, config["vocab_size"], (batch, tokens))
     links = Links(gpus, within_gbps=150.0, across_gbps=25.0)
 
     def devices_of(layout, schedule) -> list[torch.device]:
         return [torch.device("cuda", layout.rank(0, schedule.rank_of(s, layout.pp)) % gpus)
                 for s in range(schedule.num_stages(layout.pp))]
 
+    state = 16 * count
     lines = [
-        f"**Planning Llama-2-70B's shapes past one node** (`LlamaForCausalLM` from meta, {count / 1e9:.1f} B "
-        f"parameters; AdamW in bf16-mixed: {16 * count / 1e12:.2f} TB of weights, gradients and moments; nodes of "
-        f"{gpus} GPUs of {gpu_gb:.0f} GB, 150 GB/s within a node, 25 GB/s across; FSDP2 over each stage's replicas; "
-        f"batches of {batch} x {tokens} tokens; every layout, schedule and micro-batch count weighed, cut at "
-        "decoder-layer boundaries (`method=\"blocks\"`: the DP over all 5353 operations is too slow here for the "
-        "dozens of cuts a search makes):",
+        f"**Planning {name}'s shapes past one node** (`LlamaForCausalLM` from meta, {count / 1e9:.1f} B "
+        f"parameters; AdamW in bf16-mixed: {state / 1e12:.2f} TB of weights, gradients and moments; nodes of "
+        f"{gpus} GPUs of {gpu_gb:.0f} GB, 150 GB/s within a node, 25 GB/s across; FSDP2 over each stage's replicas, "
+        f"a decoder layer at a time; batches of {batch} x {tokens} tokens; every layout, schedule, micro-batch count "
+        "and FSDP2 regather weighed, each cut by the antichain DP):",
         "",
         "| nodes | GPUs | fits | least memory per rank of any candidate | its layout | chosen | predicted peak per "
-        "rank | layouts weighed | time |",
+        "rank | candidates weighed | time |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     started = time.perf_counter()
-    nodes = 1
+    worlds = [nodes] if nodes else [2 ** i for i in range(most_nodes.bit_length()) if 2 ** i <= most_nodes]
+    plan, rows, world = None, [], 0
     with tempfile.TemporaryDirectory() as cache:
         options = PipelineOptions(memory_gb=gpu_gb, optimizer_multiplier=BF16_MIXED_ADAMW, calibrate=False,
-                                  profile_cache=Path(cache), method="blocks", progress=False)
-        while nodes <= most_nodes:
-            world = nodes * gpus
+                                  profile_cache=Path(cache), method="antichain", progress=False)
+        for count_nodes in worlds:
+            world = count_nodes * gpus
             began = time.perf_counter()
             try:
                 plan = plan_layouts(model, (ids,), {}, world, devices_of, layout_search("auto", "auto", None), links,
@@ -333,26 +347,52 @@ def plan_nodes(gpus: int, gpu_gb: float, batch: int, tokens: int, most_nodes: in
                 rows, chosen, plan = exc.layouts, None, None
             weighed = [r for r in rows if r.get("peak_memory_bytes")]
             least = min(weighed, key=lambda r: r["peak_memory_bytes"]) if weighed else None
-            smallest = "- | -" if least is None else (
-                f"{least['peak_memory_bytes'] / 1e9:.1f} GB | dp={least['dp']} x pp={least['pp']} {least['schedule']}")
+            smallest = "- | -" if least is None else f"{least['peak_memory_bytes'] / 1e9:.1f} GB | {_layout(least)}"
             picked = "- | -" if plan is None or chosen is None else (
-                f"dp={chosen['dp']} x pp={chosen['pp']} {chosen['schedule']}, {plan.chunks} micro-batches | "
-                f"{_chosen_peak(plan) / 1e9:.1f} GB")
-            lines.append(f"| {nodes} | {world} | {'yes' if plan else 'no'} | {smallest} | {picked} | {len(rows)} "
+                f"{_layout(chosen)}, {plan.chunks} micro-batches | {_chosen_peak(plan) / 1e9:.1f} GB")
+            lines.append(f"| {count_nodes} | {world} | {'yes' if plan else 'no'} | {smallest} | {picked} | {len(rows)} "
                          f"| {time.perf_counter() - began:.0f} s |")
-            print(lines[-1])
+            print(lines[-1], flush=True)
             if plan is not None:
                 break
-            nodes *= 2
-    state = 16 * count
-    lines += ["", f"Why one node cannot hold it: the weights, gradients and moments alone are {state / 1e12:.2f} TB; "
-              f"spread evenly over {gpus} GPUs (one pipeline of {gpus} stages, FSDP2 having nothing to shard over) "
-              f"that is {state / gpus / 1e9:.0f} GB a GPU, over its {gpu_gb:.0f} GB before any activation, and every "
-              "layout with replicas holds more per GPU. Searched in "
-              f"{time.perf_counter() - started:.0f} s; the plan of the layout chosen:"]
+    lines += ["", f"Searched in {time.perf_counter() - started:.0f} s; the peak resident set of the process "
+              f"that planned it: {peak_rss_bytes() / 1e9:.2f} GB. Per rank the training state alone is "
+              f"{state / world / 1e9:.0f} GB when {world} GPUs share it evenly (pure FSDP2), against {gpu_gb:.0f} GB.",
+              "", f"**Each layout of {world} ranks, its best candidate** (the fastest that fits, else the one needing "
+              "the least memory), and why it lost:", "",
+              "| layout | schedule | micro-batches | FSDP2 gathers | predicted step s | peak per rank GB | verdict |",
+              "|---|---|---|---|---|---|---|"]
+    for row in _best_per_layout(rows):
+        step = row.get("predicted_step_s")
+        peak = row.get("peak_memory_bytes")
+        lines.append(f"| dp={row['dp']} x pp={row['pp']} | {_schedule(row)} | {row.get('chunks') or '-'} "
+                     f"| {row.get('regather', '-')} | {'-' if step is None else f'{step:.1f}'} "
+                     f"| {'-' if peak is None else f'{peak / 1e9:.1f}'} | {row.get('lost', 'chosen')} |")
     if plan is not None:
-        lines += ["", "```", plan.table(), "```"]
+        lines += ["", "The plan of the layout chosen:", "", "```", plan.table(), "```"]
     return lines
+
+
+def _layout(row: dict) -> str:
+    return f"dp={row['dp']} x pp={row['pp']} {_schedule(row)}"
+
+
+def _schedule(row: dict) -> str:
+    virtual = row.get("virtual_stages") or 1
+    return row["schedule"] + (f" ({virtual} stages each)" if virtual > 1 else "")
+
+
+def _best_per_layout(rows: list[dict]) -> list[dict]:
+    """Per dp x pp: the fitting candidate with the shortest predicted step, else the one needing the
+    least memory, else the first (which says why none was weighed)."""
+    best: dict[tuple[int, int], dict] = {}
+    for row in rows:
+        key = (row["dp"], row["pp"])
+        rank = ((0, row["predicted_step_s"]) if "predicted_step_s" in row and "needs" not in row.get("lost", "")
+                else (1, row["peak_memory_bytes"]) if row.get("peak_memory_bytes") else (2, 0))
+        if key not in best or rank < best[key][0]:
+            best[key] = (rank, row)
+    return [row for _, row in sorted(best.values(), key=lambda item: (-item[1]["pp"], item[1]["dp"]))]
 
 
 def _chosen_peak(plan) -> float:
@@ -455,14 +495,17 @@ def main() -> None:
     parser.add_argument("--gpu-gb", type=float, default=80.0)
     parser.add_argument("--node-batch", type=int, default=32, help="sequences per step, part 4")
     parser.add_argument("--node-tokens", type=int, default=128, help="tokens per sequence, part 4")
+    parser.add_argument("--node-model", choices=sorted(NODE_MODELS), default="70b", help="part 4's shapes")
+    parser.add_argument("--nodes", type=int, help="part 4 plans this many nodes (default: the fewest that fit)")
     args = parser.parse_args()
     device = torch.device(args.device)
     lines = [f"Machine: {machine(torch.get_num_threads())}" + (f", {torch.cuda.get_device_name(device)}"
                                                                if device.type == "cuda" else ""), ""]
     if args.part == "nodes":
-        lines += plan_nodes(args.gpus_per_node, args.gpu_gb, args.node_batch, args.node_tokens)
-        publish(section(NODES_START, NODES_END, lines), NODES_START, NODES_END, "## A model bigger than one node",
-                not args.no_write)
+        lines += plan_nodes(args.node_model, args.gpus_per_node, args.gpu_gb, args.node_batch, args.node_tokens,
+                            args.nodes)
+        start, end = NODES_MARKERS[args.node_model]
+        publish(section(start, end, lines), start, end, "## A model bigger than one node", not args.no_write)
         return
     if args.part == "llama":
         lines += plan_llama(device, 8, 8, 128, 8)

@@ -76,6 +76,15 @@ def memory_gb(device: Device, usable: float = 0.9) -> float | None:
     return usable * torch.cuda.get_device_properties(device).total_memory / 1e9
 
 
+def replays_graphs(device: Device, compile_arguments: dict[str, Any] | None) -> bool:
+    """Whether ``torch.compile`` with these arguments replays CUDA graphs on ``device``: their
+    outputs live in a pool that the next replay overwrites."""
+    arguments = compile_arguments or {}
+    options = arguments.get("options") or {}
+    return as_device(device).type == "cuda" and (arguments.get("mode") in ("reduce-overhead", "max-autotune")
+                                                 or bool(options.get("triton.cudagraphs")))
+
+
 def is_meta(device: Device) -> bool:
     """Whether ``device`` is the meta device: shapes without memory, where nothing runs."""
     return as_device(device).type == "meta"

@@ -28,7 +28,7 @@ from ..capture.devices import retarget_devices
 from ..capture.lifted import share_original_modules
 from ..capture.mutations import is_in_place, may_alias
 from ..capture.pytrees import flatten, unflatten
-from ..device import StageStreams, stage_streams
+from ..device import StageStreams, replays_graphs, stage_streams
 from ..measure.op_clock import OpClock, clocked_module, watching
 from ..plans.plan import Plan
 from ..weights.initialization import Initializer
@@ -91,10 +91,7 @@ class StageModule:
     def replays_graphs(self) -> bool:
         """Whether the compiled stage replays CUDA graphs, whose outputs live in a pool that the next
         replay overwrites: the next micro-batch's, before the pipeline joins them."""
-        arguments = self.compile_arguments or {}
-        options = arguments.get("options") or {}
-        return (self.device.type == "cuda" and arguments.get("mode") in ("reduce-overhead", "max-autotune")
-                or bool(options.get("triton.cudagraphs")))
+        return replays_graphs(self.device, self.compile_arguments)
 
     @cached_property
     def compiled_module(self) -> Callable[..., Any]:
