@@ -187,3 +187,15 @@ def test_repeated_blocks_are_profiled_once_with_the_memory_of_every_block_and_th
         assert streamed.nodes[b]["forward_s"] == streamed.nodes[a]["forward_s"]
     plan = la.partition(streamed, 2, chunks=2)
     assert "profiled once: h.1 .. h.3 (3 blocks) repeat h.0" in plan.table()
+
+
+@pytest.mark.parametrize(("seconds", "kept"), [((0.001, 0.002), 5), ((0.6, 0.5), 1), ((0.3, 0.2), 1)])
+def test_an_operation_profiled_just_in_time_is_replayed_fewer_times_where_its_replays_take_long(seconds, kept):
+    """Seven replays (two warm-ups) of a short operation; of one whose replays add up past a second,
+    one more replay after that, timed and kept: the progress still counts all seven."""
+    from lightning_antichain.planner.just_in_time import _timed
+
+    replays, steps = [], []
+    measured = _timed(None, lambda call: replays.append(call) or seconds, 7, 2, lambda: steps.append(1))
+    assert measured == [seconds] * kept and len(steps) == 7
+    assert len(replays) == {5: 7, 1: 2 if sum(seconds) >= 1 else 3}[kept]

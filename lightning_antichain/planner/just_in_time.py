@@ -83,12 +83,7 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
                 for _ in range(rounds):
                     step()
             else:
-                measured = []
-                for round_index in range(rounds):
-                    timing = time_once(call)
-                    if round_index >= warmup:
-                        measured.append(timing)
-                    step()
+                measured = _timed(call, time_once, rounds, warmup, step)
                 ledger.add(call, run.state_storages())
             result.calls.append(_shapes_only(call))
             result.samples.append(measured)
@@ -106,6 +101,32 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
     result.peak_bytes = peak_memory_since(device, start)
     result.repeated = run.repeated
     return result
+
+
+#: seconds of an operation's replays after which one more replay, timed, is enough: a layer of a
+#: 400 B model takes seconds a replay on a CPU, where seven replays of each would take the profile
+#: past ten minutes, and the noise of a replay that long is small
+LONG_OP_S = 1.0
+
+
+def _timed(call: RecordedCall, time_once: Callable[[RecordedCall], tuple[float, float]], rounds: int, warmup: int,
+           step: Callable[[], None]) -> list[tuple[float, float]]:
+    """``rounds`` replays of ``call``, the first ``warmup`` not kept; fewer, where they take long
+    (:data:`LONG_OP_S`): then one replay more is timed and kept."""
+    measured: list[tuple[float, float]] = []
+    spent = 0.0
+    for round_index in range(rounds):
+        long = spent >= LONG_OP_S
+        timing = time_once(call)
+        if round_index >= warmup or long:
+            measured.append(timing)
+        spent += sum(timing)
+        step()
+        if long:
+            for _ in range(rounds - round_index - 1):
+                step()
+            break
+    return measured
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
