@@ -106,3 +106,62 @@ def test_the_cost_graph_keeps_the_given_model_name():
     cost = la.profile(DictModel(), {"image": torch.randn(2, 6), "extra": torch.randn(2, 16)}, progress=False, name="m")
     assert cost.graph["model"] == "m"
     assert la.partition(cost, 2).model == "m"
+
+
+class _Vocabulary(nn.Module):
+    """An embedding and a head as wide as a vocabulary, around one small layer."""
+
+    def __init__(self, vocab: int = 3000, width: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+@pytest.mark.parametrize("on_meta", [False, True])
+def test_a_weight_over_the_piece_size_is_timed_a_slice_at_a_time_and_counted_whole(monkeypatch, on_meta):
+    """The embedding and the head (384 KB each) are replayed on slices of at most 64 KB, and their
+    times scaled by the slices the weight holds; what the profile counts (outputs, parameters,
+    what backward keeps) is the whole operation's, as without slices."""
+    from lightning_antichain.planner import profiler
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 3000, (4, 16))
+
+    def profiled():
+        if on_meta:
+            with la.init_empty_weights():
+                model = _Vocabulary()
+        else:
+            model = _Vocabulary()
+        return la.profile(model, (ids,), "cpu", progress=False, warmup=0, repeats=1, runtime_overhead=False)
+
+    replays = []  # per replay: the shape and bytes of each weight it reads, and its scale (no tensor kept:
+    # the just-in-time profile sends each weight back to meta after its last use)
+
+    def one_piece(call):
+        found = original(call)
+        weights = [(tuple(a.shape), a.numel() * a.element_size()) for a in found[1]
+                   if isinstance(a, torch.Tensor) and a.dim() == 2 and a.requires_grad]
+        replays.append((weights, found[3]))
+        return found
+
+    original = profiler._one_piece
+    monkeypatch.setattr(profiler, "_one_piece", one_piece)
+    whole = profiled()
+    assert all(scale == 1.0 for _, scale in replays)
+    replays.clear()
+    monkeypatch.setattr(profiler, "PIECE_BYTES", 64 * 1024)
+    sliced = profiled()
+    scaled = [(weights, scale) for weights, scale in replays if scale > 1]
+    assert len(scaled) == 2  # the embedding and the head, not the small layer
+    for [(shape, nbytes)], scale in scaled:  # 64 KB of float32 rows of 32, or of columns of 3000
+        assert nbytes <= 64 * 1024
+        assert shape in ((512, 32), (3000, 5)) and scale == pytest.approx(3000 / 512 if shape[1] == 32 else 32 / 5)
+    keys = ("output_bytes", "param_bytes", "saved_bytes")
+    assert {v: tuple(whole.nodes[v][k] for k in keys) for v in whole.nodes} == {
+        v: tuple(sliced.nodes[v][k] for k in keys) for v in sliced.nodes}
+    assert all(sliced.nodes[v]["backward_s"] > 0 for v in sliced.nodes if sliced.nodes[v]["param_bytes"] > 100_000)

@@ -270,6 +270,8 @@ def _replay(call: Any, owner: dict[int, tuple[str, int]], excluded: set[int]) ->
         if not isinstance(value, torch.Tensor):
             return value
         grad = value.requires_grad and value.is_floating_point()
+        if grad and storage_of(value)[0] in excluded:  # a trained parameter, which no forward changes:
+            return value.detach().requires_grad_(True)  # not copied (a 400 B model's embedding is 4 GB)
         twin = value.detach().requires_grad_(grad).clone()  # not a leaf, so in-place operations may run
         copied[storage_of(twin)[0]] = storage_of(value)[0]
         versions.append((twin, twin._version))

@@ -242,23 +242,74 @@ def _cost_graph(graph: OpGraph, module: nn.Module, calls: list[RecordedCall], sa
     return cost
 
 
+#: a weight bigger than this (a vocabulary's embedding or head: 4 GB in a 400 B Llama) is timed a
+#: slice at a time: its replay's copy of the weight and its gradient would hold twice the weight
+PIECE_BYTES = 512 * 2**20
+
+#: operations whose output features are slices of one weight: (the weight's argument, the dim
+#: that a slice of it narrows the output by)
+_SLICEABLE: dict[Any, tuple[int, int]] = {
+    torch.ops.aten.embedding.default: (0, 1),
+    torch.ops.aten.linear.default: (1, 0),
+    nn.functional.embedding: (1, 1),
+    nn.functional.linear: (1, 0),
+}
+
+
 def _time_once(call: RecordedCall, timer: Callable[[Callable[[], Any]], tuple[float, Any]]) -> tuple[float, float]:
     """Forward and backward seconds of one replay of ``call`` on fresh copies of its inputs."""
     if call.node.kind in ("placeholder", "get_attr"):
         return 0.0, 0.0
-    args, kwargs, leaves = _fresh_inputs(call)
+    fn, args, kwargs, scale = _one_piece(call)
+    args, kwargs, leaves = _fresh_inputs(args, kwargs)
     with torch.enable_grad():
-        forward, output = timer(lambda: call.fn(*args, **kwargs))
+        forward, output = timer(lambda: fn(*args, **kwargs))
         outs = [t for t in iter_tensors(output) if t.requires_grad]
-        wrt = leaves + _parameters(call)
+        wrt = leaves + (_parameters(call) if fn is call.fn else [])
         if not outs or not wrt:
-            return forward, 0.0
+            return forward * scale, 0.0
         grads = [torch.randn_like(t) for t in outs]
         backward, _ = timer(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
-    return forward, backward
+    return forward * scale, backward * scale
 
 
-def _fresh_inputs(call: RecordedCall) -> tuple[tuple, dict, list[torch.Tensor]]:
+def _one_piece(call: RecordedCall) -> tuple[Callable[..., Any], tuple, dict, float]:
+    """What to replay for ``call``: where it reads a weight over :data:`PIECE_BYTES` through an
+    operation whose outputs are slices of it (:data:`_SLICEABLE`, or an ``nn.Linear`` or
+    ``nn.Embedding`` called as a module), that operation as a function with the weight (and a
+    linear layer's bias) narrowed to one slice of at most that size, and how many such slices the
+    weight holds, which scales the times of one; else the call as it is, scaled by 1."""
+    fn, args, kwargs = call.fn, call.args, call.kwargs
+    module = call.module
+    if type(module) is nn.Linear and len(args) == 1 and not kwargs:
+        fn, args = nn.functional.linear, (args[0], module.weight, module.bias)
+    elif type(module) is nn.Embedding and module.max_norm is None and len(args) == 1 and not kwargs:
+        fn, args = nn.functional.embedding, (args[0], module.weight)
+        kwargs = {"padding_idx": module.padding_idx, "scale_grad_by_freq": module.scale_grad_by_freq,
+                  "sparse": module.sparse}
+    found = _SLICEABLE.get(fn)
+    whole = call.fn, call.args, call.kwargs, 1.0
+    if found is None or len(args) <= found[0]:
+        return whole
+    position, dim = found
+    weight = args[position]
+    if not isinstance(weight, torch.Tensor) or weight.dim() <= dim:
+        return whole
+    nbytes = weight.numel() * weight.element_size()
+    size = weight.shape[dim] * PIECE_BYTES // nbytes if nbytes > PIECE_BYTES else 0
+    if size < 1:
+        return whole
+    args, kwargs = list(args), dict(kwargs)
+    args[position] = weight.narrow(dim, 0, size)
+    if found == _SLICEABLE[nn.functional.linear]:  # a bias has the output's features too
+        if len(args) > 2 and isinstance(args[2], torch.Tensor):
+            args[2] = args[2].narrow(0, 0, size)
+        elif isinstance(kwargs.get("bias"), torch.Tensor):
+            kwargs["bias"] = kwargs["bias"].narrow(0, 0, size)
+    return fn, tuple(args), kwargs, weight.shape[dim] / size
+
+
+def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
     """Copies of the recorded inputs: leaves for gradients, cloned so in-place ops are safe."""
     leaves: list[torch.Tensor] = []
 
@@ -269,7 +320,7 @@ def _fresh_inputs(call: RecordedCall) -> tuple[tuple, dict, list[torch.Tensor]]:
             return leaf.clone()
         return value.detach().clone()
 
-    return map_tensors(fresh, call.args), map_tensors(fresh, call.kwargs), leaves
+    return map_tensors(fresh, args), map_tensors(fresh, kwargs), leaves
 
 
 def _parameters(call: RecordedCall) -> list[torch.Tensor]:
