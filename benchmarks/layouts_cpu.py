@@ -37,7 +37,7 @@ from report import machine  # noqa: E402
 
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
-    from lightning_antichain.measure.link_speed import measured_gbps
+    from lightning_antichain.measure.link_speed import measured_gbps, measured_latency_s
     from lightning_antichain.planner.layout_search import layout_search
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -50,16 +50,17 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
             loss_fn = loss_of(model_name)
             free = layout_search("auto", "auto", None)
             counts = free.pipeline_counts(ranks)
-            gbps = measured_gbps(cpu)  # as the strategy does before it plans a layout on CPU processes
+            # as the strategy does before it plans a layout on CPU processes
+            gbps, latency_s = measured_gbps(cpu), measured_latency_s(cpu)
             for how in args.replication.split(","):
-                _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, gbps, cache, args,
-                         results)
+                _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, (gbps, latency_s), cache,
+                         args, results)
     finally:
         dist.destroy_process_group()
 
 
-def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: str, free, counts, gbps: float,
-             cache: str, args: argparse.Namespace, results: mp.Queue) -> None:
+def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: str, free, counts,
+             link: tuple[float, float], cache: str, args: argparse.Namespace, results: mp.Queue) -> None:
     """Plan every layout kept in step by ``how`` (and the free choice) on rank 0, then train each, in turns."""
     from lightning_antichain.capture import capture_call
     from lightning_antichain.planner.layout_cost import Links
@@ -77,7 +78,8 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         optimizers = [torch.optim.AdamW(model.parameters())]
         searches = [free, *(LayoutSearch(pp, free.schedules) for pp in counts)]
         # the first profiles every micro-batch size once; the others read the profiles back
-        chosen, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, Links(ranks, gbps, gbps),
+        links = Links(ranks, link[0], link[0], link[1])
+        chosen, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, links,
                                             options, optimizers=optimizers, replication=how).plan
                                for search in searches]
         sent = [({pp: plan.to_dict() for pp, plan in zip(counts, per_layout)}, chosen.layout,
@@ -120,7 +122,7 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         for pp, (_, plan, chosen_layout) in runs.items():
             best = min((r for r in plan.layouts if r.get("predicted_step_s") is not None and "lost" not in r),
                        key=lambda r: r["predicted_step_s"])
-            results.put((model_name, gbps, chosen_layout, plan.chunks, best["predicted_step_s"],
+            results.put((model_name, link, chosen_layout, plan.chunks, best["predicted_step_s"],
                          best.get("reduction_s", 0.0), statistics.median(float(t[0]) for t in times[pp]),
                          chosen_layout["dp"] == auto["dp"] and chosen_layout["schedule"] == auto["schedule"]
                          and chosen_layout.get("regather") == auto.get("regather"), how,
@@ -162,13 +164,14 @@ def main() -> None:
     print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, AdamW, the batch of 32 "
           f"split over the replicas; median of {args.repeats} interleaved steps\n")
     print("| model | replicas | layout | schedule | chunks | predicted ms | of it, replicas ms | measured ms "
-          "| of it, optimizer ms | measured / predicted | measured / best measured | auto | link GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| of it, optimizer ms | measured / predicted | measured / best measured | auto | link GB/s "
+          "| a collective ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models.split(","):
         for how in args.replication.split(","):
             mine = [r for r in rows if r[0] == model_name and r[8] == how]
             best = min(r[6] for r in mine)
-            for _, gbps, layout, chunks, predicted, reduction, measured, auto, _, optimizer_s in sorted(
+            for _, (gbps, latency_s), layout, chunks, predicted, reduction, measured, auto, _, optimizer_s in sorted(
                     mine, key=lambda r: r[2]["pp"]):
                 schedule = layout["schedule"] + (
                     f" (v={layout['virtual_stages']})" if layout["virtual_stages"] > 1 else "")
@@ -177,7 +180,7 @@ def main() -> None:
                       f"| {1e3 * predicted:.1f} | {1e3 * reduction:.1f} | {1e3 * measured:.1f} "
                       f"| {1e3 * optimizer_s:.1f} "
                       f"| {measured / predicted:.2f} | {measured / best:.2f} | {'chosen' if auto else ''} "
-                      f"| {gbps:.2f} |")
+                      f"| {gbps:.2f} | {1e3 * latency_s:.1f} |")
 
 
 if __name__ == "__main__":

@@ -191,3 +191,24 @@ def test_auto_options_are_checked_when_given():
     strategy = la.AntichainPipelineStrategy(pipeline_parallel_size="auto", schedule="auto")
     search = strategy._runtime.layout_search
     assert len(search.schedules) == 5 and search.pipeline_ranks is None
+
+
+def test_every_collective_costs_the_links_latency_a_gathered_block_two_a_ddp_bucket_one():
+    """Once per step, FSDP2 gathers and reduce-scatters each of a stage's five blocks and what no block
+    owns with a collective each: 12 latencies a step; per micro-batch, those of every task; DDP's
+    100 MB of gradients go in four buckets of 25 MB."""
+    assert BUCKET_BYTES == 25 * MB
+    plan = dataclasses.replace(two_stage_plan(chunks=4), stages=[
+        dataclasses.replace(s, largest_block_bytes=18 * MB, unblocked_param_bytes=10 * MB, param_blocks=5)
+        for s in two_stage_plan().stages])
+    latency = 0.01
+    links, waiting = Links(4, 10.0, 10.0), Links(4, 10.0, 10.0, latency_s=latency)
+    once = [layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), kind, "fsdp", "step") for kind in (links, waiting)]
+    assert once[1].reduction_s - once[0].reduction_s == pytest.approx(2 * 6 * latency)
+    per_task = [layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), kind, "fsdp", "micro_batch") for kind in (links, waiting)]
+    assert per_task[1].step_s - per_task[0].step_s >= 4 * (6 + 11) * latency  # a stage's 4 forwards and 4 backwards
+    ddp = [layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), kind) for kind in (links, waiting)]
+    # four buckets' latencies, behind the last backward on a GPU but for the last bucket's
+    assert latency <= ddp[1].reduction_s - ddp[0].reduction_s <= 4 * latency + 1e-9
+    alone = [layout_cost(plan, ONE_F_ONE_B, Layout(1, 2), kind, "fsdp", "step") for kind in (links, waiting)]
+    assert alone[1].step_s == alone[0].step_s  # one replica sends nothing

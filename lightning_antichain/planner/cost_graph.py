@@ -119,10 +119,11 @@ def block_of_node(attrs: dict[str, Any]) -> str | None:
     return block_of(str(path)) if path else None
 
 
-def block_param_bytes(graph: nx.DiGraph, nodes: Any) -> tuple[int, int]:
+def block_param_bytes(graph: nx.DiGraph, nodes: Any) -> tuple[int, int, int]:
     """Of the parameters ``nodes`` own, the bytes of the largest block's, and of those no block
     owns: what FSDP2, sharding each block on its own, gathers at once at most, and what it keeps
-    gathered for a whole step."""
+    gathered for a whole step; and how many blocks own some (FSDP2 gathers each with a collective
+    of its own)."""
     per_block: dict[str, int] = {}
     outside = 0
     for v in nodes:
@@ -132,7 +133,7 @@ def block_param_bytes(graph: nx.DiGraph, nodes: Any) -> tuple[int, int]:
             outside += int(attrs["param_bytes"])
         else:
             per_block[block] = per_block.get(block, 0) + int(attrs["param_bytes"])
-    return max(per_block.values(), default=0), outside
+    return max(per_block.values(), default=0), outside, sum(1 for nbytes in per_block.values() if nbytes)
 
 
 def cost_graph_to_dict(graph: nx.DiGraph) -> dict[str, Any]:

@@ -214,7 +214,7 @@ def evaluate_stages(
         out_bytes = sum(graph.nodes[v]["output_bytes"] for v in cut_out)
         sum_attr = lambda key: sum(graph.nodes[v][key] for v in nodes if not graph.nodes[v]["pinned"])  # noqa: E731,B023
         activations, kept_inputs = kept_bytes(graph, nodes, cut_in, cut_out)
-        largest_block, unblocked = block_param_bytes(graph, [v for v in nodes if not graph.nodes[v]["pinned"]])
+        largest_block, unblocked, blocks = block_param_bytes(graph, [v for v in nodes if not graph.nodes[v]["pinned"]])
         built.append(
             Stage(
                 index=k,
@@ -231,6 +231,7 @@ def evaluate_stages(
                 param_bytes=int(sum_attr("param_bytes")),
                 largest_block_bytes=largest_block,
                 unblocked_param_bytes=unblocked,
+                param_blocks=blocks,
                 frozen_bytes=int(sum_attr("frozen_bytes")),
                 modules=module_span(graph, nodes),
                 buffer_bytes=int(sum_attr("buffer_bytes")),

@@ -30,6 +30,7 @@ CPU, as slowly as the ranks' sharing of its cores makes it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,9 @@ class Links:
     per_node: int
     within_gbps: float | None = None
     across_gbps: float | None = None
+    #: what a collective costs whatever its bytes, in seconds (measured between CPU processes,
+    #: where it is milliseconds: the ranks meet through the host's scheduler)
+    latency_s: float = 0.0
 
     def between(self, a: int, b: int) -> float | None:
         if a == b:
@@ -65,17 +69,21 @@ class Links:
         return min(known) if known else None
 
 
-def ring_all_reduce_s(nbytes: float, ranks: int, gbps: float | None) -> float:
-    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks on links of ``gbps``."""
-    return 2.0 * ring_all_gather_s(nbytes, ranks, gbps)
-
-
-def ring_all_gather_s(nbytes: float, ranks: int, gbps: float | None) -> float:
-    """Seconds of a ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``ranks`` ranks
-    on links of ``gbps``: each rank sends and receives all but its own share."""
+def ring_all_reduce_s(nbytes: float, ranks: int, gbps: float | None, latency_s: float = 0.0) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks on links of ``gbps``, one
+    collective of ``latency_s``."""
     if ranks <= 1 or gbps is None or nbytes <= 0:
         return 0.0
-    return (ranks - 1) / ranks * nbytes / (gbps * 1e9)
+    return 2.0 * ring_all_gather_s(nbytes, ranks, gbps) + latency_s
+
+
+def ring_all_gather_s(nbytes: float, ranks: int, gbps: float | None, latency_s: float = 0.0) -> float:
+    """Seconds of a ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``ranks`` ranks
+    on links of ``gbps``: each rank sends and receives all but its own share; one collective of
+    ``latency_s``."""
+    if ranks <= 1 or gbps is None or nbytes <= 0:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / (gbps * 1e9) + latency_s
 
 
 @dataclass(frozen=True)
@@ -123,7 +131,9 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
             reductions.append(exposed)
             finish.append(ends[position] + exposed)
             continue
-        whole, tail = ring_all_reduce_s(grads, dp, gbps), ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps)
+        buckets = math.ceil(grads / BUCKET_BYTES) if dp > 1 and gbps is not None else 0
+        whole = ring_all_reduce_s(grads, dp, gbps) + buckets * links.latency_s  # DDP: a collective a bucket
+        tail = ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps, links.latency_s)
         reductions.append(whole if dp > 1 else 0.0)
         finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
     optimizer_s = _optimizer_s(linked, schedule, layout, replication)
@@ -195,6 +205,7 @@ class _Gathers:
     def __init__(self, plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links,
                  regather: Regather) -> None:
         self.plan, self.schedule, self.layout, self.regather = plan, schedule, layout, regather
+        self.latency_s = links.latency_s
         self.gbps = [links.slowest([layout.rank(d, schedule.rank_of(s, layout.pp)) for d in range(layout.dp)])
                      for s in range(plan.num_stages)]
 
@@ -210,8 +221,10 @@ class _Gathers:
         for stage in self.plan.stages:
             params, grads = stage.param_bytes, stage.param_bytes - stage.frozen_bytes
             largest, unblocked = _blocks(stage)
-            forward = self._gather_s(stage.index, params)
-            backward = self._gather_s(stage.index, params - unblocked) + self._gather_s(stage.index, grads)
+            units = self._latencies(stage)
+            forward = self._gather_s(stage.index, params) + units * self.latency_s
+            backward = (self._gather_s(stage.index, params - unblocked) + self._gather_s(stage.index, grads)
+                        + (units + stage.param_blocks) * self.latency_s)  # the blocks gathered again, all scattered
             first = self._gather_s(stage.index, largest)
             if shares_host(stage.device):  # the cores that compute also move the bytes
                 stages.append(dataclasses.replace(stage, forward_s=stage.forward_s + forward,
@@ -233,8 +246,16 @@ class _Gathers:
             gather = self._gather_s(index, stage.param_bytes)
             if not shares_host(stage.device):
                 gather = max(gather - stage.forward_s, self._gather_s(index, _blocks(stage)[0]))
-            total += gather + self._gather_s(index, stage.param_bytes - stage.frozen_bytes)
+            total += (gather + self._gather_s(index, stage.param_bytes - stage.frozen_bytes)
+                      + 2 * self._latencies(stage) * self.latency_s)
         return total
+
+    def _latencies(self, stage: Stage) -> int:
+        """FSDP2's units in ``stage``, each gathered and reduce-scattered by a collective of its
+        own: its blocks, and the stage for what no block owns; none where nothing is sent."""
+        if self.layout.dp <= 1 or self.gbps[stage.index] is None:
+            return 0
+        return stage.param_blocks + (1 if _blocks(stage)[1] or not stage.param_blocks else 0)
 
 
 def _over_links(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links) -> Plan:

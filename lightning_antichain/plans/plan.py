@@ -87,6 +87,8 @@ class Stage:
     #: the rest for the whole step (:mod:`~lightning_antichain.stages.block_units`)
     largest_block_bytes: int = 0
     unblocked_param_bytes: int = 0
+    #: how many blocks own parameters: FSDP2 gathers and reduce-scatters each with its own collective
+    param_blocks: int = 0
 
     def backward_halves(self) -> tuple[float, float]:
         """The seconds of the two halves of a split backward: as measured, else ``backward_s``

@@ -40,7 +40,7 @@ from ..capture.pytrees import flatten, map_tensors
 from ..device import is_accelerator
 from ..lightning.forward_patch import ForwardPatch
 from ..lightning.runtime import GivenOptions, Host, Runtime, rank_zeros_plan
-from ..measure.link_speed import measured_gbps
+from ..measure.link_speed import measured_gbps, measured_latency_s
 from ..planner.layout_cost import Links
 from ..planner.layout_search import chosen_regather, layout_search, plan_layouts
 from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
@@ -410,18 +410,19 @@ class ProcessRuntime(RankHoldings, Runtime):
 
         return of
 
-    def links(self, measured_gbps: float | None = None) -> Links:
+    def links(self, measured: tuple[float, float] | None = None) -> Links:
         """The links between ranks the planner charges: ``bandwidth_gbps`` within a node (default
-        16 GB/s between GPUs; between CPU processes ``measured_gbps``, the process group's own),
-        ``internode_gbps`` across nodes (default the same on CPU, 25 GB/s from a GPU: one 200 Gb/s
-        network adapter each)."""
+        16 GB/s between GPUs; between CPU processes the process group's own, ``measured`` as
+        bandwidth and latency), ``internode_gbps`` across nodes (default the same on CPU, 25 GB/s
+        from a GPU: one 200 Gb/s network adapter each)."""
+        measured_gbps, latency_s = measured if measured is not None else (None, 0.0)
         devices = list(self.strategy.parallel_devices or [self.strategy.root_device])
         within = self.options.bandwidth_gbps if self.options.bandwidth_gbps is not None else (
             default_bandwidth_gbps(devices) if any(is_accelerator(d) for d in devices) else measured_gbps)
         across = self.options.internode_gbps
         if across is None:
             across = INTERNODE_GPU_GBPS if any(is_accelerator(d) for d in devices) else within
-        return Links(len(devices), within, across)
+        return Links(len(devices), within, across, latency_s)
 
     def _replica_share(self, batch: Any) -> Any:
         """This rank's replica's part of the whole ``batch`` (all of it where there is one replica,
@@ -511,7 +512,7 @@ class ProcessRuntime(RankHoldings, Runtime):
         if self.plan is None:
             measured = None  # every rank takes part in timing the links the planner weighs layouts on
             if self.layout_search is not None and not is_accelerator(strategy.root_device):
-                measured = measured_gbps(strategy.root_device)
+                measured = (measured_gbps(strategy.root_device), measured_latency_s(strategy.root_device))
             captured: list[Any] = []  # the graph rank 0 planned on
 
             def make() -> Plan:
@@ -554,7 +555,8 @@ class ProcessRuntime(RankHoldings, Runtime):
         self._hold_own_only()
         return True
 
-    def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple, measured_gbps: float | None) -> Any:
+    def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple,
+                   measured: tuple[float, float] | None) -> Any:
         """The plan for the layout given, or for the one the planner chooses on the whole ``batch``."""
         assert self.steps is not None
         strategy, options = self.strategy, self.options
@@ -563,20 +565,20 @@ class ProcessRuntime(RankHoldings, Runtime):
             args, kwargs = self.steps.call_of(hook, batch, rest)  # type: ignore[misc]
             with torch.enable_grad():
                 return plan_layouts(target, args, kwargs, strategy.world_size, self.stage_devices_of, search,
-                                    self.links(measured_gbps), options, optimizers=strategy.optimizers,
+                                    self.links(measured), options, optimizers=strategy.optimizers,
                                     replication=self.replication)
         whole = self.steps.call_of(hook, self._replica_share(batch), rest)
         devices = self.stage_devices_of(self.layout, self.schedule)
         with torch.enable_grad():
             args, kwargs = planning_call(target, *whole, options, count_items=False)
             planned = planned_for_call(target, args, kwargs, devices, options, self.strategy.optimizers)
-        planned.plan.regather = self._regather(planned.plan, measured_gbps)
+        planned.plan.regather = self._regather(planned.plan, measured)
         return planned
 
-    def _regather(self, plan: Plan, measured_gbps: float | None) -> Regather | None:
+    def _regather(self, plan: Plan, measured: tuple[float, float] | None) -> Regather | None:
         """How FSDP2 gathers in the layout given: the fastest way that fits (see ``chosen_regather``)."""
         devices = self.stage_devices_of(self.layout, self.schedule)
-        return chosen_regather(plan, self.schedule, self.layout, self.links(measured_gbps), self.replication,
+        return chosen_regather(plan, self.schedule, self.layout, self.links(measured), self.replication,
                                devices, self.options.memory_gb)
 
 
