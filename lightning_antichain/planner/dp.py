@@ -86,6 +86,14 @@ COARSE_STATES = 512
 FINE_MARGIN = 2
 
 
+def coarse_window(space: StateSpace) -> int | None:
+    """How many consecutive states the coarse program of :func:`solve_coarse_to_fine` takes one of;
+    ``None`` where it runs on every state."""
+    if not space.prefixes_only or len(space) <= 2 * COARSE_STATES:
+        return None
+    return -(-(len(space) - 2) // COARSE_STATES)
+
+
 def solve_coarse_to_fine(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
                          ) -> tuple[list[int], list[DeviceSpec]]:
     """:func:`solve_bottleneck` for a space whose states form one chain (prefixes of the execution
@@ -93,10 +101,9 @@ def solve_coarse_to_fine(space: StateSpace, specs: Sequence[DeviceSpec], model: 
     consecutive states (the one with the smallest cut), then on every state within
     :data:`FINE_MARGIN` windows of the cuts it chose. The program's tables grow with the square of
     the states: a 70 B decoder has 5,000 prefixes, and a layout search cuts it dozens of times."""
-    count = len(space)
-    if not space.prefixes_only or count <= 2 * COARSE_STATES:
+    count, width = len(space), coarse_window(space)
+    if width is None:
         return solve_bottleneck(space, specs, model)
-    width = -(-(count - 2) // COARSE_STATES)
     cut = np.where(space.forbidden, np.inf, space.cut_bytes)
     picks = [0]
     for start in range(1, count - 1, width):

@@ -26,7 +26,7 @@ from .antichain import DEFAULT_MAX_STATES, build_state_space
 from .baselines import baseline_split
 from .cost_graph import node_compute, normalize_cost_graph, ordered_nodes, total_compute
 from .cost_model import CostModel, DeviceSpec, InfeasiblePlanError, checked_mode, device_specs, evaluate_stages
-from .dp import COARSE_STATES, solve_coarse_to_fine, stage_nodes_of_chain
+from .dp import coarse_window, solve_coarse_to_fine, stage_nodes_of_chain
 
 METHODS = PLANNING_METHODS
 
@@ -117,9 +117,10 @@ def _solved(graph: nx.DiGraph, specs: list[DeviceSpec], model: CostModel, max_st
             ) from exc
         raise
     compression = list(space.compression)
-    if space.prefixes_only and len(space) > 2 * COARSE_STATES:
-        compression.append(f"{len(space)} prefixes: cut at one in each window of about "
-                           f"{-(-(len(space) - 2) // COARSE_STATES)} first, then at every prefix near those cuts")
+    width = coarse_window(space)
+    if width is not None:
+        compression.append(f"{len(space)} prefixes: cut at one in each window of about {width} first, then at "
+                           "every prefix near those cuts")
     return stage_nodes_of_chain(space, chain), order, compression, len(space)
 
 

@@ -247,12 +247,12 @@ def _cost_graph(graph: OpGraph, module: nn.Module, calls: list[RecordedCall], sa
 PIECE_BYTES = 512 * 2**20
 
 #: operations whose output features are slices of one weight: (the weight's argument, the dim
-#: that a slice of it narrows the output by)
-_SLICEABLE: dict[Any, tuple[int, int]] = {
-    torch.ops.aten.embedding.default: (0, 1),
-    torch.ops.aten.linear.default: (1, 0),
-    nn.functional.embedding: (1, 1),
-    nn.functional.linear: (1, 0),
+#: that a slice of it narrows the output by, the bias's argument or ``None``)
+_SLICEABLE: dict[Any, tuple[int, int, int | None]] = {
+    torch.ops.aten.embedding.default: (0, 1, None),
+    torch.ops.aten.linear.default: (1, 0, 2),
+    nn.functional.embedding: (1, 1, None),
+    nn.functional.linear: (1, 0, 2),
 }
 
 
@@ -291,7 +291,7 @@ def _one_piece(call: RecordedCall) -> tuple[Callable[..., Any], tuple, dict, flo
     whole = call.fn, call.args, call.kwargs, 1.0
     if found is None or len(args) <= found[0]:
         return whole
-    position, dim = found
+    position, dim, bias = found
     weight = args[position]
     if not isinstance(weight, torch.Tensor) or weight.dim() <= dim:
         return whole
@@ -301,9 +301,9 @@ def _one_piece(call: RecordedCall) -> tuple[Callable[..., Any], tuple, dict, flo
         return whole
     args, kwargs = list(args), dict(kwargs)
     args[position] = weight.narrow(dim, 0, size)
-    if found == _SLICEABLE[nn.functional.linear]:  # a bias has the output's features too
-        if len(args) > 2 and isinstance(args[2], torch.Tensor):
-            args[2] = args[2].narrow(0, 0, size)
+    if bias is not None:  # a bias has the output's features too
+        if len(args) > bias and isinstance(args[bias], torch.Tensor):
+            args[bias] = args[bias].narrow(0, 0, size)
         elif isinstance(kwargs.get("bias"), torch.Tensor):
             kwargs["bias"] = kwargs["bias"].narrow(0, 0, size)
     return fn, tuple(args), kwargs, weight.shape[dim] / size
