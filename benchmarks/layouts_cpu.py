@@ -37,7 +37,7 @@ from report import machine  # noqa: E402
 
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
-    from lightning_antichain.measure.link_speed import measured_gbps, measured_latency_s
+    from lightning_antichain.measure.link_speed import measured_collectives
     from lightning_antichain.planner.layout_search import layout_search
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -51,19 +51,19 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
             free = layout_search("auto", "auto", None)
             counts = free.pipeline_counts(ranks)
             # as the strategy does before it plans a layout on CPU processes
-            gbps, latency_s = measured_gbps(cpu), measured_latency_s(cpu)
+            measured = measured_collectives(cpu)
             for how in args.replication.split(","):
-                _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, (gbps, latency_s), cache,
+                _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, measured, cache,
                          args, results)
     finally:
         dist.destroy_process_group()
 
 
 def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: str, free, counts,
-             link: tuple[float, float], cache: str, args: argparse.Namespace, results: mp.Queue) -> None:
+             link: dict, cache: str, args: argparse.Namespace, results: mp.Queue) -> None:
     """Plan every layout kept in step by ``how`` (and the free choice) on rank 0, then train each, in turns."""
     from lightning_antichain.capture import capture_call
-    from lightning_antichain.planner.layout_cost import Links
+    from lightning_antichain.planner.layout_cost import measured_links
     from lightning_antichain.planner.layout_search import LayoutSearch, plan_layouts
     from lightning_antichain.plans.layout import Layout
     from lightning_antichain.plans.options import PipelineOptions
@@ -78,7 +78,7 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         optimizers = [torch.optim.AdamW(model.parameters())]
         searches = [free, *(LayoutSearch(pp, free.schedules) for pp in counts)]
         # the first profiles every micro-batch size once; the others read the profiles back
-        links = Links(ranks, link[0], link[0], link[1])
+        links = measured_links(ranks, link)
         chosen, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, links,
                                             options, optimizers=optimizers, replication=how).plan
                                for search in searches]
@@ -171,7 +171,7 @@ def main() -> None:
         for how in args.replication.split(","):
             mine = [r for r in rows if r[0] == model_name and r[8] == how]
             best = min(r[6] for r in mine)
-            for _, (gbps, latency_s), layout, chunks, predicted, reduction, measured, auto, _, optimizer_s in sorted(
+            for _, link, layout, chunks, predicted, reduction, measured, auto, _, optimizer_s in sorted(
                     mine, key=lambda r: r[2]["pp"]):
                 schedule = layout["schedule"] + (
                     f" (v={layout['virtual_stages']})" if layout["virtual_stages"] > 1 else "")
@@ -180,7 +180,13 @@ def main() -> None:
                       f"| {1e3 * predicted:.1f} | {1e3 * reduction:.1f} | {1e3 * measured:.1f} "
                       f"| {1e3 * optimizer_s:.1f} "
                       f"| {measured / predicted:.2f} | {measured / best:.2f} | {'chosen' if auto else ''} "
-                      f"| {gbps:.2f} | {1e3 * latency_s:.1f} |")
+                      f"| {_speeds(link, 'gbps', 1.0)} | {_speeds(link, 'latency_s', 1e3)} |")
+    print("\nLink GB/s and a collective's ms: all-reduce, all-gather, reduce-scatter, each fitted to back-to-back runs "
+          "at two sizes")
+
+
+def _speeds(link: dict, field: str, scale: float) -> str:
+    return ", ".join(f"{scale * getattr(speed, field):.2f}" for speed in link.values())
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ import torch
 from torch import nn
 
 import lightning_antichain as la
+from lightning_antichain.measure.link_speed import CollectiveSpeed
 from lightning_antichain.planner.layout_cost import (
     BUCKET_BYTES,
+    Collective,
     Links,
     layout_cost,
+    measured_links,
     ring_all_gather_s,
     ring_all_reduce_s,
 )
@@ -212,3 +215,25 @@ def test_every_collective_costs_the_links_latency_a_gathered_block_two_a_ddp_buc
     assert latency <= ddp[1].reduction_s - ddp[0].reduction_s <= 4 * latency + 1e-9
     alone = [layout_cost(plan, ONE_F_ONE_B, Layout(1, 2), kind, "fsdp", "step") for kind in (links, waiting)]
     assert alone[1].step_s == alone[0].step_s  # one replica sends nothing
+
+
+def test_fsdp2_gathers_and_scatters_at_the_speeds_measured_for_each_kind():
+    """gloo's all-gather and reduce-scatter run at speeds of their own: each unit's gather pays the
+    gather's latency, each reduce-scatter the scatter's, and halving the scatter's bandwidth doubles
+    the time of the gradients' reduce-scatter (100 MB over 2 replicas at 10 GB/s: 5 ms)."""
+    plan = dataclasses.replace(two_stage_plan(chunks=4), stages=[
+        dataclasses.replace(s, largest_block_bytes=18 * MB, unblocked_param_bytes=10 * MB, param_blocks=5)
+        for s in two_stage_plan().stages])
+    base = layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), Links(4, 10.0, 10.0), "fsdp", "step").reduction_s
+    for kind in ("gather", "scatter"):
+        waiting = Links(4, 10.0, 10.0, **{kind: Collective(latency_s=0.01)})
+        assert layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), waiting, "fsdp", "step").reduction_s - base == (
+            pytest.approx(6 * 0.01))  # five blocks and what no block owns
+    slow = Links(4, 10.0, 10.0, scatter=Collective(speed=0.5))
+    assert layout_cost(plan, ONE_F_ONE_B, Layout(2, 2), slow, "fsdp", "step").reduction_s - base == pytest.approx(
+        ring_all_gather_s(100 * MB, 2, 10.0))
+    measured = measured_links(8, {"all_reduce": CollectiveSpeed(0.001, 2.0), "all_gather": CollectiveSpeed(0.002, 1.0),
+                                  "reduce_scatter": CollectiveSpeed(0.003, 0.5)})
+    assert measured == Links(8, 2.0, 2.0, 0.001, Collective(0.002, 0.5), Collective(0.003, 0.25))
+    assert measured_links(8, {k: CollectiveSpeed(0.0, 1.0) for k in ("all_reduce", "all_gather", "reduce_scatter")},
+                          within_gbps=5.0).across_gbps == 5.0

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..device import shares_host
+from ..measure.link_speed import CollectiveSpeed, Kind
 from ..plans.layout import Layout
 from ..plans.plan import Plan, Stage
 from ..plans.process_schedules import ProcessSchedule
@@ -46,16 +47,34 @@ BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
+class Collective:
+    """How one kind of collective runs on the links: what it costs whatever its bytes, in seconds,
+    and its bandwidth as a multiple of the links' (an all-reduce's)."""
+
+    latency_s: float = 0.0
+    speed: float = 1.0
+
+
+@dataclass(frozen=True)
 class Links:
     """The bandwidth between two ranks, in GB/s (``None``: free): within a node of ``per_node``
-    ranks, or across nodes."""
+    ranks, or across nodes; and how each kind of collective runs on them."""
 
     per_node: int
     within_gbps: float | None = None
     across_gbps: float | None = None
-    #: what a collective costs whatever its bytes, in seconds (measured between CPU processes,
+    #: what an all-reduce costs whatever its bytes, in seconds (measured between CPU processes,
     #: where it is milliseconds: the ranks meet through the host's scheduler)
     latency_s: float = 0.0
+    #: FSDP2's all-gather and reduce-scatter, where they differ from the all-reduce (gloo's do);
+    #: ``None``: as the all-reduce
+    gather: Collective | None = None
+    scatter: Collective | None = None
+
+    def kind(self, name: str) -> Collective:
+        """How the collective ``name`` (``"gather"`` or ``"scatter"``) runs on these links."""
+        found = getattr(self, name)
+        return found if found is not None else Collective(self.latency_s)
 
     def between(self, a: int, b: int) -> float | None:
         if a == b:
@@ -67,6 +86,23 @@ class Links:
         links = [self.between(a, b) for a, b in zip(ranks, [*ranks[1:], ranks[0]]) if a != b]
         known = [g for g in links if g is not None]
         return min(known) if known else None
+
+
+def measured_links(per_node: int, measured: Mapping[Kind, CollectiveSpeed], within_gbps: float | None = None,
+                   across_gbps: float | None = None) -> Links:
+    """Links between CPU processes from the collectives ``measured`` on them
+    (:func:`~lightning_antichain.measure.link_speed.measured_collectives`): the all-reduce's
+    bandwidth (unless ``within_gbps`` is given; ``across_gbps`` defaults to it) and latency, and
+    FSDP2's all-gather and reduce-scatter relative to it."""
+    reduce = measured["all_reduce"]
+    within = within_gbps if within_gbps is not None else reduce.gbps
+    across = across_gbps if across_gbps is not None else within
+
+    def kind(name: Kind) -> Collective:
+        speed = measured[name]
+        return Collective(speed.latency_s, speed.gbps / reduce.gbps)
+
+    return Links(per_node, within, across, reduce.latency_s, kind("all_gather"), kind("reduce_scatter"))
 
 
 def ring_all_reduce_s(nbytes: float, ranks: int, gbps: float | None, latency_s: float = 0.0) -> float:
@@ -205,12 +241,24 @@ class _Gathers:
     def __init__(self, plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links,
                  regather: Regather) -> None:
         self.plan, self.schedule, self.layout, self.regather = plan, schedule, layout, regather
-        self.latency_s = links.latency_s
+        self.gather, self.scatter = links.kind("gather"), links.kind("scatter")
         self.gbps = [links.slowest([layout.rank(d, schedule.rank_of(s, layout.pp)) for d in range(layout.dp)])
                      for s in range(plan.num_stages)]
 
-    def _gather_s(self, index: int, nbytes: float) -> float:
-        return ring_all_gather_s(nbytes, self.layout.dp, self.gbps[index])
+    def _gather_s(self, index: int, nbytes: float, collectives: int = 0) -> float:
+        """Seconds of all-gathering ``nbytes`` of stage ``index``'s parameters in ``collectives`` calls."""
+        return self._moved_s(self.gather, index, nbytes, collectives)
+
+    def _scatter_s(self, index: int, nbytes: float, collectives: int = 0) -> float:
+        """Seconds of reduce-scattering ``nbytes`` of stage ``index``'s gradients in ``collectives`` calls."""
+        return self._moved_s(self.scatter, index, nbytes, collectives)
+
+    def _moved_s(self, kind: Collective, index: int, nbytes: float, collectives: int) -> float:
+        gbps = self.gbps[index]
+        if gbps is None or self.layout.dp <= 1:
+            return 0.0
+        return (ring_all_gather_s(nbytes, self.layout.dp, gbps * kind.speed) if nbytes > 0 else 0.0) + (
+            collectives * kind.latency_s)
 
     def in_tasks(self) -> Plan:
         """The plan with each task carrying the gathers and reductions of its micro-batch (none
@@ -221,10 +269,10 @@ class _Gathers:
         for stage in self.plan.stages:
             params, grads = stage.param_bytes, stage.param_bytes - stage.frozen_bytes
             largest, unblocked = _blocks(stage)
-            units = self._latencies(stage)
-            forward = self._gather_s(stage.index, params) + units * self.latency_s
-            backward = (self._gather_s(stage.index, params - unblocked) + self._gather_s(stage.index, grads)
-                        + (units + stage.param_blocks) * self.latency_s)  # the blocks gathered again, all scattered
+            units = self._units(stage)
+            forward = self._gather_s(stage.index, params, units)
+            backward = (self._gather_s(stage.index, params - unblocked, min(units, stage.param_blocks))
+                        + self._scatter_s(stage.index, grads, units))  # the blocks gathered again, all scattered
             first = self._gather_s(stage.index, largest)
             if shares_host(stage.device):  # the cores that compute also move the bytes
                 stages.append(dataclasses.replace(stage, forward_s=stage.forward_s + forward,
@@ -243,14 +291,15 @@ class _Gathers:
         total = 0.0
         for index in self.schedule.stages_of(position, self.layout.pp):
             stage = self.plan.stages[index]
+            units = self._units(stage)
             gather = self._gather_s(index, stage.param_bytes)
             if not shares_host(stage.device):
                 gather = max(gather - stage.forward_s, self._gather_s(index, _blocks(stage)[0]))
-            total += (gather + self._gather_s(index, stage.param_bytes - stage.frozen_bytes)
-                      + 2 * self._latencies(stage) * self.latency_s)
+            total += (gather + self._gather_s(index, 0.0, units)
+                      + self._scatter_s(index, stage.param_bytes - stage.frozen_bytes, units))
         return total
 
-    def _latencies(self, stage: Stage) -> int:
+    def _units(self, stage: Stage) -> int:
         """FSDP2's units in ``stage``, each gathered and reduce-scattered by a collective of its
         own: its blocks, and the stage for what no block owns; none where nothing is sent."""
         if self.layout.dp <= 1 or self.gbps[stage.index] is None:

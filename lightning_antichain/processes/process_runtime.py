@@ -40,8 +40,8 @@ from ..capture.pytrees import flatten, map_tensors
 from ..device import is_accelerator
 from ..lightning.forward_patch import ForwardPatch
 from ..lightning.runtime import GivenOptions, Host, Runtime, rank_zeros_plan
-from ..measure.link_speed import measured_gbps, measured_latency_s
-from ..planner.layout_cost import Links
+from ..measure.link_speed import CollectiveSpeed, Kind, measured_collectives
+from ..planner.layout_cost import Links, measured_links
 from ..planner.layout_search import chosen_regather, layout_search, plan_layouts
 from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
 from ..planner.process_calibration import StepCalibration, from_records
@@ -410,19 +410,21 @@ class ProcessRuntime(RankHoldings, Runtime):
 
         return of
 
-    def links(self, measured: tuple[float, float] | None = None) -> Links:
+    def links(self, measured: Mapping[Kind, CollectiveSpeed] | None = None) -> Links:
         """The links between ranks the planner charges: ``bandwidth_gbps`` within a node (default
-        16 GB/s between GPUs; between CPU processes the process group's own, ``measured`` as
-        bandwidth and latency), ``internode_gbps`` across nodes (default the same on CPU, 25 GB/s
-        from a GPU: one 200 Gb/s network adapter each)."""
-        measured_gbps, latency_s = measured if measured is not None else (None, 0.0)
+        16 GB/s between GPUs; between CPU processes the process group's own, ``measured``: each
+        kind of collective's latency and bandwidth), ``internode_gbps`` across nodes (default the
+        same on CPU, 25 GB/s from a GPU: one 200 Gb/s network adapter each)."""
         devices = list(self.strategy.parallel_devices or [self.strategy.root_device])
-        within = self.options.bandwidth_gbps if self.options.bandwidth_gbps is not None else (
-            default_bandwidth_gbps(devices) if any(is_accelerator(d) for d in devices) else measured_gbps)
-        across = self.options.internode_gbps
-        if across is None:
-            across = INTERNODE_GPU_GBPS if any(is_accelerator(d) for d in devices) else within
-        return Links(len(devices), within, across, latency_s)
+        per_node = len(devices)
+        if measured is None:
+            within = self.options.bandwidth_gbps if self.options.bandwidth_gbps is not None else (
+                default_bandwidth_gbps(devices) if any(is_accelerator(d) for d in devices) else None)
+            across = self.options.internode_gbps
+            if across is None:
+                across = INTERNODE_GPU_GBPS if any(is_accelerator(d) for d in devices) else within
+            return Links(per_node, within, across)
+        return measured_links(per_node, measured, self.options.bandwidth_gbps, self.options.internode_gbps)
 
     def _replica_share(self, batch: Any) -> Any:
         """This rank's replica's part of the whole ``batch`` (all of it where there is one replica,
@@ -512,7 +514,7 @@ class ProcessRuntime(RankHoldings, Runtime):
         if self.plan is None:
             measured = None  # every rank takes part in timing the links the planner weighs layouts on
             if self.layout_search is not None and not is_accelerator(strategy.root_device):
-                measured = (measured_gbps(strategy.root_device), measured_latency_s(strategy.root_device))
+                measured = measured_collectives(strategy.root_device)
             captured: list[Any] = []  # the graph rank 0 planned on
 
             def make() -> Plan:
