@@ -13,6 +13,7 @@ batch in every layout.
 
     python benchmarks/layouts_cpu.py --ranks 4 --models gpt,resnet50 --repeats 5
     python benchmarks/layouts_cpu.py --ranks 4 --models gpt --replication ddp,fsdp
+    python benchmarks/layouts_cpu.py --ranks 4 --models mlp,mobilenetv3,decoder8k   # models it was not tuned on
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from report import machine  # noqa: E402
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
     from lightning_antichain.measure.link_speed import measured_collectives
+    from lightning_antichain.planner.contention import copied_training_step, processes_capacity
     from lightning_antichain.planner.layout_search import layout_search
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -52,15 +54,16 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
             counts = free.pipeline_counts(ranks)
             # as the strategy does before it plans a layout on CPU processes
             measured = measured_collectives(cpu)
+            capacity = processes_capacity(copied_training_step(model, (x[:len(x) // ranks],), {}))
             for how in args.replication.split(","):
-                _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, measured, cache,
-                         args, results)
+                _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, (measured, capacity),
+                         cache, args, results)
     finally:
         dist.destroy_process_group()
 
 
 def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: str, free, counts,
-             link: dict, cache: str, args: argparse.Namespace, results: mp.Queue) -> None:
+             link: tuple[dict, float | None], cache: str, args: argparse.Namespace, results: mp.Queue) -> None:
     """Plan every layout kept in step by ``how`` (and the free choice) on rank 0, then train each, in turns."""
     from lightning_antichain.capture import capture_call
     from lightning_antichain.planner.layout_cost import measured_links
@@ -78,9 +81,10 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         optimizers = [torch.optim.AdamW(model.parameters())]
         searches = [free, *(LayoutSearch(pp, free.schedules) for pp in counts)]
         # the first profiles every micro-batch size once; the others read the profiles back
-        links = measured_links(ranks, link)
-        chosen, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, links,
-                                            options, optimizers=optimizers, replication=how).plan
+        links = measured_links(ranks, link[0])
+        chosen, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, links, options,
+                                            optimizers=optimizers, replication=how, processes_capacity=link[1],
+                                            loss=lambda out: loss_fn(out, y[:len(out)])).plan
                                for search in searches]
         sent = [({pp: plan.to_dict() for pp, plan in zip(counts, per_layout)}, chosen.layout,
                  chosen.predicted_step_s)]
@@ -165,13 +169,13 @@ def main() -> None:
           f"split over the replicas; median of {args.repeats} interleaved steps\n")
     print("| model | replicas | layout | schedule | chunks | predicted ms | of it, replicas ms | measured ms "
           "| of it, optimizer ms | measured / predicted | measured / best measured | auto | link GB/s "
-          "| a collective ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| a collective ms | ranks' capacity |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models.split(","):
         for how in args.replication.split(","):
             mine = [r for r in rows if r[0] == model_name and r[8] == how]
             best = min(r[6] for r in mine)
-            for _, link, layout, chunks, predicted, reduction, measured, auto, _, optimizer_s in sorted(
+            for _, (link, capacity), layout, chunks, predicted, reduction, measured, auto, _, optimizer_s in sorted(
                     mine, key=lambda r: r[2]["pp"]):
                 schedule = layout["schedule"] + (
                     f" (v={layout['virtual_stages']})" if layout["virtual_stages"] > 1 else "")
@@ -180,9 +184,10 @@ def main() -> None:
                       f"| {1e3 * predicted:.1f} | {1e3 * reduction:.1f} | {1e3 * measured:.1f} "
                       f"| {1e3 * optimizer_s:.1f} "
                       f"| {measured / predicted:.2f} | {measured / best:.2f} | {'chosen' if auto else ''} "
-                      f"| {_speeds(link, 'gbps', 1.0)} | {_speeds(link, 'latency_s', 1e3)} |")
+                      f"| {_speeds(link, 'gbps', 1.0)} | {_speeds(link, 'latency_s', 1e3)} "
+                      f"| {'-' if capacity is None else f'{capacity:.2f}'} |")
     print("\nLink GB/s and a collective's ms: all-reduce, all-gather, reduce-scatter, each fitted to back-to-back runs "
-          "at two sizes")
+          "at two sizes; the ranks' capacity: the work all ranks get through at once in units of one alone")
 
 
 def _speeds(link: dict, field: str, scale: float) -> str:

@@ -9,6 +9,7 @@ from torch import nn
 
 import lightning_antichain as la
 from lightning_antichain.measure.link_speed import CollectiveSpeed
+from lightning_antichain.planner.cost_graph import with_loss
 from lightning_antichain.planner.layout_cost import (
     BUCKET_BYTES,
     Collective,
@@ -18,7 +19,8 @@ from lightning_antichain.planner.layout_cost import (
     ring_all_gather_s,
     ring_all_reduce_s,
 )
-from lightning_antichain.planner.layout_search import layout_search, plan_layouts
+from lightning_antichain.planner.layout_search import LayoutSearch, layout_search, plan_layouts
+from lightning_antichain.planner.overhead import loss_seconds
 from lightning_antichain.plans.layout import Layout
 from lightning_antichain.plans.options import PipelineOptions
 from lightning_antichain.plans.plan import Plan, Stage
@@ -237,3 +239,45 @@ def test_fsdp2_gathers_and_scatters_at_the_speeds_measured_for_each_kind():
     assert measured == Links(8, 2.0, 2.0, 0.001, Collective(0.002, 0.5), Collective(0.003, 0.25))
     assert measured_links(8, {k: CollectiveSpeed(0.0, 1.0) for k in ("all_reduce", "all_gather", "reduce_scatter")},
                           within_gbps=5.0).across_gbps == 5.0
+
+
+def test_a_loss_given_to_the_search_is_timed_on_the_models_output_and_charged_to_the_last_stage(tmp_path):
+    """A loss the last stage computes from the module's output costs that stage: given to the
+    search (the same profile, read back from the cache), the plan's work grows by what the loss
+    takes, all of it on the last stage (a cross-entropy over 20k classes)."""
+    classes = 20_000
+    targets = torch.randint(0, classes, (32,))
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, classes))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def loss(out):
+        return nn.functional.cross_entropy(out, targets[:len(out)])
+
+    timed = loss_seconds(model, (torch.randn(8, 64),), {}, loss)
+    assert timed is not None and min(timed) > 0
+    assert all(torch.equal(a, p) and p.grad is None for a, p in zip(before, model.parameters()))
+
+    def planned(with_loss):
+        torch.manual_seed(0)
+        return plan_layouts(model, (torch.randn(32, 64),), {}, 2,
+                            lambda layout, s: [torch.device("cpu")] * s.num_stages(layout.pp),
+                            LayoutSearch(2, layout_search("auto", "gpipe", None).schedules), Links(per_node=2),
+                            PipelineOptions(profile_cache=tmp_path, progress=False, chunks=4),
+                            loss=loss if with_loss else None).plan
+
+    plain, charged = planned(False), planned(True)
+    added = charged.total_compute_s - plain.total_compute_s
+    assert 0.2 * sum(timed) < added < 5 * sum(timed)  # timed apart, on a shared machine
+    if [s.nodes for s in charged.stages] == [s.nodes for s in plain.stages]:
+        assert charged.stages[-1].compute_s - plain.stages[-1].compute_s == pytest.approx(added)
+
+
+def test_the_loss_goes_to_the_output_a_loss_reads_the_one_with_the_most_bytes():
+    import networkx as nx
+
+    cost = nx.DiGraph([("x", "features"), ("features", "logits"), ("features", "aux")])
+    nx.set_node_attributes(cost, {"features": 1000, "logits": 4000, "aux": 8}, "output_bytes")
+    cost.graph["outputs"] = ["logits", "aux"]
+    with_loss(cost, 0.5, 0.25)
+    assert (cost.nodes["logits"]["forward_s"], cost.nodes["logits"]["backward_s"]) == (0.5, 0.25)
+    assert "forward_s" not in cost.nodes["aux"]

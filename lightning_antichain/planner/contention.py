@@ -6,6 +6,11 @@ interpreter lock, large ones for memory bandwidth. The profiler measures this on
 micro-batch size (the whole model's forward and backward on two threads at once against one);
 calibration reads it again from the tasks of real pipelined steps (:func:`runtime_capacity`). The
 planner's prediction of a step uses it.
+
+Stages as processes share the cores but not an interpreter lock, and each holds its own copy of
+the weights: two threads tell little of them (MobileNetV3's small micro-batches: 1.35-2.0 on
+threads, run to run; a wide MLP: 1.9 on threads, 1.2 as processes whose weights no longer share a
+cache). Where the ranks are there to ask, they measure it themselves (:func:`processes_capacity`).
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.func import functional_call
 
 from ..capture.pytrees import iter_tensors
 from ..in_process.worker import WorkerPool, keep_freed_memory
@@ -54,14 +62,72 @@ def parallel_capacity(steps: list[Callable[[], None]], repeats: int) -> tuple[fl
     return min(2.0, 2.0 * statistics.median(alone) / statistics.median(together)), statistics.median(alone)
 
 
+def processes_capacity(step: Callable[[], None], group: Any = None, repeats: int = 3) -> float | None:
+    """Work done by every rank of ``group`` running ``step`` at once, in units of one rank alone
+    (the number of ranks: no contention). Every rank calls it, with its own ``step``, and gets the
+    same value: rank 0's median alone against the slowest rank's median together; ``None`` where
+    ``step`` failed on any rank (nothing is measured then, and no rank waits for another)."""
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    try:
+        step()  # to warm up
+        ran = 1
+    except (RuntimeError, ValueError):  # e.g. BatchNorm refuses a single sample in training
+        ran = 0
+    everywhere = torch.tensor([ran])
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
+    if not int(everywhere):
+        return None
+    alone, together = [], []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        if rank == 0:
+            started = time.perf_counter()
+            step()
+            alone.append(time.perf_counter() - started)
+        dist.barrier(group=group)
+        started = time.perf_counter()
+        step()
+        slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        together.append(float(slowest))
+    first = torch.tensor([statistics.median(alone) if alone else 0.0], dtype=torch.float64)
+    dist.broadcast(first, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return min(float(ranks), max(1.0, ranks * float(first) / statistics.median(together)))
+
+
+def capacity_of_two(capacity: float, ranks: int, cores: int) -> float:
+    """The ``parallel_capacity`` (two stages at once, in units of one) that gives ``capacity``
+    for ``ranks`` at once on ``cores`` cores (:meth:`~lightning_antichain.plans.plan.Plan.capacity`
+    adds the same for each stage while there are cores)."""
+    sharing = min(ranks, cores) - 1
+    return 1.0 if sharing < 1 else min(2.0, 1.0 + (capacity - 1.0) / sharing)
+
+
 def training_step(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
     """One forward and backward of ``module``, with gradients returned rather than accumulated (so
     two threads may run it at once)."""
+    return _gradients_of(module, lambda: module(*args, **kwargs))
+
+
+def copied_training_step(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
+    """:func:`training_step` of ``module`` on copies of its buffers (a BatchNorm's running
+    statistics stay as they were), sharing its parameters, whose values it does not change."""
+    state = copied_buffers(module)
+    return _gradients_of(module, lambda: functional_call(module, state, args, kwargs))
+
+
+def copied_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state for :func:`torch.func.functional_call` with its buffers copied: a call
+    in training mode then leaves its running statistics as they were."""
+    return {**dict(module.named_parameters()), **{n: b.clone() for n, b in module.named_buffers()}}
+
+
+def _gradients_of(module: nn.Module, forward: Callable[[], Any]) -> Callable[[], None]:
     params = [p for p in module.parameters() if p.requires_grad]
 
     def step() -> None:
         with torch.enable_grad():
-            outs = [t for t in iter_tensors(module(*args, **kwargs)) if t.requires_grad]
+            outs = [t for t in iter_tensors(forward()) if t.requires_grad]
             if outs and params:
                 torch.autograd.grad(outs, params, [torch.ones_like(t) for t in outs], allow_unused=True)
 

@@ -172,3 +172,13 @@ def load_cost_graph(path: str | os.PathLike[str]) -> nx.DiGraph:
     """Read a cost graph written by :func:`save_cost_graph`."""
     with open(path) as f:
         return cost_graph_from_dict(json.load(f))
+
+
+def with_loss(cost: nx.DiGraph, forward_s: float, backward_s: float) -> None:
+    """Charge a loss computed from the model's outputs (on the last stage, beyond the model) to
+    the output that returns the most bytes, the one a loss reads (logits), so that the cut
+    balances it with the rest."""
+    outputs = cost.graph.get("outputs") or [n for n in cost if cost.out_degree(n) == 0]
+    node = cost.nodes[max(outputs, key=lambda n: (cost.nodes[n].get("output_bytes", 0), cost.nodes[n].get("order", 0)))]
+    node["forward_s"] = node.get("forward_s", 0.0) + forward_s
+    node["backward_s"] = node.get("backward_s", 0.0) + backward_s

@@ -8,9 +8,11 @@ between nodes; and the ranks that hold a stage keep their copies in step.
 
 DDP reduces the gradients during the last micro-batch's backward, bucket by bucket, so a rank's
 reduction delays its end of the step only by what that backward does not hide, and at least by
-its last bucket. On a CPU the reduction is work for the same cores, which hides nothing and slows
-the other ranks: the step then lasts at least all ranks' work (tasks, reductions, optimizer steps)
-over what the cores get through at once.
+its last bucket. On a CPU the reduction hides nothing: the step then lasts at least all ranks'
+tasks over what the cores get through at once (measured among the ranks where they are there to
+ask: :func:`~lightning_antichain.planner.contention.processes_capacity`), then the reduction, at
+the speed measured with every rank taking part (:mod:`~lightning_antichain.measure.link_speed`).
+A value sent to the next rank costs its bytes and, between processes, a latency.
 
 FSDP2 keeps ``1/dp`` of each parameter, gradient and optimizer state per rank and shards each
 block (a decoder layer) on its own (:mod:`~lightning_antichain.stages.block_units`). Gathered per
@@ -70,6 +72,8 @@ class Links:
     #: ``None``: as the all-reduce
     gather: Collective | None = None
     scatter: Collective | None = None
+    #: a pipeline's send of a value to the next rank; ``None``: free but for its bytes
+    send: Collective | None = None
 
     def kind(self, name: str) -> Collective:
         """How the collective ``name`` (``"gather"`` or ``"scatter"``) runs on these links."""
@@ -102,7 +106,8 @@ def measured_links(per_node: int, measured: Mapping[Kind, CollectiveSpeed], with
         speed = measured[name]
         return Collective(speed.latency_s, speed.gbps / reduce.gbps)
 
-    return Links(per_node, within, across, reduce.latency_s, kind("all_gather"), kind("reduce_scatter"))
+    return Links(per_node, within, across, reduce.latency_s, kind("all_gather"), kind("reduce_scatter"),
+                 kind("send") if "send" in measured else None)
 
 
 def ring_all_reduce_s(nbytes: float, ranks: int, gbps: float | None, latency_s: float = 0.0) -> float:
@@ -175,10 +180,11 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     optimizer_s = _optimizer_s(linked, schedule, layout, replication)
     end = max(finish)
     if any(shares_host(s.device) for s in linked.stages) and not linked.measured_together:
+        # all ranks' work over what the cores get through at once; then the replicas' reductions,
+        # whose measured speeds hold the ranks' sharing of the cores already
         ranks = layout.world_size
-        work = dp * (_work_s(linked, table) + sum(reductions))
         capacity = linked.capacity(dp)[min(ranks, linked.num_stages * dp) - 1]
-        end = max(end, work / capacity)
+        end = max(end, dp * _work_s(linked, table) / capacity + max(reductions, default=0.0))
     step = end + linked.step_overhead_s + optimizer_s
     reduction = end - max(ends)
     rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication, regather) for s in schedule.stages_of(p, pp))
@@ -312,9 +318,11 @@ def _over_links(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     from the rank before, the output to the rank after (free within a rank)."""
     rank = [layout.rank(0, schedule.rank_of(s, layout.pp)) for s in range(plan.num_stages)]
 
-    def seconds(nbytes: int, a: int, b: int) -> float:
+    send = links.send or Collective()
+
+    def seconds(nbytes: int, a: int, b: int) -> float:  # the value, and its gradient back; a latency split by the ends
         gbps = links.between(rank[a], rank[b])
-        return 0.0 if gbps is None else 2.0 * nbytes / (gbps * 1e9)
+        return 0.0 if gbps is None else 2.0 * nbytes / (gbps * send.speed * 1e9) + send.latency_s
 
     last = plan.num_stages - 1
     stages = [dataclasses.replace(

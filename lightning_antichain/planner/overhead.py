@@ -21,11 +21,14 @@ from typing import Any
 import networkx as nx
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from ..capture import OpGraph, capture
+from ..capture.pytrees import map_tensors
 from ..device import device_name, synchronize
 from ..in_process.pipeline import Pipeline
 from .cache import DamagedEntry, default_cache_dir, entry_key, read_entry, write_entry
+from .contention import copied_buffers
 from .partition import partition
 
 
@@ -175,3 +178,30 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
         total += statistics.median(times[1:]) * all_bytes / copied
     return total
 
+
+
+def loss_seconds(module: nn.Module, args: tuple, kwargs: dict, loss: Callable[[Any], torch.Tensor]
+                 ) -> tuple[float, float] | None:
+    """Seconds of ``loss`` on the module's output for the call ``args, kwargs`` (where the module
+    is): its forward and its backward to the output, what the last stage's rank adds to each
+    micro-batch beyond the model; ``None`` for a module without values (on meta)."""
+    state = [*module.parameters(), *module.buffers()]
+    if any(t.is_meta for t in state):
+        return None
+    device = state[0].device if state else torch.device("cpu")
+    with torch.no_grad():
+        output = functional_call(module, copied_buffers(module), args, kwargs)
+    leaves = map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), output)
+    forwards, backwards = [], []
+    for i in range(4):
+        synchronize(device)
+        started = time.perf_counter()
+        value = loss(leaves)
+        synchronize(device)
+        middle = time.perf_counter()
+        value.backward()
+        synchronize(device)
+        if i:  # the first to warm up
+            forwards.append(middle - started)
+            backwards.append(time.perf_counter() - middle)
+    return statistics.median(forwards), statistics.median(backwards)

@@ -36,11 +36,13 @@ from torch import nn
 from ..batches import microbatch
 from ..batches.batch_dims import first_micro_batch
 from ..batches.model_loss import counted_items
+from ..capture.isolation import keeps_random_state, planned_in_training
 from ..capture.pytrees import flatten, map_tensors
 from ..device import is_accelerator
 from ..lightning.forward_patch import ForwardPatch
 from ..lightning.runtime import GivenOptions, Host, Runtime, rank_zeros_plan
 from ..measure.link_speed import CollectiveSpeed, Kind, measured_collectives
+from ..planner.contention import copied_training_step, processes_capacity
 from ..planner.layout_cost import Links, measured_links
 from ..planner.layout_search import chosen_regather, layout_search, plan_layouts
 from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
@@ -512,13 +514,14 @@ class ProcessRuntime(RankHoldings, Runtime):
         self._counts_items = counted_items(target, *call) is not None
         graph = None
         if self.plan is None:
-            measured = None  # every rank takes part in timing the links the planner weighs layouts on
+            measured, capacity = None, None  # every rank takes part in timing what the planner weighs layouts on
             if self.layout_search is not None and not is_accelerator(strategy.root_device):
                 measured = measured_collectives(strategy.root_device)
+                capacity = self._processes_capacity(target, hook, batch, rest)
             captured: list[Any] = []  # the graph rank 0 planned on
 
             def make() -> Plan:
-                planned = self._make_plan(target, hook, batch, rest, measured)
+                planned = self._make_plan(target, hook, batch, rest, measured, capacity)
                 captured.append(planned.graph)
                 return planned.plan
 
@@ -557,9 +560,23 @@ class ProcessRuntime(RankHoldings, Runtime):
         self._hold_own_only()
         return True
 
+    @keeps_random_state
+    def _processes_capacity(self, target: nn.Module, hook: str, batch: Any, rest: tuple) -> float | None:
+        """The work the ranks get through at once, each running the module's forward and backward
+        on its share of the ``batch`` (:func:`processes_capacity`); ``None`` for a module without
+        values (on meta) or a step that fails."""
+        assert self.steps is not None
+        if any(t.is_meta for t in (*target.parameters(), *target.buffers())):
+            return None
+        args, kwargs = self.steps.call_of(hook, batch, rest)  # type: ignore[misc]
+        share = first_micro_batch(target, args, kwargs, self.strategy.world_size, self.options.batch_dim)
+        with planned_in_training(target):
+            return processes_capacity(copied_training_step(target, *share))
+
     def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple,
-                   measured: tuple[float, float] | None) -> Any:
-        """The plan for the layout given, or for the one the planner chooses on the whole ``batch``."""
+                   measured: Mapping[Kind, CollectiveSpeed] | None, capacity: float | None) -> Any:
+        """The plan for the layout given, or for the one the planner chooses on the whole ``batch``
+        (weighed on the ``measured`` collectives and the ranks' ``capacity``)."""
         assert self.steps is not None
         strategy, options = self.strategy, self.options
         search = self.layout_search
@@ -568,7 +585,7 @@ class ProcessRuntime(RankHoldings, Runtime):
             with torch.enable_grad():
                 return plan_layouts(target, args, kwargs, strategy.world_size, self.stage_devices_of, search,
                                     self.links(measured), options, optimizers=strategy.optimizers,
-                                    replication=self.replication)
+                                    replication=self.replication, processes_capacity=capacity)
         whole = self.steps.call_of(hook, self._replica_share(batch), rest)
         devices = self.stage_devices_of(self.layout, self.schedule)
         with torch.enable_grad():
@@ -577,7 +594,7 @@ class ProcessRuntime(RankHoldings, Runtime):
         planned.plan.regather = self._regather(planned.plan, measured)
         return planned
 
-    def _regather(self, plan: Plan, measured: tuple[float, float] | None) -> Regather | None:
+    def _regather(self, plan: Plan, measured: Mapping[Kind, CollectiveSpeed] | None) -> Regather | None:
         """How FSDP2 gathers in the layout given: the fastest way that fits (see ``chosen_regather``)."""
         devices = self.stage_devices_of(self.layout, self.schedule)
         return chosen_regather(plan, self.schedule, self.layout, self.links(measured), self.replication,

@@ -1,0 +1,68 @@
+"""What the ranks measure together before the layout search weighs stages as CPU processes: each
+kind of collective's latency and bandwidth, and the work they get through at once, in real gloo
+processes (the cost model that uses them: test_layouts.py)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_process_stages import reports_of, started
+from torch import nn
+
+from lightning_antichain.measure.link_speed import KINDS, measured_collectives
+from lightning_antichain.planner.contention import capacity_of_two, copied_training_step, processes_capacity
+
+RANKS = 2
+
+
+def conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 4))
+
+
+def measuring_rank(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    try:
+        speeds = measured_collectives(torch.device("cpu"), repeats=2)
+        model = conv_net()
+        before = {n: b.clone() for n, b in model.named_buffers()}
+        capacity = processes_capacity(copied_training_step(model, (torch.randn(4, 3, 16, 16),), {}), repeats=2)
+        untouched = all(torch.equal(before[n], b) for n, b in model.named_buffers()) and all(
+            p.grad is None for p in model.parameters())
+
+        def fails_on_one_rank() -> None:
+            if rank == 1:
+                raise RuntimeError("this rank's step fails")
+
+        failed = processes_capacity(fails_on_one_rank)
+        results.put((rank, "ok", {k: (v.latency_s, v.gbps) for k, v in speeds.items()}, capacity, untouched,
+                     failed))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        results.put((rank, "error", repr(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.processes
+def test_ranks_measure_each_collective_and_their_capacity_alike_and_a_failing_step_measures_nothing():
+    """Every rank gets the same latencies, bandwidths and capacity (the slowest rank's times); the
+    capacity lies between one rank's work and two; the measured step leaves the model's buffers
+    (BatchNorm's running statistics) and gradients as they were; a step that fails on one rank gives
+    ``None`` on both, neither waiting for the other."""
+    processes, results = started(measuring_rank, RANKS)
+    reports = sorted(reports_of(processes, results, 120, "measuring on 2 ranks"))
+    (_, _, speeds, capacity, untouched, failed), other = reports[0], reports[1]
+    assert other[2:] == reports[0][2:]
+    assert set(speeds) == set(KINDS)
+    assert all(latency >= 0 and gbps > 0 for latency, gbps in speeds.values())
+    assert capacity is not None and 1.0 <= capacity <= 2.0
+    assert untouched and failed is None
+
+
+def test_the_capacity_of_all_ranks_becomes_the_plans_capacity_of_two_stages_while_there_are_cores():
+    assert capacity_of_two(1.9, ranks=4, cores=2) == pytest.approx(1.9)  # two cores: four ranks do what two do
+    assert capacity_of_two(3.4, ranks=4, cores=8) == pytest.approx(1.8)  # each rank beyond the first adds 0.8
+    assert capacity_of_two(1.0, ranks=1, cores=8) == 1.0
