@@ -62,11 +62,13 @@ def parallel_capacity(steps: list[Callable[[], None]], repeats: int) -> tuple[fl
     return min(2.0, 2.0 * statistics.median(alone) / statistics.median(together)), statistics.median(alone)
 
 
-def processes_capacity(step: Callable[[], None], group: Any = None, repeats: int = 3) -> float | None:
+def processes_capacity(step: Callable[[], None], group: Any = None, repeats: int = 5) -> float | None:
     """Work done by every rank of ``group`` running ``step`` at once, in units of one rank alone
     (the number of ranks: no contention). Every rank calls it, with its own ``step``, and gets the
-    same value: rank 0's median alone against the slowest rank's median together; ``None`` where
-    ``step`` failed on any rank (nothing is measured then, and no rank waits for another)."""
+    same value: the median over ``repeats`` rounds of rank 0's time alone against the slowest
+    rank's time together, each round's pair taken back to back so that a machine getting busier
+    weighs on both; ``None`` where ``step`` failed on any rank (nothing is measured then, and no
+    rank waits for another)."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     try:
         step()  # to warm up
@@ -77,22 +79,21 @@ def processes_capacity(step: Callable[[], None], group: Any = None, repeats: int
     dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
     if not int(everywhere):
         return None
-    alone, together = [], []
+    rounds = []
     for _ in range(repeats):
+        times = torch.zeros(2, dtype=torch.float64)  # rank 0 alone, the slowest rank together
         dist.barrier(group=group)
         if rank == 0:
             started = time.perf_counter()
             step()
-            alone.append(time.perf_counter() - started)
+            times[0] = time.perf_counter() - started
         dist.barrier(group=group)
         started = time.perf_counter()
         step()
-        slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        together.append(float(slowest))
-    first = torch.tensor([statistics.median(alone) if alone else 0.0], dtype=torch.float64)
-    dist.broadcast(first, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return min(float(ranks), max(1.0, ranks * float(first) / statistics.median(together)))
+        times[1] = time.perf_counter() - started
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        rounds.append(ranks * float(times[0]) / float(times[1]))
+    return min(float(ranks), max(1.0, statistics.median(rounds)))
 
 
 def capacity_of_two(capacity: float, ranks: int, cores: int) -> float:

@@ -9,9 +9,10 @@ between nodes; and the ranks that hold a stage keep their copies in step.
 DDP reduces the gradients during the last micro-batch's backward, bucket by bucket, so a rank's
 reduction delays its end of the step only by what that backward does not hide, and at least by
 its last bucket. On a CPU the reduction hides nothing: the step then lasts at least all ranks'
-tasks over what the cores get through at once (measured among the ranks where they are there to
-ask: :func:`~lightning_antichain.planner.contention.processes_capacity`), then the reduction, at
-the speed measured with every rank taking part (:mod:`~lightning_antichain.measure.link_speed`).
+work (their tasks, and the bytes their collectives copy through the host) over what the cores get
+through at once (measured among the ranks where they are there to ask:
+:func:`~lightning_antichain.planner.contention.processes_capacity`), then the collectives'
+latencies, which are waiting, not work (:mod:`~lightning_antichain.measure.link_speed`).
 A value sent to the next rank costs its bytes and, between processes, a latency.
 
 FSDP2 keeps ``1/dp`` of each parameter, gradient and optimizer state per rank and shards each
@@ -161,30 +162,33 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         ends[rank] = max(ends[rank], t.end)
         if t.task.phase != "forward" and t.task.micro_batch == plan.chunks - 1:
             last_backward[rank] += t.end - t.start
-    finish, reductions = [], []
+    finish, reductions, waits = [], [], []  # the replicas' collectives per rank; of them, what is waiting
     for position in range(pp):
         stages = [linked.stages[s] for s in schedule.stages_of(position, pp)]
         hidden = 0.0 if any(shares_host(s.device) for s in stages) else last_backward[position]
         grads = sum(s.param_bytes - s.frozen_bytes for s in stages)
         gbps = links.slowest([layout.rank(d, position) for d in range(dp)])
         if gathers is not None:  # FSDP2: what its tasks do not already carry
-            exposed = gathers.at_step_ends(position)
+            exposed, waiting = gathers.at_step_ends(position)
             reductions.append(exposed)
+            waits.append(waiting)
             finish.append(ends[position] + exposed)
             continue
         buckets = math.ceil(grads / BUCKET_BYTES) if dp > 1 and gbps is not None else 0
         whole = ring_all_reduce_s(grads, dp, gbps) + buckets * links.latency_s  # DDP: a collective a bucket
         tail = ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps, links.latency_s)
         reductions.append(whole if dp > 1 else 0.0)
+        waits.append(buckets * links.latency_s if dp > 1 else 0.0)
         finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
     optimizer_s = _optimizer_s(linked, schedule, layout, replication)
     end = max(finish)
     if any(shares_host(s.device) for s in linked.stages) and not linked.measured_together:
-        # all ranks' work over what the cores get through at once; then the replicas' reductions,
-        # whose measured speeds hold the ranks' sharing of the cores already
+        # all ranks' work (their tasks, and the bytes their collectives copy) over what the cores
+        # get through at once; then the collectives' waiting, which takes no core
         ranks = layout.world_size
         capacity = linked.capacity(dp)[min(ranks, linked.num_stages * dp) - 1]
-        end = max(end, dp * _work_s(linked, table) / capacity + max(reductions, default=0.0))
+        moved = sum(reductions) - sum(waits)
+        end = max(end, dp * (_work_s(linked, table) + moved) / capacity + max(waits, default=0.0))
     step = end + linked.step_overhead_s + optimizer_s
     reduction = end - max(ends)
     rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication, regather) for s in schedule.stages_of(p, pp))
@@ -288,22 +292,24 @@ class _Gathers:
                                                   backward_s=max(stage.backward_s, backward) + first))
         return dataclasses.replace(self.plan, stages=stages)
 
-    def at_step_ends(self, position: int) -> float:
+    def at_step_ends(self, position: int) -> tuple[float, float]:
         """What rank ``position``'s step adds outside its tasks: once per step, the whole stage's
         gather before its first forward (prefetched block by block behind it, on an accelerator)
-        and its gradients' reduce-scatter after the last backward."""
+        and its gradients' reduce-scatter after the last backward; and of it, the collectives'
+        latencies (waiting, not work)."""
         if self.regather == "micro_batch":
-            return 0.0
-        total = 0.0
+            return 0.0, 0.0
+        total = waiting = 0.0
         for index in self.schedule.stages_of(position, self.layout.pp):
             stage = self.plan.stages[index]
             units = self._units(stage)
             gather = self._gather_s(index, stage.param_bytes)
             if not shares_host(stage.device):
                 gather = max(gather - stage.forward_s, self._gather_s(index, _blocks(stage)[0]))
-            total += (gather + self._gather_s(index, 0.0, units)
-                      + self._scatter_s(index, stage.param_bytes - stage.frozen_bytes, units))
-        return total
+            latencies = self._gather_s(index, 0.0, units) + self._scatter_s(index, 0.0, units)
+            total += gather + latencies + self._scatter_s(index, stage.param_bytes - stage.frozen_bytes)
+            waiting += latencies
+        return total, waiting
 
     def _units(self, stage: Stage) -> int:
         """FSDP2's units in ``stage``, each gathered and reduce-scattered by a collective of its
