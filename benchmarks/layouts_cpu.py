@@ -39,7 +39,7 @@ from report import machine  # noqa: E402
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
     from lightning_antichain.measure.link_speed import measured_collectives
-    from lightning_antichain.planner.contention import copied_training_step, processes_capacity
+    from lightning_antichain.planner.contention import shared_cores
     from lightning_antichain.planner.layout_search import layout_search
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -54,7 +54,7 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
             counts = free.pipeline_counts(ranks)
             # as the strategy does before it plans a layout on CPU processes
             measured = measured_collectives(cpu)
-            capacity = processes_capacity(copied_training_step(model, (x[:len(x) // ranks],), {}))
+            capacity = shared_cores(model, (x[:len(x) // ranks],), {}, [torch.optim.AdamW(model.parameters())])
             for how in args.replication.split(","):
                 _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, (measured, capacity),
                          cache, args, results)
@@ -63,7 +63,7 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
 
 
 def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: str, free, counts,
-             link: tuple[dict, float | None], cache: str, args: argparse.Namespace, results: mp.Queue) -> None:
+             link: tuple, cache: str, args: argparse.Namespace, results: mp.Queue) -> None:
     """Plan every layout kept in step by ``how`` (and the free choice) on rank 0, then train each, in turns."""
     from lightning_antichain.capture import capture_call
     from lightning_antichain.planner.layout_cost import measured_links
@@ -83,7 +83,7 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         # the first profiles every micro-batch size once; the others read the profiles back
         links = measured_links(ranks, link[0])
         chosen, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, links, options,
-                                            optimizers=optimizers, replication=how, processes_capacity=link[1],
+                                            optimizers=optimizers, replication=how, shared_cores=link[1],
                                             loss=lambda out: loss_fn(out, y[:len(out)])).plan
                                for search in searches]
         sent = [({pp: plan.to_dict() for pp, plan in zip(counts, per_layout)}, chosen.layout,
@@ -157,14 +157,17 @@ def main() -> None:
     layouts_per_model = sum(1 for n in range(1, args.ranks + 1) if args.ranks % n == 0) * len(
         args.replication.split(","))
     context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    with tempfile.TemporaryDirectory() as cache:
-        processes = [context.Process(target=rank_main, args=(r, args.ranks, port, args, cache, results))
-                     for r in range(args.ranks)]
-        for process in processes:
-            process.start()
-        rows = collected(processes, results, layouts_per_model * len(args.models.split(",")))
+    rows = []
+    for model_name in args.models.split(","):  # fresh processes for each model, as a training run starts
+        results = context.Queue()
+        port = free_port()
+        one = argparse.Namespace(**{**vars(args), "models": model_name})
+        with tempfile.TemporaryDirectory() as cache:
+            processes = [context.Process(target=rank_main, args=(r, args.ranks, port, one, cache, results))
+                         for r in range(args.ranks)]
+            for process in processes:
+                process.start()
+            rows += collected(processes, results, layouts_per_model)
     print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, AdamW, the batch of 32 "
           f"split over the replicas; median of {args.repeats} interleaved steps\n")
     print("| model | replicas | layout | schedule | chunks | predicted ms | of it, replicas ms | measured ms "
@@ -185,9 +188,14 @@ def main() -> None:
                       f"| {1e3 * optimizer_s:.1f} "
                       f"| {measured / predicted:.2f} | {measured / best:.2f} | {'chosen' if auto else ''} "
                       f"| {_speeds(link, 'gbps', 1.0)} | {_speeds(link, 'latency_s', 1e3)} "
-                      f"| {'-' if capacity is None else f'{capacity:.2f}'} |")
+                      f"| {_capacity(capacity.model)}, {_capacity(capacity.optimizer)} |")
     print("\nLink GB/s and a collective's ms: all-reduce, all-gather, reduce-scatter, each fitted to back-to-back runs "
-          "at two sizes; the ranks' capacity: the work all ranks get through at once in units of one alone")
+          "at two sizes; the ranks' capacity: the work all ranks get through at once in units of one alone, "
+          "running the model and stepping AdamW")
+
+
+def _capacity(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _speeds(link: dict, field: str, scale: float) -> str:

@@ -11,7 +11,7 @@ from test_process_stages import reports_of, started
 from torch import nn
 
 from lightning_antichain.measure.link_speed import KINDS, measured_collectives
-from lightning_antichain.planner.contention import capacity_of_two, copied_training_step, processes_capacity
+from lightning_antichain.planner.contention import capacity_of_two, processes_capacity, shared_cores
 
 RANKS = 2
 
@@ -28,10 +28,12 @@ def measuring_rank(rank: int, port: int, results) -> None:
     try:
         speeds = measured_collectives(torch.device("cpu"), repeats=2)
         model = conv_net()
+        optimizer = torch.optim.AdamW(model.parameters())
         before = {n: b.clone() for n, b in model.named_buffers()}
-        capacity = processes_capacity(copied_training_step(model, (torch.randn(4, 3, 16, 16),), {}), repeats=2)
+        cores = shared_cores(model, (torch.randn(4, 3, 16, 16),), {}, [optimizer])
+        capacity = (cores.model, cores.optimizer)
         untouched = all(torch.equal(before[n], b) for n, b in model.named_buffers()) and all(
-            p.grad is None for p in model.parameters())
+            p.grad is None for p in model.parameters()) and not optimizer.state
 
         def fails_on_one_rank() -> None:
             if rank == 1:
@@ -48,17 +50,18 @@ def measuring_rank(rank: int, port: int, results) -> None:
 
 @pytest.mark.processes
 def test_ranks_measure_each_collective_and_their_capacity_alike_and_a_failing_step_measures_nothing():
-    """Every rank gets the same latencies, bandwidths and capacity (the slowest rank's times); the
-    capacity lies between one rank's work and two; the measured step leaves the model's buffers
-    (BatchNorm's running statistics) and gradients as they were; a step that fails on one rank gives
-    ``None`` on both, neither waiting for the other."""
+    """Every rank gets the same latencies, bandwidths and capacities (the slowest rank's times);
+    each capacity, the model's and the optimizer's, lies between one rank's work and two; the
+    measured steps leave the model's buffers (BatchNorm's running statistics), its gradients and
+    the optimizer's state as they were; a step that fails on one rank gives ``None`` on both,
+    neither waiting for the other."""
     processes, results = started(measuring_rank, RANKS)
     reports = sorted(reports_of(processes, results, 120, "measuring on 2 ranks"))
     (_, _, speeds, capacity, untouched, failed), other = reports[0], reports[1]
     assert other[2:] == reports[0][2:]
     assert set(speeds) == set(KINDS)
     assert all(latency >= 0 and gbps > 0 for latency, gbps in speeds.values())
-    assert capacity is not None and 1.0 <= capacity <= 2.0
+    assert all(c is not None and 1.0 <= c <= 2.0 for c in capacity)  # the model's, the optimizer's
     assert untouched and failed is None
 
 

@@ -215,7 +215,8 @@ def _optimizer_s(plan: Plan, schedule: ProcessSchedule, layout: Layout, replicat
     slowdown = 1.0
     if any(shares_host(s.device) for s in plan.stages) and not plan.measured_together:
         ranks = layout.world_size
-        slowdown = ranks / plan.capacity(layout.dp)[min(ranks, plan.num_stages * layout.dp) - 1]
+        slowdown = plan.optimizer_slowdown or ranks / plan.capacity(layout.dp)[
+            min(ranks, plan.num_stages * layout.dp) - 1]
     return plan.optimizer_step_s * share * slowdown
 
 

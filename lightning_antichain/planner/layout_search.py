@@ -28,7 +28,7 @@ from ..plans.options import PipelineOptions
 from ..plans.plan import Plan
 from ..plans.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_schedule
 from ..processes.replication import REGATHERS, Regather, Replication
-from .contention import capacity_of_two
+from .contention import SharedCores, capacity_of_two
 from .cost_graph import with_loss
 from .layout_cost import LayoutCost, Links, layout_cost
 from .overhead import loss_seconds
@@ -60,27 +60,27 @@ def divisors(count: int) -> list[int]:
 def plan_layouts(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devices_of: DevicesOf,
                  search: LayoutSearch, links: Links, options: PipelineOptions, *,
                  optimizers: Sequence[torch.optim.Optimizer] = (), replication: Replication = "ddp",
-                 profile_device: torch.device | None = None, processes_capacity: float | None = None,
+                 profile_device: torch.device | None = None, shared_cores: SharedCores | None = None,
                  loss: Callable[[Any], torch.Tensor] | None = None) -> Planned:
     """The plan of the fastest layout that fits for batches like the whole batch ``args, kwargs``
     on ``world_size`` ranks (see the module's docstring), with ``plan.layout`` its layout and
     ``plan.layouts`` every candidate. ``profile_device``: where the model is profiled (default:
     the first stage's device), e.g. the CPU, to plan for GPUs this machine does not have.
-    ``processes_capacity``: the work the ranks, CPU processes on one machine, get through at once
-    in units of one alone (:func:`~lightning_antichain.planner.contention.processes_capacity`), in
-    place of what the profile's two threads suggest. ``loss``: the loss the last stage computes
+    ``shared_cores``: the work the ranks, CPU processes on one machine, get through at once in
+    units of one alone (:class:`~lightning_antichain.planner.contention.SharedCores`), in place of
+    what the profile's two threads suggest. ``loss``: the loss the last stage computes
     from the module's output (a micro-batch's), timed and charged to the output that reads it.
     Where none fits, the :class:`InfeasiblePlanError` holds every candidate (``layouts``)."""
     devices = devices_of(Layout(1, world_size), search.schedules[0])
     with planned_in_training(module), intra_op_threads(stage_threads(devices, options.cpu_threads)):
         return _search(module, args, kwargs, world_size, devices_of, search, links, options, optimizers,
-                       replication, profile_device or devices[0], processes_capacity, loss)
+                       replication, profile_device or devices[0], shared_cores, loss)
 
 
 def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devices_of: DevicesOf,
             search: LayoutSearch, links: Links, options: PipelineOptions,
             optimizers: Sequence[torch.optim.Optimizer], replication: Replication,
-            profile_device: torch.device, processes_capacity: float | None,
+            profile_device: torch.device, shared_cores: SharedCores | None,
             loss: Callable[[Any], torch.Tensor] | None) -> Planned:
     schedules = search.schedules
     batch_dim = options.batch_dim
@@ -102,9 +102,11 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                                          options.progress, f"{type(module).__name__}, micro-batch {micro}")
                 cost = cost.copy()
                 cost.graph.update(optimizer_step_s=optimizer_s, model=type(module).__name__)
-                if processes_capacity is not None:
+                if shared_cores is not None and shared_cores.model is not None:
                     cores = cost.graph.get("cpu_cores") or world_size
-                    cost.graph["parallel_capacity"] = capacity_of_two(processes_capacity, world_size, cores)
+                    cost.graph["parallel_capacity"] = capacity_of_two(shared_cores.model, world_size, cores)
+                if shared_cores is not None and shared_cores.optimizer is not None:
+                    cost.graph["optimizer_slowdown"] = world_size / shared_cores.optimizer
                 timed_loss = None if loss is None else loss_seconds(module, *call, loss)
                 if timed_loss is not None:
                     with_loss(cost, *timed_loss)

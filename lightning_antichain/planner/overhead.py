@@ -29,6 +29,7 @@ from ..device import device_name, synchronize
 from ..in_process.pipeline import Pipeline
 from .cache import DamagedEntry, default_cache_dir, entry_key, read_entry, write_entry
 from .contention import copied_buffers
+from .optimizer_copies import optimizer_copies
 from .partition import partition
 
 
@@ -137,37 +138,8 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
     at most an eighth of them and a quarter of ``budget_bytes``.
     """
     total = 0.0
-    for optimizer in optimizers:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        budget = budget_bytes
-        state = [p for group in optimizer.param_groups for p in group["params"]]
-        sizes = [p.numel() * p.element_size() for p in state]
-        on_meta = any(p.is_meta for p in state)
-        if on_meta:  # the model is not real anywhere: stay far below its size, even its largest tensor
-            budget = max(min(budget // 4, sum(sizes) // 8), min(sizes, default=0))
-        groups, copied, all_bytes = [], 0, 0
-        for group in optimizer.param_groups:
-            params = []
-            for p in group["params"]:
-                size = p.numel() * p.element_size()
-                all_bytes += size
-                if (copied + size <= budget) if on_meta else (copied < budget or not copied):
-                    copy = nn.Parameter(torch.randn_like(p, device=device) if p.is_meta else
-                                        p.detach().to(device or p.device, copy=True))
-                    copy.grad = p.grad.detach().to(copy.device, copy=True) if p.grad is not None else (
-                        torch.randn_like(copy))
-                    params.append(copy)
-                    copied += size
-            if params:
-                groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-        if not groups or not copied:
-            continue
-        try:
-            fresh = type(optimizer)(groups)
-        except Exception:  # noqa: BLE001 - an optimizer with its own constructor: not measured
-            continue
-        devices = {p.device for g in groups for p in g["params"]}
-
+    for fresh, scale in optimizer_copies(optimizers, budget_bytes, device):
+        devices = {p.device for g in fresh.param_groups for p in g["params"]}
         times = []
         for _ in range(4):
             synchronize(devices)
@@ -175,9 +147,8 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
             fresh.step()
             synchronize(devices)
             times.append(time.perf_counter() - start)
-        total += statistics.median(times[1:]) * all_bytes / copied
+        total += statistics.median(times[1:]) * scale
     return total
-
 
 
 def loss_seconds(module: nn.Module, args: tuple, kwargs: dict, loss: Callable[[Any], torch.Tensor]

@@ -245,6 +245,7 @@ def _make_plan(
         optimizer_step_s=float(meta.get("optimizer_step_s") or 0.0),
         parallel_capacity=meta.get("parallel_capacity"),
         cpu_cores=meta.get("cpu_cores"),
+        optimizer_slowdown=meta.get("optimizer_slowdown"),
         repeated_blocks=dict(meta.get("repeated_blocks") or {}),
     )
     plan.predicted_step_s = plan.predict_step()

@@ -164,6 +164,9 @@ class Plan:
     optimizer_step_s: float = 0.0
     parallel_capacity: float | None = None
     cpu_cores: int | None = None
+    #: how much slower the optimizer steps with every rank stepping at once, where the ranks (CPU
+    #: processes on one machine) measured it; ``None``: as the model's work slows
+    optimizer_slowdown: float | None = None
     candidates: list[dict[str, Any]] = field(default_factory=list)
     batch_size: int | None = None
     calibration: dict[str, Any] | None = None

@@ -42,7 +42,7 @@ from ..device import is_accelerator
 from ..lightning.forward_patch import ForwardPatch
 from ..lightning.runtime import GivenOptions, Host, Runtime, rank_zeros_plan
 from ..measure.link_speed import CollectiveSpeed, Kind, measured_collectives
-from ..planner.contention import copied_training_step, processes_capacity
+from ..planner.contention import SharedCores, shared_cores
 from ..planner.layout_cost import Links, measured_links
 from ..planner.layout_search import chosen_regather, layout_search, plan_layouts
 from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
@@ -517,7 +517,7 @@ class ProcessRuntime(RankHoldings, Runtime):
             measured, capacity = None, None  # every rank takes part in timing what the planner weighs layouts on
             if self.layout_search is not None and not is_accelerator(strategy.root_device):
                 measured = measured_collectives(strategy.root_device)
-                capacity = self._processes_capacity(target, hook, batch, rest)
+                capacity = self._shared_cores(target, hook, batch, rest)
             captured: list[Any] = []  # the graph rank 0 planned on
 
             def make() -> Plan:
@@ -561,20 +561,16 @@ class ProcessRuntime(RankHoldings, Runtime):
         return True
 
     @keeps_random_state
-    def _processes_capacity(self, target: nn.Module, hook: str, batch: Any, rest: tuple) -> float | None:
-        """The work the ranks get through at once, each running the module's forward and backward
-        on its share of the ``batch`` (:func:`processes_capacity`); ``None`` for a module without
-        values (on meta) or a step that fails."""
+    def _shared_cores(self, target: nn.Module, hook: str, batch: Any, rest: tuple) -> SharedCores | None:
+        """What the ranks get through at once (:func:`shared_cores`), each on its share of the ``batch``."""
         assert self.steps is not None
-        if any(t.is_meta for t in (*target.parameters(), *target.buffers())):
-            return None
         args, kwargs = self.steps.call_of(hook, batch, rest)  # type: ignore[misc]
         share = first_micro_batch(target, args, kwargs, self.strategy.world_size, self.options.batch_dim)
         with planned_in_training(target):
-            return processes_capacity(copied_training_step(target, *share))
+            return shared_cores(target, *share, self.strategy.optimizers)
 
     def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple,
-                   measured: Mapping[Kind, CollectiveSpeed] | None, capacity: float | None) -> Any:
+                   measured: Mapping[Kind, CollectiveSpeed] | None, capacity: SharedCores | None) -> Any:
         """The plan for the layout given, or for the one the planner chooses on the whole ``batch``
         (weighed on the ``measured`` collectives and the ranks' ``capacity``)."""
         assert self.steps is not None
@@ -585,7 +581,7 @@ class ProcessRuntime(RankHoldings, Runtime):
             with torch.enable_grad():
                 return plan_layouts(target, args, kwargs, strategy.world_size, self.stage_devices_of, search,
                                     self.links(measured), options, optimizers=strategy.optimizers,
-                                    replication=self.replication, processes_capacity=capacity)
+                                    replication=self.replication, shared_cores=capacity)
         whole = self.steps.call_of(hook, self._replica_share(batch), rest)
         devices = self.stage_devices_of(self.layout, self.schedule)
         with torch.enable_grad():
