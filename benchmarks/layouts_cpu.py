@@ -86,8 +86,10 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                                             optimizers=optimizers, replication=how, shared_cores=link[1],
                                             loss=lambda out: loss_fn(out, y[:len(out)])).plan
                                for search in searches]
-        sent = [({pp: plan.to_dict() for pp, plan in zip(counts, per_layout)}, chosen.layout,
-                 chosen.predicted_step_s)]
+        # the free choice's layout runs the free choice itself (the per-layout search, timing the
+        # optimizer again, may break a near tie between schedules the other way)
+        runs = {pp: (chosen if pp == chosen.layout["pp"] else plan) for pp, plan in zip(counts, per_layout)}
+        sent = [({pp: plan.to_dict() for pp, plan in runs.items()}, chosen.layout, chosen.predicted_step_s)]
     dist.broadcast_object_list(sent, src=0)
     plans, auto, _ = sent[0]
     runs = {}
