@@ -15,6 +15,7 @@ cache). Where the ranks are there to ask, they measure it themselves (:func:`pro
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ from torch.func import functional_call
 
 from ..capture.pytrees import iter_tensors
 from ..in_process.worker import WorkerPool, keep_freed_memory
+from ..measure.cpu_threads import cpu_cores
 from ..plans.schedule import Task, Timed
 from .optimizer_copies import optimizer_copies
 
@@ -64,38 +66,49 @@ def parallel_capacity(steps: list[Callable[[], None]], repeats: int) -> tuple[fl
     return min(2.0, 2.0 * statistics.median(alone) / statistics.median(together)), statistics.median(alone)
 
 
+MIN_TIMED_S = 0.05
+"""The shortest time the capacity probe times: a shorter step is run several times in a row."""
+
+
 def processes_capacity(step: Callable[[], None], group: Any = None, repeats: int = 5) -> float | None:
     """Work done by every rank of ``group`` running ``step`` at once, in units of one rank alone
     (the number of ranks: no contention). Every rank calls it, with its own ``step``, and gets the
-    same value: the median over ``repeats`` rounds of rank 0's time alone against the slowest
-    rank's time together, each round's pair taken back to back so that a machine getting busier
-    weighs on both; ``None`` where ``step`` failed on any rank (nothing is measured then, and no
+    same value: over ``repeats`` rounds, rank 0's quickest time alone against the slowest rank's
+    quickest time together (on a shared machine, the medians of either swing by a third from
+    call to call); ``None`` where ``step`` failed on any rank (nothing is measured then, and no
     rank waits for another)."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     try:
+        started = time.perf_counter()
         step()  # to warm up
-        ran = 1
+        ran = 1.0
     except (RuntimeError, ValueError):  # e.g. BatchNorm refuses a single sample in training
-        ran = 0
-    everywhere = torch.tensor([ran])
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
-    if not int(everywhere):
+        ran = 0.0
+    warm = torch.tensor([-ran, time.perf_counter() - started], dtype=torch.float64)
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
+    if float(warm[0]) > -1.0:  # some rank failed
         return None
+    times_each = max(1, math.ceil(MIN_TIMED_S / max(float(warm[1]), 1e-6)))  # a short step, timed several times
+
+    def steps() -> float:
+        started = time.perf_counter()
+        for _ in range(times_each):
+            step()
+        return time.perf_counter() - started
+
     rounds = []
     for _ in range(repeats):
         times = torch.zeros(2, dtype=torch.float64)  # rank 0 alone, the slowest rank together
         dist.barrier(group=group)
         if rank == 0:
-            started = time.perf_counter()
-            step()
-            times[0] = time.perf_counter() - started
+            times[0] = steps()
         dist.barrier(group=group)
-        started = time.perf_counter()
-        step()
-        times[1] = time.perf_counter() - started
+        times[1] = steps()
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
-        rounds.append(ranks * float(times[0]) / float(times[1]))
-    return min(float(ranks), max(1.0, statistics.median(rounds)))
+        rounds.append((float(times[0]), float(times[1])))
+    # a busy machine only ever slows a run: the quickest of each is the least disturbed
+    alone, together = min(t[0] for t in rounds), min(t[1] for t in rounds)
+    return min(float(min(ranks, cpu_cores())), max(1.0, ranks * alone / together))
 
 
 @dataclass(frozen=True)
