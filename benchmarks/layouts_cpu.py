@@ -39,8 +39,8 @@ from report import machine  # noqa: E402
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
     from lightning_antichain.measure.link_speed import measured_collectives
-    from lightning_antichain.planner.contention import shared_cores
     from lightning_antichain.planner.layout_search import layout_search
+    from lightning_antichain.planner.shared_cores import shared_cores
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -11,7 +11,8 @@ from test_process_stages import reports_of, started
 from torch import nn
 
 from lightning_antichain.measure.link_speed import KINDS, measured_collectives
-from lightning_antichain.planner.contention import capacity_of_two, processes_capacity, shared_cores
+from lightning_antichain.planner.contention import capacity_of_two, processes_capacity
+from lightning_antichain.planner.shared_cores import shared_cores
 
 RANKS = 2
 

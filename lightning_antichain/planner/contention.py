@@ -10,7 +10,8 @@ planner's prediction of a step uses it.
 Stages as processes share the cores but not an interpreter lock, and each holds its own copy of
 the weights: two threads tell little of them (MobileNetV3's small micro-batches: 1.35-2.0 on
 threads, run to run; a wide MLP: 1.9 on threads, 1.2 as processes whose weights no longer share a
-cache). Where the ranks are there to ask, they measure it themselves (:func:`processes_capacity`).
+cache). Where the ranks are there to ask, they measure it themselves (:func:`processes_capacity`,
+:mod:`~lightning_antichain.planner.shared_cores`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +31,6 @@ from ..capture.pytrees import iter_tensors
 from ..in_process.worker import WorkerPool, keep_freed_memory
 from ..measure.cpu_threads import cpu_cores
 from ..plans.schedule import Task, Timed
-from .optimizer_copies import optimizer_copies
 
 
 def parallel_capacity(steps: list[Callable[[], None]], repeats: int) -> tuple[float | None, float]:
@@ -111,16 +110,6 @@ def processes_capacity(step: Callable[[], None], group: Any = None, repeats: int
     return min(float(min(ranks, cpu_cores())), max(1.0, ranks * alone / together))
 
 
-@dataclass(frozen=True)
-class SharedCores:
-    """What the ranks, CPU processes on one machine, get through at once in units of one rank
-    alone (:func:`processes_capacity`): running the model's forward and backward, and stepping the
-    optimizer (memory-bound, it often shares the cores worse); ``None``: not measured."""
-
-    model: float | None
-    optimizer: float | None = None
-
-
 def capacity_of_two(capacity: float, ranks: int, cores: int) -> float:
     """The ``parallel_capacity`` (two stages at once, in units of one) that gives ``capacity``
     for ``ranks`` at once on ``cores`` cores (:meth:`~lightning_antichain.plans.plan.Plan.capacity`
@@ -187,21 +176,3 @@ def runtime_capacity(timed: Sequence[Sequence[Timed]], work: Mapping[Task, float
     if weighted <= 0.01 * busy:
         return None
     return min(2.0, max(0.5, 1.0 + (total - busy) / weighted))
-
-
-def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Sequence[torch.optim.Optimizer],
-                 group: Any = None) -> SharedCores | None:
-    """What the ranks of ``group`` get through at once (:func:`processes_capacity`), each running
-    ``module``'s forward and backward on its call ``args, kwargs`` (its share of a batch), and
-    each stepping copies of ``optimizers``; ``None`` for a module without values (on meta).
-    Every rank calls it; the module, its buffers and the optimizers stay as they were."""
-    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-        return None
-    model = processes_capacity(copied_training_step(module, args, kwargs), group)
-    copies = [fresh for fresh, _ in optimizer_copies(list(optimizers))]
-
-    def step_copies() -> None:
-        for fresh in copies:
-            fresh.step()
-
-    return SharedCores(model, processes_capacity(step_copies, group) if copies else None)

@@ -28,7 +28,7 @@ from ..plans.options import PipelineOptions
 from ..plans.plan import Plan
 from ..plans.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_schedule
 from ..processes.replication import REGATHERS, Regather, Replication
-from .contention import SharedCores, capacity_of_two
+from .contention import capacity_of_two
 from .cost_graph import with_loss
 from .layout_cost import LayoutCost, Links, layout_cost
 from .overhead import loss_seconds
@@ -45,6 +45,7 @@ from .planning import (
     profile_cache_dir,
     timed_optimizer_step_s,
 )
+from .shared_cores import SharedCores
 
 #: the devices of a layout's stages (its first replica's), under a schedule
 DevicesOf = Callable[[Layout, ProcessSchedule], list[torch.device]]

@@ -42,12 +42,12 @@ from ..device import is_accelerator
 from ..lightning.forward_patch import ForwardPatch
 from ..lightning.runtime import GivenOptions, Host, Runtime, rank_zeros_plan
 from ..measure.link_speed import CollectiveSpeed, Kind, measured_collectives
-from ..planner.contention import SharedCores, shared_cores
 from ..planner.layout_cost import Links, measured_links
 from ..planner.layout_search import chosen_regather, layout_search, plan_layouts
 from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
 from ..planner.process_calibration import StepCalibration, from_records
 from ..planner.public import planned_for_call, planning_call
+from ..planner.shared_cores import SharedCores, shared_cores
 from ..plans.layout import Layout
 from ..plans.options import PipelineOptions, compile_arguments
 from ..plans.plan import Plan

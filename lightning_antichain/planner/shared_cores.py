@@ -1,0 +1,57 @@
+"""What CPU processes on one machine get through at once, measured by the ranks themselves before
+rank 0 weighs layouts of them: the model's forward and backward, and the optimizer's step.
+
+Stages as processes share the machine's cores and memory bandwidth, but neither an interpreter lock
+nor a copy of the weights, so what two threads of the planning process show
+(:func:`~lightning_antichain.planner.contention.parallel_capacity`) does not carry over. Where every
+rank is there to take part, as before the first step of a layout search, each runs the step alone
+and all at once (:func:`~lightning_antichain.planner.contention.processes_capacity`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..capture.signature import original_forward
+from . import calibration
+from .contention import copied_training_step, processes_capacity
+from .optimizer_copies import optimizer_copies
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """What the ranks, CPU processes on one machine, get through at once in units of one rank
+    alone (:func:`processes_capacity`): running the model's forward and backward, and stepping the
+    optimizer (memory-bound, it often shares the cores worse); ``None``: not measured."""
+
+    model: float | None
+    optimizer: float | None = None
+
+
+def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Sequence[torch.optim.Optimizer],
+                 group: Any = None) -> SharedCores | None:
+    """What the ranks of ``group`` get through at once (:func:`processes_capacity`), each running
+    ``module``'s forward and backward on its call ``args, kwargs`` (its share of a batch), and
+    each stepping copies of ``optimizers`` on the gradients of that call's backward, as planning
+    times the optimizer alone (:func:`~lightning_antichain.planner.planning.timed_optimizer_step_s`:
+    on a CPU the gradients' values set an optimizer's pace, and how it shares the cores: a wide
+    MLP's AdamW measured 1.7-2.0 on random gradients, 1.0 on its own, as its steps in training
+    showed); ``None`` for a module without values (on meta).
+    Every rank calls it; the module, its buffers and the optimizers stay as they were."""
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        return None
+    model = processes_capacity(copied_training_step(module, args, kwargs), group)
+    with calibration.untouched(module):  # the copies step on real gradients: values set an optimizer's pace
+        calibration.backward_from(original_forward(module)(*args, **kwargs))
+        copies = [fresh for fresh, _ in optimizer_copies(list(optimizers))]
+
+    def step_copies() -> None:
+        for fresh in copies:
+            fresh.step()
+
+    return SharedCores(model, processes_capacity(step_copies, group) if copies else None)
