@@ -119,13 +119,12 @@ def ring_all_reduce_s(nbytes: float, ranks: int, gbps: float | None, latency_s: 
     return 2.0 * ring_all_gather_s(nbytes, ranks, gbps) + latency_s
 
 
-def ring_all_gather_s(nbytes: float, ranks: int, gbps: float | None, latency_s: float = 0.0) -> float:
+def ring_all_gather_s(nbytes: float, ranks: int, gbps: float | None) -> float:
     """Seconds of a ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``ranks`` ranks
-    on links of ``gbps``: each rank sends and receives all but its own share; one collective of
-    ``latency_s``."""
+    on links of ``gbps``: each rank sends and receives all but its own share."""
     if ranks <= 1 or gbps is None or nbytes <= 0:
         return 0.0
-    return (ranks - 1) / ranks * nbytes / (gbps * 1e9) + latency_s
+    return (ranks - 1) / ranks * nbytes / (gbps * 1e9)
 
 
 @dataclass(frozen=True)
@@ -268,8 +267,7 @@ class _Gathers:
         gbps = self.gbps[index]
         if gbps is None or self.layout.dp <= 1:
             return 0.0
-        return (ring_all_gather_s(nbytes, self.layout.dp, gbps * kind.speed) if nbytes > 0 else 0.0) + (
-            collectives * kind.latency_s)
+        return ring_all_gather_s(nbytes, self.layout.dp, gbps * kind.speed) + collectives * kind.latency_s
 
     def in_tasks(self) -> Plan:
         """The plan with each task carrying the gathers and reductions of its micro-batch (none
