@@ -18,6 +18,7 @@ from lightning_antichain.planner.layout_cost import (
     measured_links,
     ring_all_gather_s,
     ring_all_reduce_s,
+    shared_ends,
 )
 from lightning_antichain.planner.layout_search import LayoutSearch, layout_search, plan_layouts
 from lightning_antichain.planner.overhead import loss_seconds
@@ -281,3 +282,28 @@ def test_the_loss_goes_to_the_output_a_loss_reads_the_one_with_the_most_bytes():
     with_loss(cost, 0.5, 0.25)
     assert (cost.nodes["logits"]["forward_s"], cost.nodes["logits"]["backward_s"]) == (0.5, 0.25)
     assert "forward_s" not in cost.nodes["aux"]
+
+
+def test_jobs_sharing_the_cores_end_later_and_staggered_ones_overlap_only_while_both_run():
+    single_core = lambda n: 1.0  # noqa: E731
+    assert shared_ends([0.0, 1.0], [1.0, 1.0], 1, single_core) == pytest.approx([1.0, 2.0])
+    assert shared_ends([0.0, 0.5], [1.0, 1.0], 1, single_core) == pytest.approx([1.5, 2.0])
+    assert shared_ends([0.0, 0.0], [1.0, 1.0], 1, lambda n: float(n)) == pytest.approx([1.0, 1.0])
+    assert shared_ends([0.0], [1.0], 2, lambda n: 1.0) == pytest.approx([2.0])  # two replicas in step
+
+
+def test_a_pipelines_ranks_step_their_optimizers_as_their_backwards_end_and_share_the_cores_only_when_at_once():
+    cpu = [dataclasses.replace(s, device="cpu") for s in two_stage_plan(chunks=4, cut_bytes=0).stages]
+    plan = dataclasses.replace(two_stage_plan(chunks=4, cut_bytes=0), stages=cpu, optimizer_step_s=0.2,
+                               parallel_capacity=1.0, cpu_cores=2, optimizer_slowdown=2.0)
+    links = Links(per_node=2, within_gbps=100.0, across_gbps=100.0)
+    staggered = layout_cost(plan, ONE_F_ONE_B, Layout(1, 2), links)
+    whole = dataclasses.replace(plan, stages=[dataclasses.replace(cpu[0], param_bytes=200 * MB, output_bytes=0)])
+    at_once = layout_cost(whole, ONE_F_ONE_B, Layout(2, 1), links)
+    # two replicas step the whole model at once: twice one alone; two stages step half each, the
+    # last stage's first, while the first still runs its last backward
+    assert at_once.optimizer_s == pytest.approx(2 * 0.2)
+    assert 0.1 <= staggered.optimizer_s < 2 * 0.1
+    on_gpus = layout_cost(dataclasses.replace(two_stage_plan(chunks=4, cut_bytes=0), optimizer_step_s=0.2),
+                          ONE_F_ONE_B, Layout(1, 2), links)
+    assert on_gpus.optimizer_s == pytest.approx(0.1)

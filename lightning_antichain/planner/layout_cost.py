@@ -26,15 +26,15 @@ two, plus the first block's gather; on a CPU they add. Gathered once per step
 (``regather="step"``, torch's pipelining default), the whole stage is gathered for the first
 forward and its gradients, kept whole, are reduce-scattered once after the last backward: the
 fewest collectives, and the most memory (the stage whole besides its shards). Each rank steps the
-optimizer on its own parameters (its share of them, with FSDP2), all ranks at once: on a shared
-CPU, as slowly as the ranks' sharing of its cores makes it.
+optimizer on its own parameters (its share of them, with FSDP2) once its own step is done: on a
+shared CPU, as slowly as the sharing of its cores with the ranks stepping at the same time makes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..device import shares_host
@@ -129,12 +129,13 @@ def ring_all_gather_s(nbytes: float, ranks: int, gbps: float | None) -> float:
 
 @dataclass(frozen=True)
 class LayoutCost:
-    """A plan's predicted step in a layout, what the replicas' reductions add to it, and each
-    pipeline rank's peak memory (the same on every replica)."""
+    """A plan's predicted step in a layout, what the replicas' reductions and the optimizer step
+    add to it, and each pipeline rank's peak memory (the same on every replica)."""
 
     step_s: float
     reduction_s: float
     rank_bytes: tuple[int, ...]
+    optimizer_s: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -179,8 +180,8 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         reductions.append(whole if dp > 1 else 0.0)
         waits.append(buckets * links.latency_s if dp > 1 else 0.0)
         finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
-    optimizer_s = _optimizer_s(linked, schedule, layout, replication)
-    end = max(finish)
+    stepped = _optimizer_ends(linked, schedule, layout, replication, finish)
+    end, optimizer_s = max(finish), max(stepped) - max(finish)
     if any(shares_host(s.device) for s in linked.stages) and not linked.measured_together:
         # all ranks' work (their tasks, and the bytes their collectives copy) over what the cores
         # get through at once; then the collectives' waiting, which takes no core
@@ -188,11 +189,11 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         capacity = linked.capacity(dp)[min(ranks, linked.num_stages * dp) - 1]
         moved = sum(reductions) - sum(waits)
         end = max(end, dp * (_work_s(linked, table) + moved) / capacity + max(waits, default=0.0))
-    step = end + linked.step_overhead_s + optimizer_s
+    step = end + optimizer_s + linked.step_overhead_s
     reduction = end - max(ends)
     rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication, regather) for s in schedule.stages_of(p, pp))
                        for p in range(pp))
-    return LayoutCost(step, reduction, rank_bytes)
+    return LayoutCost(step, reduction, rank_bytes, optimizer_s)
 
 
 def _work_s(plan: Plan, table: Schedule) -> float:
@@ -200,23 +201,52 @@ def _work_s(plan: Plan, table: Schedule) -> float:
     return sum(plan.task_seconds(plan.stages[t.stage], t.phase) for tasks in table.order for t in tasks)
 
 
-def _optimizer_s(plan: Plan, schedule: ProcessSchedule, layout: Layout, replication: Replication) -> float:
-    """The optimizer step of the rank with the most parameters to step: the plan's whole step
-    (timed alone) scaled by that rank's share of the trainable bytes, and by the CPU's sharing
-    where every rank steps at once on one machine's cores."""
+def _optimizer_ends(plan: Plan, schedule: ProcessSchedule, layout: Layout, replication: Replication,
+                    starts: Sequence[float]) -> list[float]:
+    """When each pipeline rank's optimizer step ends, begun once the rank's step ``starts`` to end
+    it: the plan's whole step (timed alone) scaled by the rank's share of the trainable bytes. On
+    a shared CPU the ranks stepping at once share the cores (no better than the optimizers' own
+    measured sharing, ``plan.optimizer_slowdown``): a pipeline's ranks end their backwards one
+    after another, so their steps overlap little (a wide MLP's AdamW, 4 stages: 34-50 ms measured,
+    where all at once would take 100-126)."""
     trainable = [s.param_bytes - s.frozen_bytes for s in plan.stages]
     total = sum(trainable)
     if not total or not plan.optimizer_step_s:
-        return 0.0
-    share = max(sum(trainable[s] for s in schedule.stages_of(p, layout.pp)) for p in range(layout.pp)) / total
-    if replication == "fsdp":
-        share /= layout.dp
-    slowdown = 1.0
-    if any(shares_host(s.device) for s in plan.stages) and not plan.measured_together:
-        ranks = layout.world_size
-        slowdown = plan.optimizer_slowdown or ranks / plan.capacity(layout.dp)[
-            min(ranks, plan.num_stages * layout.dp) - 1]
-    return plan.optimizer_step_s * share * slowdown
+        return list(starts)
+    work = [plan.optimizer_step_s * sum(trainable[s] for s in schedule.stages_of(p, layout.pp)) / total
+            / (layout.dp if replication == "fsdp" else 1) for p in range(layout.pp)]
+    if not any(shares_host(s.device) for s in plan.stages) or plan.measured_together:
+        return [start + w for start, w in zip(starts, work)]
+    ranks = layout.world_size
+    together = (ranks / plan.optimizer_slowdown if plan.optimizer_slowdown
+                else plan.capacity(layout.dp)[min(ranks, plan.num_stages * layout.dp) - 1])
+    sharing = min(ranks, plan.cpu_cores or ranks) - 1
+    extra = (together - 1.0) / sharing if sharing > 0 else 0.0
+    return shared_ends(starts, work, layout.dp, lambda n: 1.0 + extra * (min(n, sharing + 1) - 1))
+
+
+def shared_ends(starts: Sequence[float], work: Sequence[float], copies: int,
+                capacity: Callable[[int], float]) -> list[float]:
+    """When each of the jobs ends, job ``k`` begun at ``starts[k]`` with ``work[k]`` seconds of
+    work alone, ``copies`` of each running in step, where ``n`` running at once get through
+    ``capacity(n)`` times the work of one alone, each an equal share."""
+    left = list(work)
+    ends = [math.inf] * len(starts)
+    now = min(starts, default=0.0)
+    while any(e == math.inf for e in ends):
+        running = [k for k, e in enumerate(ends) if e == math.inf and starts[k] <= now]
+        waiting = [starts[k] for k, e in enumerate(ends) if e == math.inf and starts[k] > now]
+        if not running:
+            now = min(waiting)
+            continue
+        rate = capacity(copies * len(running)) / (copies * len(running))
+        step = min(min(left[k] for k in running) / rate, min(waiting, default=math.inf) - now)
+        now += step
+        for k in running:
+            left[k] -= step * rate
+            if left[k] <= 1e-12 * max(1.0, now):
+                ends[k] = now
+    return ends
 
 
 def _stage_bytes(plan: Plan, index: int, dp: int, replication: Replication, regather: Regather) -> int:
