@@ -128,9 +128,11 @@ def _collective(kind: Kind, nbytes: int, device: torch.device, group: Any) -> Ca
     if kind == "all_reduce":
         return lambda: dist.all_reduce(whole, group=group)
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(whole, shard, group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.14
+        return lambda: gather(whole, shard, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(shard, whole, group=group)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: scatter(shard, whole, group=group)
     rank = dist.get_rank(group)
     peer = rank ^ 1
     if peer >= ranks:  # the odd rank out has no neighbour

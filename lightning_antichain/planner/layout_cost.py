@@ -42,7 +42,7 @@ from ..measure.link_speed import CollectiveSpeed, Kind
 from ..plans.layout import Layout
 from ..plans.plan import Plan, Stage
 from ..plans.process_schedules import ProcessSchedule
-from ..plans.schedule import Schedule
+from ..plans.schedule import Schedule, Timed
 from ..processes.replication import Regather, Replication
 
 BUCKET_BYTES = 25 * 2**20
@@ -180,7 +180,7 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         reductions.append(whole if dp > 1 else 0.0)
         waits.append(buckets * links.latency_s if dp > 1 else 0.0)
         finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
-    stepped = _optimizer_ends(linked, schedule, layout, replication, finish)
+    stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed)
     end, optimizer_s = max(finish), max(stepped) - max(finish)
     if any(shares_host(s.device) for s in linked.stages) and not linked.measured_together:
         # all ranks' work (their tasks, and the bytes their collectives copy) over what the cores
@@ -202,13 +202,13 @@ def _work_s(plan: Plan, table: Schedule) -> float:
 
 
 def _optimizer_ends(plan: Plan, schedule: ProcessSchedule, layout: Layout, replication: Replication,
-                    starts: Sequence[float]) -> list[float]:
+                    starts: Sequence[float], timed: Sequence[Timed]) -> list[float]:
     """When each pipeline rank's optimizer step ends, begun once the rank's step ``starts`` to end
     it: the plan's whole step (timed alone) scaled by the rank's share of the trainable bytes. On
-    a shared CPU the ranks stepping at once share the cores (no better than the optimizers' own
-    measured sharing, ``plan.optimizer_slowdown``): a pipeline's ranks end their backwards one
-    after another, so their steps overlap little (a wide MLP's AdamW, 4 stages: 34-50 ms measured,
-    where all at once would take 100-126)."""
+    a shared CPU a step shares the cores with the tasks still running (``timed``) and the other
+    ranks' steps, no better than the optimizers' own measured sharing (``plan.optimizer_slowdown``):
+    a pipeline's ranks end their backwards one after another, so their steps overlap little (a
+    wide MLP's AdamW, 4 stages: 34-50 ms measured, where all at once would take 100-126)."""
     trainable = [s.param_bytes - s.frozen_bytes for s in plan.stages]
     total = sum(trainable)
     if not total or not plan.optimizer_step_s:
@@ -222,16 +222,19 @@ def _optimizer_ends(plan: Plan, schedule: ProcessSchedule, layout: Layout, repli
                 else plan.capacity(layout.dp)[min(ranks, plan.num_stages * layout.dp) - 1])
     sharing = min(ranks, plan.cpu_cores or ranks) - 1
     extra = (together - 1.0) / sharing if sharing > 0 else 0.0
-    return shared_ends(starts, work, layout.dp, lambda n: 1.0 + extra * (min(n, sharing + 1) - 1))
+    return shared_ends(starts, work, layout.dp, lambda n: 1.0 + extra * (min(n, sharing + 1) - 1),
+                       [(t.start, t.end) for t in timed])
 
 
-def shared_ends(starts: Sequence[float], work: Sequence[float], copies: int,
-                capacity: Callable[[int], float]) -> list[float]:
+def shared_ends(starts: Sequence[float], work: Sequence[float], copies: int, capacity: Callable[[int], float],
+                others: Sequence[tuple[float, float]] = ()) -> list[float]:
     """When each of the jobs ends, job ``k`` begun at ``starts[k]`` with ``work[k]`` seconds of
     work alone, ``copies`` of each running in step, where ``n`` running at once get through
-    ``capacity(n)`` times the work of one alone, each an equal share."""
+    ``capacity(n)`` times the work of one alone, each an equal share; ``others``: the spans of
+    other work (``copies`` of each) that shares the cores with them meanwhile."""
     left = list(work)
     ends = [math.inf] * len(starts)
+    changes = sorted({t for span in others for t in span})
     now = min(starts, default=0.0)
     while any(e == math.inf for e in ends):
         running = [k for k, e in enumerate(ends) if e == math.inf and starts[k] <= now]
@@ -239,8 +242,10 @@ def shared_ends(starts: Sequence[float], work: Sequence[float], copies: int,
         if not running:
             now = min(waiting)
             continue
-        rate = capacity(copies * len(running)) / (copies * len(running))
-        step = min(min(left[k] for k in running) / rate, min(waiting, default=math.inf) - now)
+        count = copies * (len(running) + sum(1 for start, end in others if start <= now < end))
+        rate = capacity(count) / count
+        upcoming = [t for t in (*waiting, *changes) if t > now]
+        step = min(min(left[k] for k in running) / rate, min(upcoming, default=math.inf) - now)
         now += step
         for k in running:
             left[k] -= step * rate

@@ -10,7 +10,6 @@ and all at once (:func:`~lightning_antichain.planner.contention.processes_capaci
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,5 +54,4 @@ def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Seque
         for fresh in copies:
             fresh.step()
 
-    # memory-bound, the optimizers' steps together swing too much for the quickest to be typical
-    return SharedCores(model, processes_capacity(step_copies, group, together_of=statistics.median) if copies else None)
+    return SharedCores(model, processes_capacity(step_copies, group) if copies else None)
