@@ -72,12 +72,10 @@ MIN_TIMED_S = 0.05
 def processes_capacity(step: Callable[[], None], group: Any = None, repeats: int = 5) -> float | None:
     """Work done by every rank of ``group`` running ``step`` at once, in units of one rank alone
     (the number of ranks: no contention). Every rank calls it, with its own ``step``, and gets the
-    same value: the median over ``repeats`` rounds of each round's ratio of rank 0's time alone to
-    the slowest rank's time together, taken one right after the other. On a shared machine both
-    drift from round to round (a memory-bound optimizer step: 117-149 ms alone, 170-381 ms
-    together), and a round's pair drifts together: the quickest of each, from different rounds,
-    is luck (capacity 2.0 on 2 cores where training got 1.8). ``None`` where ``step`` failed on
-    any rank (nothing is measured then, and no rank waits for another)."""
+    same value: over ``repeats`` rounds, rank 0's quickest time alone against the slowest rank's
+    quickest time together (on a shared machine, the medians of either swing by a third from
+    call to call); ``None`` where ``step`` failed on any rank (nothing is measured then, and no
+    rank waits for another)."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     try:
         started = time.perf_counter()
@@ -107,8 +105,9 @@ def processes_capacity(step: Callable[[], None], group: Any = None, repeats: int
         times[1] = steps()
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         rounds.append((float(times[0]), float(times[1])))
-    ratio = statistics.median(ranks * alone / together for alone, together in rounds)
-    return min(float(min(ranks, cpu_cores())), max(1.0, ratio))
+    # a busy machine only ever slows a run: the quickest of each is the least disturbed
+    alone, together = min(t[0] for t in rounds), min(t[1] for t in rounds)
+    return min(float(min(ranks, cpu_cores())), max(1.0, ranks * alone / together))
 
 
 def capacity_of_two(capacity: float, ranks: int, cores: int) -> float:
