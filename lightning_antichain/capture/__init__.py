@@ -1,7 +1,8 @@
 """Capture: from the user's ``forward`` to a graph of operations, by a chain of frontends.
 
 Each frontend is tried in turn; the first that succeeds gives the graph, and the reasons the
-earlier ones refused are kept with it (and printed with the plan):
+earlier ones refused are kept with it (``OpGraph.refused``, and this module's debug log), since
+they are expected where a later one captures (fx cannot trace most Hugging Face models):
 
 1. ``"fx"``: ``torch.fx`` symbolic tracing (:mod:`.symbolic`). Shape-generic, module-level ops.
 2. ``"export"``: ``torch.export``, non-strict (:mod:`.exported`). ATen ops, dynamic batch dimension.
@@ -15,6 +16,7 @@ all capture through :func:`capture`, and the graph that was profiled is the grap
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,6 +39,8 @@ from .settle import settle
 from .signature import SignatureMismatchError, original_forward
 from .status import status
 from .symbolic import call_specialization, capture_symbolic, constant_arguments
+
+log = logging.getLogger(__name__)
 
 FRONTENDS = ("fx", "export", "concrete", "leaves")
 GRANULARITIES = ("ops", "children")
@@ -165,7 +169,8 @@ def _capture(
                     graph, warm_start = settle(module, call, graph, again)
         except FrontendRefused as exc:
             refused.append(f"{frontend}: {exc.reason}")
-            _report(progress, f"capturing {name}: {frontend} refused ({exc.reason[:120]})", final=False)
+            log.debug("capturing %s: %s did not capture it: %s", name, frontend, exc.reason)
+            _report(progress, f"capturing {name}: {frontend} does not apply, trying the next", final=False)
             if exc.data_dependent and data_dependent is None:
                 data_dependent = exc
             logs = logs or logging_call(exc)
@@ -176,11 +181,19 @@ def _capture(
             call_causal_attention(graph.graph_module)
         graph.refused = tuple(refused)
         graph.training = training_flags(module)
-        tried = "".join(f", {r.split(':')[0]} refused" for r in refused)
         _report(progress, f"lightning-antichain: captured {name} with {frontend}: {len(graph)} operations in "
-                          f"{time.perf_counter() - started:.1f} s{tried}")
+                          f"{time.perf_counter() - started:.1f} s{tried_first(refused)}")
         return graph
     raise UntraceableModelError(_explain(module, refused, data_dependent, logs), refused)
+
+
+def tried_first(refused: Sequence[str]) -> str:
+    """What the capture line says of the frontends tried before the one that captured: their
+    names, and where their reasons are (they are expected, not errors: fx cannot trace most
+    Hugging Face models, and export then does)."""
+    if not refused:
+        return ""
+    return f" ({', '.join(r.split(':')[0] for r in refused)} tried first; why: la.trace(...).refused)"
 
 
 def _report(enabled: bool, line: str, final: bool = True) -> None:

@@ -129,8 +129,9 @@ def ring_all_gather_s(nbytes: float, ranks: int, gbps: float | None) -> float:
 
 @dataclass(frozen=True)
 class LayoutCost:
-    """A plan's predicted step in a layout, what the replicas' reductions and the optimizer step
-    add to it, and each pipeline rank's peak memory (the same on every replica)."""
+    """A plan's predicted step in a layout, what the replicas' reductions add to it, the longest
+    optimizer step of a rank (which may end before the step does), and each pipeline rank's peak
+    memory (the same on every replica)."""
 
     step_s: float
     reduction_s: float
@@ -181,7 +182,7 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         waits.append(buckets * links.latency_s if dp > 1 else 0.0)
         finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
     stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed)
-    end, optimizer_s = max(finish), max(stepped) - max(finish)
+    end, added = max(finish), max(stepped) - max(finish)
     if any(shares_host(s.device) for s in linked.stages) and not linked.measured_together:
         # all ranks' work (their tasks, and the bytes their collectives copy) over what the cores
         # get through at once; then the collectives' waiting, which takes no core
@@ -189,11 +190,12 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         capacity = linked.capacity(dp)[min(ranks, linked.num_stages * dp) - 1]
         moved = sum(reductions) - sum(waits)
         end = max(end, dp * (_work_s(linked, table) + moved) / capacity + max(waits, default=0.0))
-    step = end + optimizer_s + linked.step_overhead_s
+    step = end + added + linked.step_overhead_s
     reduction = end - max(ends)
     rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication, regather) for s in schedule.stages_of(p, pp))
                        for p in range(pp))
-    return LayoutCost(step, reduction, rank_bytes, optimizer_s)
+    longest = max(e - f for e, f in zip(stepped, finish))
+    return LayoutCost(step, reduction, rank_bytes, longest)
 
 
 def _work_s(plan: Plan, table: Schedule) -> float:

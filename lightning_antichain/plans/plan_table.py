@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..capture import tried_first
+
 
 def plan_table(plan: Any) -> str:
     """A fixed-width table of ``plan``'s stages (a :class:`~.plan.Plan`), with its totals and choices underneath."""
@@ -51,7 +53,7 @@ def _stage_lines(plan: Any) -> list[str]:
         f"predicted step {1e3 * plan.predicted_step_s:.1f} ms",
         f"{plan.num_nodes} ops, {plan.num_states} states, solved in {plan.solve_s:.3f} s"
         + ("" if plan.profile_s is None else f", profiled in {plan.profile_s:.1f} s")
-        + ("" if plan.frontend is None else f"; captured by {plan.frontend}"),
+        + ("" if plan.frontend is None else f"; captured by {plan.frontend}{tried_first(plan.refused)}"),
     ]
     return lines
 
@@ -112,7 +114,8 @@ def _choice_lines(plan: Any) -> list[str]:
                      f"{plan.chunks} micro-batches")
         lines += [f"  {_layout_name(row)}{_chunks_of(row, count)}: " + _weighed(row)
                   for row, count in _best_per_layout(plan.layouts)]
-    lines += [f"capture: {reason}" for reason in plan.refused]
+    if plan.frontend is None:  # no frontend captured the operations: why each could not
+        lines += [f"capture: {reason}" for reason in plan.refused]
     lines += [f"note: {c}" for c in plan.compression]
     return lines
 
