@@ -4,6 +4,8 @@
         --stages 4 --input-shape 3,32,32 --batch-size 32 --chunks 4 --json
     lightning-antichain plan torchvision.models.resnet50 --ranks 8 --per-node 4 --stages auto --schedule auto \
         --input-shape 3,32,32 --batch-size 64   # the layout of 8 processes on 2 nodes, as stages="auto" weighs it
+    lightning-antichain plan ~/models/Llama-3.1-8B --ranks 16 --per-node 8 --memory 80 --stages auto \
+        --batch-size 32 --sequence-length 1024   # a Hugging Face causal LM from its config, on meta
     lightning-antichain consolidate checkpoints/epoch=0-step=6.ckpt   # shards -> one file for plain Lightning
 
 Progress and the table go to stderr and stdout respectively; with ``--json`` stdout holds exactly
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from .capture import UntraceableModelError
+from .hf_models import PRECISIONS, causal_lm_on_meta, is_hf_config
 from .planner.cost_graph import load_cost_graph, save_cost_graph
 from .planner.cost_model import InfeasiblePlanError
 from .planner.partition import METHODS
@@ -56,7 +59,7 @@ def _values_may_start_with_minus(argv: list[str]) -> list[str]:
     return joined
 
 
-_VALUED = ("--input-shape", "--stages", "--batch-size", "--chunks", "--bandwidth", "--memory")
+_VALUED = ("--input-shape", "--stages", "--batch-size", "--chunks", "--bandwidth", "--memory", "--sequence-length")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, dest="command")
     plan = commands.add_parser("plan", help="profile a model and cut it into pipeline stages")
     plan.add_argument(
-        "model", help="import path of a callable returning an nn.Module, e.g. torchvision.models.resnet50"
+        "model", help="import path of a callable returning an nn.Module, e.g. torchvision.models.resnet50; or a "
+                      "Hugging Face causal LM's directory or config.json, built on meta from its config alone"
     )
     plan.add_argument("--stages", type=_count_or_auto, required=True,
                       help="number of pipeline stages (devices); with --ranks, processes per pipeline, or auto")
@@ -80,6 +84,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--replication", choices=["ddp", "fsdp"], default="ddp",
                       help="with --ranks: how a stage's replicas keep in step (fsdp shards the optimizer state)")
     plan.add_argument("--input-shape", type=_shape, help="shape of one sample, e.g. 3,32,32")
+    plan.add_argument("--sequence-length", type=int,
+                      help="a Hugging Face MODEL: tokens per sample (random token ids, labels= the same)")
+    plan.add_argument("--precision", choices=list(PRECISIONS), default="bf16-true",
+                      help="a Hugging Face MODEL: the dtype it is planned in, and AdamW's state (bf16-mixed: float32 "
+                           "weights and moments, 16 bytes a parameter); default %(default)s")
+    plan.add_argument("--rank-device", choices=["cpu", "cuda"],
+                      help="with --ranks: the device each rank trains on, where it differs from --device (where the "
+                           "model is profiled): cuda plans for GPUs this machine need not have; give --memory then. "
+                           "Default: cuda for a Hugging Face MODEL, else --device's")
     plan.add_argument("--batch-size", type=int, default=32, help="samples per training step")
     plan.add_argument("--chunks", type=_count_or_auto, default=DEFAULTS.chunks,
                       help='micro-batches per step, or "auto" (the default, as in the strategy) for the count with '
@@ -132,23 +145,52 @@ def _plan_layout(args: argparse.Namespace) -> int:
 
     if args.ranks < 1 or args.batch_size < 1 or (args.stages != "auto" and args.ranks % args.stages):
         raise ValueError("--ranks and --batch-size must be at least 1, and --stages a divisor of --ranks (or auto)")
-    if args.input_shape is None:
-        raise ValueError("--input-shape is required")
     _check_device(args.device)
+    hf = is_hf_config(args.model)
+    rank_device = args.rank_device or ("cuda" if hf else torch.device(args.device).type)
+    if rank_device != torch.device(args.device).type and args.memory is None:
+        raise ValueError(f"--rank-device {rank_device} plans for devices other than the one profiled on "
+                         f"({args.device}): give their memory, --memory GB")
     options = PipelineOptions(
         method=args.method, bandwidth_gbps=args.bandwidth, memory_gb=args.memory,
-        optimizer_multiplier=args.optimizer_multiplier, profile_cache=args.profile_cache,
+        optimizer_multiplier=_optimizer_multiplier(args, hf), profile_cache=args.profile_cache,
         use_profile_cache=not args.no_profile_cache, calibrate=False, cpu_threads=args.cpu_threads,
         progress=not args.quiet)
-    model = _build_model(args.model, args.model_kwargs)
-    example = torch.randn(args.batch_size, *args.input_shape)
-    plan = plan_layout(model, example, args.ranks, options, device=args.device, per_node=args.per_node,
+    model, example = _model_and_batch(args, args.batch_size)
+    plan = plan_layout(model, example, args.ranks, options, device=rank_device, per_node=args.per_node,
                        stages=args.stages, schedule=args.schedule, replication=args.replication,
-                       internode_gbps=args.internode)
+                       internode_gbps=args.internode, profile_device=args.device)
     if args.output:
         plan.save(args.output)
     print(plan.to_json() if args.json else plan.table())
+    if rank_device != torch.device(args.device).type and not args.json:
+        print(f"times are {args.device}'s, where the model was profiled, not the {rank_device} ranks': they rank the "
+              "layouts; the memory is the ranks' own")
     return 0
+
+
+def _model_and_batch(args: argparse.Namespace, samples: int) -> tuple[Any, Any]:
+    """MODEL, and a batch of ``samples`` for it: random floats of ``--input-shape``, or for a
+    Hugging Face MODEL, random token ids of ``--sequence-length`` (with ``labels=``)."""
+    if is_hf_config(args.model):
+        if args.sequence_length is None:
+            raise ValueError(f"{args.model} is a Hugging Face model: give --sequence-length (tokens per sample)")
+        built = causal_lm_on_meta(args.model, samples, args.sequence_length, args.precision)
+        return built.model, built.batch
+    if args.sequence_length is not None:
+        raise ValueError("--sequence-length is for a Hugging Face MODEL (a model directory or config.json); give "
+                         "--input-shape for an import path")
+    if args.input_shape is None:
+        raise ValueError("--input-shape is required (the shape of one sample, e.g. 3,32,32)")
+    return _build_model(args.model, args.model_kwargs), torch.randn(samples, *args.input_shape)
+
+
+def _optimizer_multiplier(args: argparse.Namespace, hf: bool) -> float | None:
+    """Optimizer state per parameter byte: as given, else AdamW's in ``--precision`` for a
+    Hugging Face MODEL, else the planner's default."""
+    if args.optimizer_multiplier is not None or not hf:
+        return args.optimizer_multiplier
+    return PRECISIONS[args.precision][1]
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -268,7 +310,6 @@ def load_model_factory(path: str) -> Callable[..., Any]:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import torch
 
     from .planner.planning import plan_model
 
@@ -298,16 +339,13 @@ def _plan(args: argparse.Namespace) -> int:
                              f"{type(exc).__name__}: {exc}") from None
         model, example = None, None
     else:
-        if args.input_shape is None:
-            raise ValueError("--input-shape is required unless --load-profile is given")
-        model = _build_model(args.model, args.model_kwargs)
-        example = torch.randn(micro_batch, *args.input_shape)
+        model, example = _model_and_batch(args, micro_batch)
     options = PipelineOptions(
         chunks=args.chunks,
         method=args.method,
         bandwidth_gbps=args.bandwidth,
         memory_gb=args.memory,
-        optimizer_multiplier=args.optimizer_multiplier,
+        optimizer_multiplier=_optimizer_multiplier(args, is_hf_config(args.model)),
         fallback=None if args.fallback == "none" else "children",
         profile_cache=args.profile_cache,
         use_profile_cache=not args.no_profile_cache,
@@ -316,8 +354,8 @@ def _plan(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads,
         progress=not args.quiet,
     )
-    planned = plan_model(model, (example,), {}, _stage_devices(args.device, args.stages), options, name=args.model,
-                         cost=cost)
+    call = ((), example) if isinstance(example, dict) else ((example,), {})
+    planned = plan_model(model, *call, _stage_devices(args.device, args.stages), options, name=args.model, cost=cost)
     plan = planned.plan
     if args.save_profile:
         save_cost_graph(planned.cost, args.save_profile)

@@ -355,3 +355,76 @@ def test_the_command_weighs_the_layouts_of_ranks_on_two_nodes_as_the_strategy_do
                              profile_cache=str(cache), calibrate=False, progress=False)
     assert library.layout == plan["layout"]
     assert [stage.nodes for stage in library.stages] == [stage["nodes"] for stage in plan["stages"]]
+
+
+def tiny_llama_config(directory, **overrides) -> None:
+    import transformers
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    transformers.LlamaConfig(**{**shape, **overrides}).save_pretrained(directory)
+
+
+def test_the_command_plans_a_hugging_face_config_on_meta_for_gpus_it_does_not_have(tmp_path):
+    """A model directory holding only ``config.json``: built on meta, fed token ids with
+    ``labels=``, weighed for 4 GPUs on 2 nodes within ``--memory``; the same plan from the
+    ``config.json`` file itself, and from the library's one entry point."""
+    import torch
+
+    import lightning_antichain as la
+    from lightning_antichain.hf_models import causal_lm_on_meta
+
+    tiny_llama_config(tmp_path / "llama")
+    cache = tmp_path / "profiles"
+
+    def plan_for(memory_gb: float, path=tmp_path / "llama"):
+        result = run_main("plan", str(path), "--ranks", "4", "--per-node", "2", "--memory", str(memory_gb),
+                          "--stages", "auto", "--batch-size", "8", "--sequence-length", "32", "--replication", "fsdp",
+                          "--profile-cache", str(cache), "--quiet", "--json")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    roomy = plan_for(1.0)
+    assert all(stage["device"].startswith("cuda:") for stage in roomy["stages"])  # the ranks', not the profile's
+    assert sum(len(stage["nodes"]) for stage in roomy["stages"]) > 100  # the operations, not the top-level children
+    peaks = sorted(row["peak_memory_bytes"] for row in roomy["layouts"] if row.get("peak_memory_bytes"))
+    limit = peaks[len(peaks) // 2]  # half the candidates need more
+    plan = plan_for(limit / 1e9)
+    chosen = next(row for row in plan["layouts"] if "lost" not in row)
+    assert chosen["peak_memory_bytes"] <= limit
+    assert any(row.get("lost", "").startswith("needs") for row in plan["layouts"])
+    assert plan_for(limit / 1e9, tmp_path / "llama" / "config.json")["layout"] == plan["layout"]
+    built = causal_lm_on_meta(str(tmp_path / "llama"), 8, 32)
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in built.model.parameters())
+    library = la.plan_layout(built.model, built.batch, 4, device="cuda", per_node=2, profile_device="cpu",
+                             replication="fsdp", memory_gb=limit / 1e9, optimizer_multiplier=2.0,
+                             profile_cache=str(cache), calibrate=False, progress=False)
+    assert library.layout == plan["layout"]
+    assert [stage.nodes for stage in library.stages] == [stage["nodes"] for stage in plan["stages"]]
+
+
+def test_the_command_plans_a_hugging_face_config_as_stages_in_one_process(tmp_path):
+    tiny_llama_config(tmp_path / "llama")
+    result = run_main("plan", str(tmp_path / "llama"), "--stages", "2", "--batch-size", "8", "--sequence-length", "32",
+                      "--chunks", "4", "--no-calibrate", "--no-profile-cache", "--quiet", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert len(plan["stages"]) == 2 and plan["chunks"] == 4 and plan["micro_batch_size"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--ranks", "2", "--batch-size", "4", "--memory", "1"), "give --sequence-length"),
+    (("--ranks", "2", "--batch-size", "4", "--sequence-length", "16"), "give their memory, --memory GB"),
+    (("--ranks", "2", "--batch-size", "4", "--sequence-length", "999", "--memory", "1"), "max_position_embeddings"),
+    (("--ranks", "2", "--batch-size", "4", "--sequence-length", "16", "--memory", "1", "--precision", "fp8"),
+     "invalid choice"),
+])
+def test_a_hugging_face_plan_missing_what_it_needs_says_what_to_give(tmp_path, args, message):
+    tiny_llama_config(tmp_path / "llama")
+    result = run_main("plan", str(tmp_path / "llama"), "--stages", "auto", *args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_sequence_length_for_an_import_path_is_refused():
+    result = run_main("plan", "torchvision.models.resnet18", "--stages", "2", "--sequence-length", "16")
+    assert result.returncode == 2 and "--sequence-length is for a Hugging Face MODEL" in result.stderr

@@ -84,6 +84,7 @@ def plan_layout(
     replication: str = "ddp",
     internode_gbps: float | None = None,
     optimizers: Sequence[torch.optim.Optimizer] = (),
+    profile_device: str | torch.device | None = None,
     **settings: Any,
 ) -> Plan:
     """The plan of the fastest layout of ``ranks`` processes that fits, for whole batches like
@@ -93,7 +94,8 @@ def plan_layout(
     layout, ``plan.layouts`` every candidate and why it lost). ``device``: the kind of device each
     rank has (``"cuda"``: rank ``r`` on GPU ``r % per_node``), where the model is also profiled;
     ``per_node``: ranks per node (default: all on one), their links at ``bandwidth_gbps`` and
-    across nodes at ``internode_gbps`` (default: the strategy's)."""
+    across nodes at ``internode_gbps`` (default: the strategy's). ``profile_device``: where the
+    model is profiled, if not on ``device`` (the CPU, to plan for GPUs this machine lacks)."""
     from ..device import is_accelerator
     from ..plans.process_schedules import process_schedule
     from .layout_cost import Links
@@ -118,4 +120,5 @@ def plan_layout(
         INTERNODE_GPU_GBPS if is_accelerator(device) else within)
     args, kwargs = split_inputs(batch)
     return plan_layouts(module, args, kwargs, ranks, devices_of, search, Links(per_node, within, across), options,
-                        optimizers=optimizers, replication=replication, profile_device=device).plan
+                        optimizers=optimizers, replication=replication,
+                        profile_device=torch.device(profile_device) if profile_device is not None else device).plan
