@@ -37,3 +37,24 @@ def test_every_old_name_is_told_in_the_changelog():
     changelog = (ROOT / "CHANGELOG.md").read_text()
     for old, (new, _, _) in RENAMED.items():
         assert re.search(rf"`{old}=.*`{new}=", changelog), old
+
+
+def test_every_option_of_the_plan_command_is_in_planner_md_and_every_option_named_there_exists():
+    from lightning_antichain.cli import _parser
+
+    commands = next(a for a in _parser()._actions if a.dest == "command")
+    options = {flag for action in commands.choices["plan"]._actions for flag in action.option_strings
+               if flag.startswith("--") and flag != "--help"}
+    section = (ROOT / "docs/planner.md").read_text().split("\n## The command", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"--[a-z][a-z-]*", section))
+    assert sorted(options - named) == [], "options of `lightning-antichain plan` docs/planner.md does not name"
+    assert sorted(named - options) == [], "options docs/planner.md names that the command does not have"
+
+
+def test_the_api_reference_is_what_the_code_says():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("api_reference", ROOT / "docs/api_reference.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert (ROOT / "docs/api.md").read_text() == generator.reference(), "run python docs/api_reference.py"
