@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="small inputs and models (a CPU dry run)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmark-runs.md")
     parser.add_argument("--chunk-counts", default="1,2,4,8", help="micro-batch counts of the one-stage table")
     parser.add_argument("--compiled-models", default="ResNet-50,GPT-2 (12 x 768)",
                         help="comma-separated models of the compiled table")

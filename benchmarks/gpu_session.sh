@@ -2,7 +2,7 @@
 # Everything a lent GPU should run, most valuable first, each step bounded so that the whole fits
 # one device call (under 10 minutes): the -m gpu tests, the GPU benchmark tables, the big-model path
 # and the overhead breakdown. Outputs go to $OUT (the device tool brings that folder
-# back); paste the tables into docs/benchmarks.md by hand, with this command and the machine.
+# back); paste the tables into docs/benchmark-runs.md by hand, with this command and the machine.
 #
 #   bash benchmarks/gpu_session.sh                  # on the GPU machine (device: cuda:0)
 #   DEVICE=cpu bash benchmarks/gpu_session.sh       # a dry run here, small inputs, tests on the CPU

@@ -7,7 +7,7 @@ holds after each step (after ``gc.collect()``), counted by the saved-tensor hook
 (``ScheduleInterleavedZeroBubble``). An earlier version of those hooks kept each saved tensor with
 its autograd node, a cycle the collector cannot break: a graph whose backward never ran (torch's
 trial forward before the first step) stayed counted on the first rank, and under ZB-H1 the last
-rank's count grew every step, which this script once showed and docs/benchmarks.md took for a
+rank's count grew every step, which this script once showed and docs/benchmark-runs.md took for a
 leak in torch. It now checks that nothing is left.
 
     python benchmarks/held_after_step.py

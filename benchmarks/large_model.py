@@ -490,7 +490,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md as it is")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmark-runs.md as it is")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--gpu-gb", type=float, default=80.0)
     parser.add_argument("--node-batch", type=int, default=32, help="sequences per step, part 4")

@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmark-runs.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
     lines = [

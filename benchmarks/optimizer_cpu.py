@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=["resnet18", "resnet50", "gpt"])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmark-runs.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []

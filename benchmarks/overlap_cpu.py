@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--chunks", type=int, nargs="*", default=[16, 8, 4, 2])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmark-runs.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -4,7 +4,7 @@ For each model: profile once (time reported apart), then for 4 and 8 stages solv
 antichain DP (median of repeats) and with the three baselines, all scored by the same cost model.
 Quality is the predicted bottleneck over the lower bound max(total/K, largest op): 1.00 is perfect.
 
-    python benchmarks/partition_table.py                 # all ten models, writes docs/benchmarks.md
+    python benchmarks/partition_table.py                 # all ten models, writes docs/benchmark-runs.md
     python benchmarks/partition_table.py --models resnet18 --no-write
 """
 
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="solves per cell; the median is reported")
     parser.add_argument("--threads", type=int, default=1, help="torch threads while profiling")
     parser.add_argument("--progress", action="store_true")
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmark-runs.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="*", default=[1, 4, 8])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmark-runs.md")
     parser.add_argument("--cache", type=Path, default=BENCHMARK_CACHE, help="profile cache (calibrations are cleared)")
     args = parser.parse_args()
     cache = fresh_calibrations(args.cache)

@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--micro-batches", nargs="*", type=int, default=[8, 32])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmark-runs.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     lines = [

@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: the machine's description and writing a section of docs/benchmarks.md."""
+"""Shared by the benchmark scripts: the machine's description and writing a section of docs/benchmark-runs.md."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def section(start: str, end: str, lines: list[str]) -> str:
 
 
 def publish(text: str, start: str, end: str, heading: str, write: bool) -> None:
-    """Print a section and, where ``write``, put it into docs/benchmarks.md (see :func:`write_section`)."""
+    """Print a section and, where ``write``, put it into docs/benchmark-runs.md (see :func:`write_section`)."""
     print(text)
     if write:
         write_section(text, start, end, heading)

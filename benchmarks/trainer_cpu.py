@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per fit (the first is not timed)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="also write the rows here")
-    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    parser.add_argument("--no-write", action="store_true", help="do not update docs/benchmark-runs.md")
     parser.add_argument("--cache", type=Path, default=BENCHMARK_CACHE, help="profile cache (calibrations are cleared)")
     args = parser.parse_args()
     torch.set_num_threads(1)

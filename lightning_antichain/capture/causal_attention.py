@@ -5,7 +5,7 @@ under tracing they build the causal mask as a tensor and pass it as ``attn_mask`
 code cannot tell a traced shape from a real one). A captured graph so calls attention with a
 materialised mask, and the fused CUDA kernels then compute every masked block instead of skipping
 it: on an H100 that made GPT-2's attention 1.8x slower than in the plain module, and one stage 8.9%
-slower than the module (docs/benchmarks.md, "On a GPU").
+slower than the module (docs/benchmark-runs.md, "On a GPU").
 
 A mask that the graph computes from shapes alone (no input's values, no parameter or buffer, no
 random numbers) is the same for every call with the same shapes. Such attention calls go through

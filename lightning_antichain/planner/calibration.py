@@ -3,9 +3,9 @@
 Per-op profiles and the profiler's two-thread probe predict CPU pipelines well at large
 micro-batches and badly at small ones. At 4 samples per micro-batch (ResNet-18), ops replayed one
 at a time added up to 26% more than the runtime's tasks took, and two whole models on two threads
-slowed each other far more than two stages of one pipeline do (docs/benchmarks.md, "How much CPU
+slowed each other far more than two stages of one pipeline do (docs/benchmark-runs.md, "How much CPU
 stages slow each other"). On a GPU, ops replayed one at a time, each synchronised, added up to
-1.3x to 2.75x the step (docs/benchmarks.md, "On a GPU"): a step's kernels run while the host
+1.3x to 2.75x the step (docs/benchmark-runs.md, "On a GPU"): a step's kernels run while the host
 launches the next ones. So a plan whose stages share the CPU, or whose stages are all on
 accelerators, is run for a few steps before it is trusted: its micro-batches one at a time (what
 each stage's forward and backward take alone; on a GPU, the time between marks on the stage's

@@ -7,7 +7,7 @@ loss, torch's books), a GPipe backward reading activations made long before, and
 backward whose two halves cost more than one whole. Each rank times its actions in the steps it
 runs (:class:`~lightning_antichain.measure.action_clock.ActionClock`); their costs, gathered, become
 the plan's stage times, and the timeline of the schedule's tasks then predicts the step
-(docs/benchmarks.md, "Stages as processes on CPU"). The cut is untouched: only the times change.
+(docs/benchmark-runs.md, "Stages as processes on CPU"). The cut is untouched: only the times change.
 """
 
 from __future__ import annotations
