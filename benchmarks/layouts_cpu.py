@@ -38,9 +38,7 @@ from report import machine  # noqa: E402
 
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
-    from lightning_antichain.measure.link_speed import measured_collectives
     from lightning_antichain.planner.layout_search import layout_search
-    from lightning_antichain.planner.shared_cores import shared_cores
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -52,12 +50,10 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
             loss_fn = loss_of(model_name)
             free = layout_search("auto", "auto", None)
             counts = free.pipeline_counts(ranks)
-            # as the strategy does before it plans a layout on CPU processes
-            measured = measured_collectives(cpu)
-            capacity = shared_cores(model, (x[:len(x) // ranks],), {}, [torch.optim.AdamW(model.parameters())])
+            planned = _probes(model, x, ranks)  # as the strategy does before it plans a layout on CPU processes
             for how in args.replication.split(","):
-                _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, (measured, capacity),
-                         cache, args, results)
+                _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, planned, cache, args,
+                         results)
     finally:
         dist.destroy_process_group()
 
@@ -115,6 +111,7 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         runs[pp] = (functools.partial(train_step, pipeline, optimizer, calls, micro_y, loss_fn, plan.chunks),
                     plan, chosen_layout)
     times: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}
+    again: dict[int, list[float]] = {pp: [] for pp in runs}  # each round's measured / predicted from its probes
     for repeat in range(args.repeats + 1):
         for pp, (step, _, _) in runs.items():
             dist.barrier()
@@ -124,16 +121,74 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if repeat:
                 times[pp].append(elapsed)
+        if repeat:  # the machine now: the probes again, every layout predicted from them
+            probes = _probes(model, x, ranks)
+            if rank == 0:
+                for pp, (_, plan, chosen_layout) in runs.items():
+                    predicted = repredicted(plan, chosen_layout, how, link, probes, ranks)
+                    again[pp].append(float(times[pp][-1][0]) / predicted)
     if rank == 0:
         for pp, (_, plan, chosen_layout) in runs.items():
             best = min((r for r in plan.layouts if r.get("predicted_step_s") is not None and "lost" not in r),
                        key=lambda r: r["predicted_step_s"])
+            same = repredicted(plan, chosen_layout, how, link, link, ranks)  # the planner's own, recomputed
+            if abs(same / best["predicted_step_s"] - 1) > 0.01:
+                print(f"layouts_cpu: {model_name} dp={chosen_layout['dp']}: the prediction recomputed from the "
+                      f"planning probes is {same:.4f} s, the planner's {best['predicted_step_s']:.4f} s", flush=True)
             results.put((model_name, link, chosen_layout, plan.chunks, best["predicted_step_s"],
                          (best.get("reduction_s", 0.0), best.get("optimizer_s", 0.0)),
                          statistics.median(float(t[0]) for t in times[pp]),
                          chosen_layout["dp"] == auto["dp"] and chosen_layout["schedule"] == auto["schedule"]
                          and chosen_layout.get("regather") == auto.get("regather"), how,
-                         statistics.median(float(t[1]) for t in times[pp])))
+                         statistics.median(float(t[1]) for t in times[pp]), statistics.median(again[pp])))
+
+
+def _probes(model, x, ranks: int) -> tuple:
+    """What every rank measures before rank 0 plans (as the strategy does): each collective's
+    speed, and what the ranks get through at once running the model and stepping AdamW."""
+    from lightning_antichain.measure.link_speed import measured_collectives
+    from lightning_antichain.planner.shared_cores import shared_cores
+
+    cpu = torch.device("cpu")
+    return (measured_collectives(cpu),
+            shared_cores(model, (x[:len(x) // ranks],), {}, [torch.optim.AdamW(model.parameters())]))
+
+
+def repredicted(plan, chosen_layout: dict, how: str, planned: tuple, probes: tuple, ranks: int) -> float:
+    """The step the cost model predicts for ``plan``'s cut in its layout from ``probes`` (taken
+    now) in place of the ``planned`` ones (before planning): the collectives' speeds and the
+    ranks' capacities as measured now, the profile's times scaled by how much slower one rank
+    alone ran the model (and stepped the optimizer) now than then."""
+    import dataclasses
+
+    from lightning_antichain.planner.contention import capacity_of_two
+    from lightning_antichain.planner.layout_cost import layout_cost, measured_links
+    from lightning_antichain.plans.layout import Layout
+    from lightning_antichain.plans.process_schedules import process_schedule
+
+    (_, then), (collectives, now) = planned, probes
+
+    def ratio(new, old) -> float:
+        return new / old if new and old else 1.0
+
+    speed, optimizer_speed = ratio(now.model_alone_s, then.model_alone_s), ratio(now.optimizer_alone_s,
+                                                                                  then.optimizer_alone_s)
+
+    def scaled(value):
+        return None if value is None else value * speed
+
+    stages = [dataclasses.replace(s, forward_s=s.forward_s * speed, backward_s=s.backward_s * speed,
+                                  backward_input_s=scaled(s.backward_input_s),
+                                  backward_weight_s=scaled(s.backward_weight_s)) for s in plan.stages]
+    cores = plan.cpu_cores or ranks
+    plan = dataclasses.replace(
+        plan, stages=stages, optimizer_step_s=plan.optimizer_step_s * optimizer_speed,
+        parallel_capacity=capacity_of_two(now.model, ranks, cores) if now.model else plan.parallel_capacity,
+        optimizer_slowdown=ranks / now.optimizer if now.optimizer else plan.optimizer_slowdown)
+    layout = Layout(chosen_layout["dp"], chosen_layout["pp"])
+    schedule = process_schedule(chosen_layout["schedule"], chosen_layout["virtual_stages"])
+    return layout_cost(plan, schedule, layout, measured_links(ranks, collectives), how,
+                       chosen_layout.get("regather") or "step").step_s
 
 
 def on_cpu(layout, schedule) -> list[torch.device]:
@@ -174,16 +229,17 @@ def main() -> None:
     print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, AdamW, the batch of 32 "
           f"split over the replicas; median of {args.repeats} interleaved steps\n")
     print("| model | replicas | layout | schedule | chunks | predicted ms | of it, replicas ms | measured ms "
-          "| of it, optimizer ms (predicted, measured) | measured / predicted | measured / best measured | auto "
+          "| of it, optimizer ms (predicted, measured) | measured / predicted | the same, probes each round "
+          "| measured / best measured | auto "
           "| link GB/s "
           "| a collective ms | ranks' capacity |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models.split(","):
         for how in args.replication.split(","):
             mine = [r for r in rows if r[0] == model_name and r[8] == how]
             best = min(r[6] for r in mine)
             for _, (link, capacity), layout, chunks, predicted, (reduction, planned_optimizer), measured, auto, _, \
-                    optimizer_s in sorted(
+                    optimizer_s, per_round in sorted(
                     mine, key=lambda r: r[2]["pp"]):
                 schedule = layout["schedule"] + (
                     f" (v={layout['virtual_stages']})" if layout["virtual_stages"] > 1 else "")
@@ -191,12 +247,16 @@ def main() -> None:
                 print(f"| {model_name} | {kept} | dp={layout['dp']} x pp={layout['pp']} | {schedule} | {chunks} "
                       f"| {1e3 * predicted:.1f} | {1e3 * reduction:.1f} | {1e3 * measured:.1f} "
                       f"| {1e3 * planned_optimizer:.1f}, {1e3 * optimizer_s:.1f} "
-                      f"| {measured / predicted:.2f} | {measured / best:.2f} | {'chosen' if auto else ''} "
+                      f"| {measured / predicted:.2f} | {per_round:.2f} | {measured / best:.2f} "
+                      f"| {'chosen' if auto else ''} "
                       f"| {_speeds(link, 'gbps', 1.0)} | {_speeds(link, 'latency_s', 1e3)} "
                       f"| {_capacity(capacity.model)}, {_capacity(capacity.optimizer)} |")
     print("\nLink GB/s and a collective's ms: all-reduce, all-gather, reduce-scatter, each fitted to back-to-back runs "
           "at two sizes; the ranks' capacity: the work all ranks get through at once in units of one alone, "
-          "running the model and stepping AdamW")
+          "running the model and stepping AdamW. \"The same, probes each round\": the median over the measured "
+          "rounds of each round's step over the prediction for the same cut from the probes taken right after "
+          "that round (the machine's speed then: the profile's times scaled by one rank's time alone now over "
+          "then), which tells the cost model's error from the machine's drift")
 
 
 def _capacity(value: float | None) -> str:

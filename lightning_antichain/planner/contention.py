@@ -20,6 +20,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,7 +70,22 @@ MIN_TIMED_S = 0.05
 """The shortest time the capacity probe times: a shorter step is run several times in a row."""
 
 
+@dataclass(frozen=True)
+class SharedTiming:
+    """What :func:`processes_timing` measured: the work the ranks get through at once in units of
+    one alone, and the seconds one ``step`` took rank 0 alone (the machine's speed at the time)."""
+
+    capacity: float
+    alone_s: float
+
+
 def processes_capacity(step: Callable[[], None], group: Any = None, repeats: int = 5) -> float | None:
+    """The ``capacity`` of :func:`processes_timing`."""
+    timing = processes_timing(step, group, repeats)
+    return None if timing is None else timing.capacity
+
+
+def processes_timing(step: Callable[[], None], group: Any = None, repeats: int = 5) -> SharedTiming | None:
     """Work done by every rank of ``group`` running ``step`` at once, in units of one rank alone
     (the number of ranks: no contention). Every rank calls it, with its own ``step``, and gets the
     same value: over ``repeats`` rounds, rank 0's quickest time alone against the slowest rank's
@@ -107,7 +123,8 @@ def processes_capacity(step: Callable[[], None], group: Any = None, repeats: int
         rounds.append((float(times[0]), float(times[1])))
     # a busy machine only ever slows a run: the quickest of each is the least disturbed
     alone, together = min(t[0] for t in rounds), min(t[1] for t in rounds)
-    return min(float(min(ranks, cpu_cores())), max(1.0, ranks * alone / together))
+    capacity = min(float(min(ranks, cpu_cores())), max(1.0, ranks * alone / together))
+    return SharedTiming(capacity, alone / times_each)
 
 
 def capacity_of_two(capacity: float, ranks: int, cores: int) -> float:

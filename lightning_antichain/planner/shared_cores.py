@@ -5,7 +5,7 @@ Stages as processes share the machine's cores and memory bandwidth, but neither 
 nor a copy of the weights, so what two threads of the planning process show
 (:func:`~lightning_antichain.planner.contention.parallel_capacity`) does not carry over. Where every
 rank is there to take part, as before the first step of a layout search, each runs the step alone
-and all at once (:func:`~lightning_antichain.planner.contention.processes_capacity`).
+and all at once (:func:`~lightning_antichain.planner.contention.processes_timing`).
 """
 
 from __future__ import annotations
@@ -19,23 +19,26 @@ from torch import nn
 
 from ..capture.signature import original_forward
 from . import calibration
-from .contention import copied_training_step, processes_capacity
+from .contention import copied_training_step, processes_timing
 from .optimizer_copies import optimizer_copies
 
 
 @dataclass(frozen=True)
 class SharedCores:
     """What the ranks, CPU processes on one machine, get through at once in units of one rank
-    alone (:func:`processes_capacity`): running the model's forward and backward, and stepping the
-    optimizer (memory-bound, it often shares the cores worse); ``None``: not measured."""
+    alone (:func:`processes_timing`): running the model's forward and backward, and stepping the
+    optimizer (memory-bound, it often shares the cores worse); ``None``: not measured. The
+    ``_alone_s`` fields: the seconds each took one rank alone, the machine's speed at the time."""
 
     model: float | None
     optimizer: float | None = None
+    model_alone_s: float | None = None
+    optimizer_alone_s: float | None = None
 
 
 def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Sequence[torch.optim.Optimizer],
                  group: Any = None) -> SharedCores | None:
-    """What the ranks of ``group`` get through at once (:func:`processes_capacity`), each running
+    """What the ranks of ``group`` get through at once (:func:`processes_timing`), each running
     ``module``'s forward and backward on its call ``args, kwargs`` (its share of a batch), and
     each stepping copies of ``optimizers`` on the gradients of that call's backward, as planning
     times the optimizer alone (:func:`~lightning_antichain.planner.planning.timed_optimizer_step_s`:
@@ -45,7 +48,7 @@ def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Seque
     Every rank calls it; the module, its buffers and the optimizers stay as they were."""
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         return None
-    model = processes_capacity(copied_training_step(module, args, kwargs), group)
+    model = processes_timing(copied_training_step(module, args, kwargs), group)
     with calibration.untouched(module):  # the copies step on real gradients: values set an optimizer's pace
         calibration.backward_from(original_forward(module)(*args, **kwargs))
         copies = [fresh for fresh, _ in optimizer_copies(list(optimizers))]
@@ -54,4 +57,6 @@ def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Seque
         for fresh in copies:
             fresh.step()
 
-    return SharedCores(model, processes_capacity(step_copies, group) if copies else None)
+    optimizer = processes_timing(step_copies, group) if copies else None
+    return SharedCores(None if model is None else model.capacity, None if optimizer is None else optimizer.capacity,
+                       None if model is None else model.alone_s, None if optimizer is None else optimizer.alone_s)
