@@ -310,7 +310,6 @@ def load_model_factory(path: str) -> Callable[..., Any]:
 
 
 def _plan(args: argparse.Namespace) -> int:
-
     from .planner.planning import plan_model
 
     if args.ranks is not None:

@@ -44,6 +44,7 @@ from ..plans.plan import Plan, Stage
 from ..plans.process_schedules import ProcessSchedule
 from ..plans.schedule import Schedule, Timed
 from ..processes.replication import Regather, Replication
+from .contention import capacity_of_two
 
 BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket: the last one is reduced after the backward that fills it ends."""
@@ -220,11 +221,12 @@ def _optimizer_ends(plan: Plan, schedule: ProcessSchedule, layout: Layout, repli
     if not any(shares_host(s.device) for s in plan.stages) or plan.measured_together:
         return [start + w for start, w in zip(starts, work)]
     ranks = layout.world_size
-    together = (ranks / plan.optimizer_slowdown if plan.optimizer_slowdown
-                else plan.capacity(layout.dp)[min(ranks, plan.num_stages * layout.dp) - 1])
-    sharing = min(ranks, plan.cpu_cores or ranks) - 1
-    extra = (together - 1.0) / sharing if sharing > 0 else 0.0
-    return shared_ends(starts, work, layout.dp, lambda n: 1.0 + extra * (min(n, sharing + 1) - 1),
+    curve = plan.capacity(layout.dp)
+    if plan.optimizer_slowdown:  # the optimizers' own sharing, as the model's is shaped
+        stepping = dataclasses.replace(plan, parallel_capacity=capacity_of_two(
+            ranks / plan.optimizer_slowdown, ranks, plan.cpu_cores or ranks))
+        curve = stepping.capacity(layout.dp)
+    return shared_ends(starts, work, layout.dp, lambda n: curve[min(n, len(curve)) - 1],
                        [(t.start, t.end) for t in timed])
 
 
