@@ -39,7 +39,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_antichain import AntichainPipelineStrategy
-from lightning_antichain.in_process.worker import WorkerPool, keep_freed_memory
+from lightning_antichain.cpu_allocator import keep_freed_memory
+from lightning_antichain.in_process.worker import WorkerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))

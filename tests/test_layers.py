@@ -18,9 +18,9 @@ LAYERS = ("device", "capture", "blocks", "execution", "planner", "runtimes", "st
 #: each folder's layer; the modules below are named alone: a runtime's folder holds the runtime whole,
 #: its execution (which the planner measures) below the planner, what runs a LightningModule's steps
 #: through it (which plans) above
-FOLDER_LAYERS = {"device": "device", "capture": "capture", "plans": "blocks", "batches": "blocks",
-                 "weights": "blocks", "measure": "blocks", "stages": "blocks", "in_process": "execution",
-                 "processes": "execution", "planner": "planner", "lightning": "runtimes"}
+FOLDER_LAYERS = {"device": "device", "cpu_allocator": "device", "capture": "capture", "plans": "blocks",
+                 "batches": "blocks", "weights": "blocks", "measure": "blocks", "stages": "blocks",
+                 "in_process": "execution", "processes": "execution", "planner": "planner", "lightning": "runtimes"}
 MODULE_LAYERS = {"in_process.in_process_runtime": "runtimes", "in_process.planned_pipeline": "runtimes",
                  "processes.process_runtime": "runtimes", "processes.rank_holdings": "runtimes",
                  "lightning.strategy": "strategy"}

@@ -110,7 +110,7 @@ def test_freed_cpu_memory_is_kept_for_reuse_by_worker_threads():
     script = textwrap.dedent("""
         import resource, sys, threading
         import torch
-        from lightning_antichain.in_process.worker import keep_freed_memory
+        from lightning_antichain.cpu_allocator import keep_freed_memory
         if sys.argv[1] == "kept":
             assert keep_freed_memory()
         def steps():

@@ -99,6 +99,9 @@ def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain
     assert calibration[0]["measured_step_s"] > 0 and ranks[0]["plan"]["predicted_step_s"] > 0
     if "--compile" in extra:
         assert all(r["compiled_graphs"] > 0 for r in ranks)
+    # every stage process keeps freed memory, as stages in one process and planning's profile do
+    refaults = [r["refaults"] for r in ranks]
+    assert all(r * 5 < plain["refaults"] for r in refaults), (plain["refaults"], refaults)
     if "--predict" in extra:
         expected = f64(plain["predictions"])
         for rank in range(devices):

@@ -40,6 +40,7 @@ from ..capture.assignments import assign
 from ..capture.carried import carried
 from ..capture.isolation import own_forward, side_effects_undone, training_flags_set
 from ..capture.pytrees import flatten, iter_tensors, unflatten
+from ..cpu_allocator import keep_freed_memory
 from ..device import shares_host
 from ..measure.cpu_threads import stage_threads
 from ..measure.saved_tensors import HeldMemory, state_storages
@@ -54,7 +55,7 @@ from .autograd_bridge import PipelineBackward, PipelineFunction
 from .call_layout import CallLayout, call_key
 from .captures import Captures, Runnable
 from .engine import PassState, StepRecord, run_forward
-from .worker import WorkerPool, keep_freed_memory
+from .worker import WorkerPool
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Pipeline(nn.Module):
     from the whole batch instead of once per micro-batch (normalisation itself always uses
     micro-batch statistics).
     ``share_cpu_allocator`` makes glibc's malloc keep freed memory for reuse, in one arena for
-    all threads, when a stage runs on CPU (see :func:`lightning_antichain.in_process.worker.keep_freed_memory`
+    all threads, when a stage runs on CPU (see :func:`lightning_antichain.cpu_allocator.keep_freed_memory`
     for why). ``batch_dim`` is the dim of the inputs that holds the samples, as DataParallel's
     ``dim`` (1 for a sequence-first ``nn.GRU``), or a dict by ``forward``'s argument names for inputs
     that differ (others: 0). Each output is joined on the dim that follows the micro-batch sizes

@@ -5,21 +5,13 @@ fresh threads start on cold allocator memory), so a pipeline keeps its workers b
 They are started on first use and stopped by :meth:`WorkerPool.shutdown`, which the pipeline calls
 when it is closed or collected and after any failed pass, so an error never leaves a thread behind.
 
-On Linux with glibc, freed memory goes back to the system: each thread that allocates gets its own
-malloc arena, blocks over a threshold are mapped and unmapped one by one, and the top of the heap
-is trimmed. Every training step then faults its activation memory in again: 12k-25k page faults
-and 30-50 ms of system time per CNN step here, and stage times that change by 2x between runs of
-one split as the thresholds move. :func:`keep_freed_memory` makes the process keep what it freed
-for reuse, as PyTorch's own caching allocators do on GPUs; pipelines on CPU call it unless told not to.
+On CPU, the pipeline has malloc keep freed memory for the threads to reuse
+(:func:`~lightning_antichain.cpu_allocator.keep_freed_memory`).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
 import queue
-import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -28,34 +20,6 @@ from typing import Any
 import torch
 
 _STOP = object()
-# from glibc's malloc.h: the setting, the environment variable that wins over it, and our value
-_MALLOC_SETTINGS = (
-    (-8, "MALLOC_ARENA_MAX", 1),  # M_ARENA_MAX: worker threads allocate from the main arena
-    (-3, "MALLOC_MMAP_THRESHOLD_", 32 << 20),  # M_MMAP_THRESHOLD: blocks up to 32 MiB (glibc's most) reused
-    (-1, "MALLOC_TRIM_THRESHOLD_", (1 << 31) - 1),  # M_TRIM_THRESHOLD: the heap is never trimmed
-)
-_kept: bool | None = None
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc's malloc keep freed memory for reuse (one arena, no mapping per block of up to
-    32 MiB, no trimming), as ``MALLOC_ARENA_MAX=1 MALLOC_MMAP_THRESHOLD_=33554432
-    MALLOC_TRIM_THRESHOLD_=2147483647`` would; ``True`` if it took effect. The process then holds on
-    to its peak heap. A no-op off Linux or with another C library; a setting already made in the
-    environment wins."""
-    global _kept
-    if _kept is not None:
-        return _kept
-    _kept = False
-    if not sys.platform.startswith("linux"):
-        return _kept
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        _kept = all(bool(libc.mallopt(option, value)) for option, variable, value in _MALLOC_SETTINGS
-                    if variable not in os.environ)
-    except (OSError, AttributeError):
-        _kept = False
-    return _kept
 
 
 class WorkerPool:

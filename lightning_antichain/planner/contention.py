@@ -29,7 +29,8 @@ from torch import nn
 from torch.func import functional_call
 
 from ..capture.pytrees import iter_tensors
-from ..in_process.worker import WorkerPool, keep_freed_memory
+from ..cpu_allocator import keep_freed_memory
+from ..in_process.worker import WorkerPool
 from ..measure.cpu_threads import cpu_cores
 from ..plans.schedule import Task, Timed
 

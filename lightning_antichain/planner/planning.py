@@ -26,9 +26,9 @@ from ..capture import OpGraph, UntraceableModelError, capture_call, children_ins
 from ..capture.devices import on_module_device
 from ..capture.isolation import keeps_random_state, planned_in_training
 from ..capture.signature import original_forward
+from ..cpu_allocator import keep_freed_memory
 from ..device import is_accelerator, same_device
 from ..device import memory_gb as device_memory_gb
-from ..in_process.worker import keep_freed_memory
 from ..measure.cpu_threads import intra_op_threads, stage_threads
 from ..plans.options import PipelineOptions
 from ..plans.plan import Plan
@@ -100,7 +100,7 @@ def _in_training(fn: Callable[..., Planned]) -> Callable[..., Planned]:
 def _as_cpu_stages_run(fn: Callable[..., Planned]) -> Callable[..., Planned]:
     """``fn`` profiling and calibrating as the CPU stages among its devices will run: with their
     intra-op thread count (:mod:`~lightning_antichain.measure.cpu_threads`) and malloc keeping
-    freed memory (:func:`~lightning_antichain.in_process.worker.keep_freed_memory`)."""
+    freed memory (:func:`~lightning_antichain.cpu_allocator.keep_freed_memory`)."""
 
     @functools.wraps(fn)
     def planned(module: nn.Module | None, args: tuple, kwargs: dict, devices: Sequence[str | torch.device],

@@ -38,7 +38,8 @@ from ..batches.batch_dims import first_micro_batch
 from ..batches.model_loss import counted_items
 from ..capture.isolation import keeps_random_state, planned_in_training
 from ..capture.pytrees import flatten, map_tensors
-from ..device import is_accelerator
+from ..cpu_allocator import keep_freed_memory
+from ..device import is_accelerator, shares_host
 from ..lightning.forward_patch import ForwardPatch
 from ..lightning.runtime import GivenOptions, Host, Runtime, rank_zeros_plan
 from ..measure.link_speed import CollectiveSpeed, Kind, measured_collectives
@@ -183,6 +184,8 @@ class ProcessRuntime(RankHoldings, Runtime):
                 f"{stages / schedule.virtual_stages:g} processes (devices=), or plan for {ranks}")
 
     def environment_ready(self) -> None:
+        if self.options.share_cpu_allocator and shares_host(self.strategy.root_device):
+            keep_freed_memory()  # as stages in one process and planning's profile do
         if self.layout_search is None:
             self.use_layout(self.layout)  # configure_model() may shard or parallelise within a stage
 
