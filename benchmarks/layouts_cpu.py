@@ -38,10 +38,12 @@ from report import machine  # noqa: E402
 
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
+    from lightning_antichain.cpu_allocator import keep_freed_memory
     from lightning_antichain.planner.layout_search import layout_search
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the strategy's CPU ranks do
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     cpu = torch.device("cpu")
     try:

@@ -55,6 +55,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from lightning_antichain.cpu_allocator import keep_freed_memory
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine  # noqa: E402
 
@@ -147,6 +149,8 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     device = rank_device(rank, args.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # as the strategy's CPU ranks do
     own_gpus = device.type != "cpu" and ranks <= torch.cuda.device_count()
     with use_device(device):
         dist.init_process_group("nccl" if own_gpus else "gloo", rank=rank, world_size=ranks)
@@ -336,6 +340,7 @@ def runtime_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, res
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
                       WORLD_SIZE=str(ranks), RANK=str(rank))
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the strategy's CPU ranks do
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
         model, x, y = build("gpt", torch.device("cpu"))
@@ -424,6 +429,7 @@ def split_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, resul
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the strategy's CPU ranks do
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
         torch.manual_seed(0)
