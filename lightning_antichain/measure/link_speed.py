@@ -26,8 +26,11 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-PROBE_BYTES = 8 * 2**20
-"""The large probe: big enough that bytes, not the latency, set its time."""
+PROBE_BYTES = 25 * 2**20
+"""The large probe: DDP's default bucket, the size replicas reduce gradients at, where bytes, not
+the latency, set the time. At 8 MiB the line through the two probes swung 2x from call to call
+with the small probe's scheduling noise (a 100 MB all-reduce predicted at 99-218 ms where it took
+155-190 ms between 4 processes on 2 cores); at 25 MiB, 138-206."""
 SMALL_BYTES = 64 * 2**10
 """The small probe: a collective's fixed cost, at the size of a small block's gather."""
 
@@ -63,7 +66,8 @@ def measured_collectives(device: torch.device, group: Any = None, repeats: int =
     ranks = dist.get_world_size(group)
     speeds = {}
     for kind in KINDS:
-        small, large = (_back_to_back_s(kind, nbytes, device, group, repeats) for nbytes in (SMALL_BYTES, PROBE_BYTES))
+        small, large = (_back_to_back_s(kind, nbytes, device, group, count)
+                        for nbytes, count in ((SMALL_BYTES, repeats), (PROBE_BYTES, max(1, repeats // 2))))
         sent_small, sent_large = (ring_sent_bytes(kind, n, ranks) for n in (SMALL_BYTES, PROBE_BYTES))
         if large > small:
             gbps = (sent_large - sent_small) / (large - small) / 1e9
