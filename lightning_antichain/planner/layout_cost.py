@@ -9,10 +9,10 @@ between nodes; and the ranks that hold a stage keep their copies in step.
 DDP reduces the gradients during the last micro-batch's backward, bucket by bucket, so a rank's
 reduction delays its end of the step only by what that backward does not hide, and at least by
 its last bucket. On a CPU the reduction hides nothing: the step then lasts at least all ranks'
-work (their tasks, and the bytes their collectives copy through the host) over what the cores get
-through at once (measured among the ranks where they are there to ask:
-:func:`~lightning_antichain.planner.contention.processes_capacity`), then the collectives'
-latencies, which are waiting, not work (:mod:`~lightning_antichain.measure.link_speed`).
+tasks over what the cores get through at once (measured among the ranks where they are there to
+ask: :func:`~lightning_antichain.planner.contention.processes_capacity`), then the collectives'
+copying, timed with every rank in one at once, and their latencies, which are waiting, not work
+(:mod:`~lightning_antichain.measure.link_speed`).
 A value sent to the next rank costs its bytes and, between processes, a latency.
 
 FSDP2 keeps ``1/dp`` of each parameter, gradient and optimizer state per rank and shards each
@@ -185,12 +185,13 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed)
     end, added = max(finish), max(stepped) - max(finish)
     if any(shares_host(s.device) for s in linked.stages) and not linked.measured_together:
-        # all ranks' work (their tasks, and the bytes their collectives copy) over what the cores
-        # get through at once; then the collectives' waiting, which takes no core
+        # all ranks' tasks over what the cores get through at once; then the bytes their
+        # collectives copy, timed with every rank in a collective at once (a pipeline's ranks in
+        # turn: their mean), and the collectives' waiting, which takes no core
         ranks = layout.world_size
         capacity = linked.capacity(dp)[min(ranks, linked.num_stages * dp) - 1]
-        moved = sum(reductions) - sum(waits)
-        end = max(end, dp * (_work_s(linked, table) + moved) / capacity + max(waits, default=0.0))
+        moved = (sum(reductions) - sum(waits)) / pp
+        end = max(end, dp * _work_s(linked, table) / capacity + moved + max(waits, default=0.0))
     step = end + added + linked.step_overhead_s
     reduction = end - max(ends)
     rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication, regather) for s in schedule.stages_of(p, pp))
