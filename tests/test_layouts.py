@@ -305,7 +305,9 @@ def test_a_pipelines_ranks_step_their_optimizers_as_their_backwards_end_and_shar
     assert at_once.optimizer_s == pytest.approx(2 * 0.2)
     assert 0.1 <= staggered.optimizer_s <= 2 * 0.1  # a rank's own step: never slower than all at once
     unstepped = layout_cost(dataclasses.replace(plan, optimizer_step_s=0.0), ONE_F_ONE_B, Layout(1, 2), links)
-    assert unstepped.step_s + 0.1 <= staggered.step_s < unstepped.step_s + 2 * 0.1
+    # one core's worth: the last stage's rank, done first, steps on the core the first still runs
+    # its backwards on, slowing them; the step is all the work, the pipeline's and both steps
+    assert staggered.step_s == pytest.approx(unstepped.step_s + 0.2)
     on_gpus = layout_cost(dataclasses.replace(two_stage_plan(chunks=4, cut_bytes=0), optimizer_step_s=0.2),
                           ONE_F_ONE_B, Layout(1, 2), links)
     assert on_gpus.optimizer_s == pytest.approx(0.1)

@@ -120,6 +120,21 @@ def test_cpu_stages_running_at_once_share_the_capacity_and_other_stages_do_not()
     assert step_time(gpipe(2, 2), [1.0, 1.0], [0.0, 0.0]) == pytest.approx(3.0)
 
 
+def test_other_work_on_the_shared_cores_slows_the_cpu_stages_only_while_it_runs():
+    durations = schedule.stage_durations([1.0, 1.0], [0.0, 0.0])
+    alone = {t.task: t.end for t in timeline(gpipe(2, 1), durations, capacity=[1.0, 1.0], shared=[True, True])}
+    assert alone[Task("forward", 0, 0)] == pytest.approx(1.0)
+    # one core: a rank's optimizer step from 0.5 to 1.0 halves the first forward's pace meanwhile
+    busy = {t.task: t.end for t in timeline(gpipe(2, 1), durations, capacity=[1.0, 1.0], shared=[True, True],
+                                            others=[(0.5, 1.0)])}
+    assert busy[Task("forward", 0, 0)] == pytest.approx(1.25)
+    assert busy[Task("backward", 0, 0)] - busy[Task("forward", 0, 0)] == pytest.approx(alone[Task(
+        "backward", 0, 0)] - alone[Task("forward", 0, 0)])  # nothing else runs after it ends
+    apart = {t.task: t.end for t in timeline(gpipe(2, 1), durations, capacity=[1.0, 1.0], shared=[False, False],
+                                             others=[(0.5, 1.0)])}
+    assert apart[Task("forward", 0, 0)] == pytest.approx(1.0)  # an accelerator's stages do not share the cores
+
+
 def test_each_cpu_stage_beyond_the_first_adds_the_profiled_gain_while_there_are_cores():
     cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
     plan = la.partition(cost, 4, chunks=2)

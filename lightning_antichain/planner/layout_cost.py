@@ -155,36 +155,49 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     if gathers is not None:
         linked = gathers.in_tasks()
     table = schedule.table(pp, plan.chunks)
-    timed = linked.timeline(table, replicas=dp)
     holder = {s: schedule.rank_of(s, pp) for s in range(plan.num_stages)}
-    ends = [0.0] * pp
-    last_backward = [0.0] * pp  # the last micro-batch's backward, which DDP's reduction hides behind
-    for t in timed:
-        rank = holder[t.task.stage]
-        ends[rank] = max(ends[rank], t.end)
-        if t.task.phase != "forward" and t.task.micro_batch == plan.chunks - 1:
-            last_backward[rank] += t.end - t.start
-    finish, reductions, waits = [], [], []  # the replicas' collectives per rank; of them, what is waiting
-    for position in range(pp):
-        stages = [linked.stages[s] for s in schedule.stages_of(position, pp)]
-        hidden = 0.0 if any(shares_host(s.device) for s in stages) else last_backward[position]
-        grads = sum(s.param_bytes - s.frozen_bytes for s in stages)
-        gbps = links.slowest([layout.rank(d, position) for d in range(dp)])
-        if gathers is not None:  # FSDP2: what its tasks do not already carry
-            exposed, waiting = gathers.at_step_ends(position)
-            reductions.append(exposed)
-            waits.append(waiting)
-            finish.append(ends[position] + exposed)
-            continue
-        buckets = math.ceil(grads / BUCKET_BYTES) if dp > 1 and gbps is not None else 0
-        whole = ring_all_reduce_s(grads, dp, gbps) + buckets * links.latency_s  # DDP: a collective a bucket
-        tail = ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps, links.latency_s)
-        reductions.append(whole if dp > 1 else 0.0)
-        waits.append(buckets * links.latency_s if dp > 1 else 0.0)
-        finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
+
+    def ends_of(timed: Sequence[Timed]) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Each rank's last task's end and its step's end before the optimizer (with the replicas'
+        collectives), and those collectives' seconds and waiting."""
+        ends = [0.0] * pp
+        last_backward = [0.0] * pp  # the last micro-batch's backward, which DDP's reduction hides behind
+        for t in timed:
+            rank = holder[t.task.stage]
+            ends[rank] = max(ends[rank], t.end)
+            if t.task.phase != "forward" and t.task.micro_batch == plan.chunks - 1:
+                last_backward[rank] += t.end - t.start
+        finish, reductions, waits = [], [], []  # the replicas' collectives per rank; of them, what is waiting
+        for position in range(pp):
+            stages = [linked.stages[s] for s in schedule.stages_of(position, pp)]
+            hidden = 0.0 if any(shares_host(s.device) for s in stages) else last_backward[position]
+            grads = sum(s.param_bytes - s.frozen_bytes for s in stages)
+            gbps = links.slowest([layout.rank(d, position) for d in range(dp)])
+            if gathers is not None:  # FSDP2: what its tasks do not already carry
+                exposed, waiting = gathers.at_step_ends(position)
+                reductions.append(exposed)
+                waits.append(waiting)
+                finish.append(ends[position] + exposed)
+                continue
+            buckets = math.ceil(grads / BUCKET_BYTES) if dp > 1 and gbps is not None else 0
+            whole = ring_all_reduce_s(grads, dp, gbps) + buckets * links.latency_s  # DDP: a collective a bucket
+            tail = ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps, links.latency_s)
+            reductions.append(whole if dp > 1 else 0.0)
+            waits.append(buckets * links.latency_s if dp > 1 else 0.0)
+            finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
+        return ends, finish, reductions, waits
+
+    timed = linked.timeline(table, replicas=dp)
+    ends, finish, reductions, waits = ends_of(timed)
     stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed)
+    shared = any(shares_host(s.device) for s in linked.stages) and not linked.measured_together
+    tails = [(e, t) for e, t in zip(ends, stepped) if t > e and e < max(ends)]
+    if shared and tails:  # the ranks done first reduce and step on the cores the others still compute on
+        timed = linked.timeline(table, replicas=dp, others=tails)
+        ends, finish, reductions, waits = ends_of(timed)
+        stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed)
     end, added = max(finish), max(stepped) - max(finish)
-    if any(shares_host(s.device) for s in linked.stages) and not linked.measured_together:
+    if shared:
         # all ranks' tasks over what the cores get through at once; then the bytes their
         # collectives copy, timed with every rank in a collective at once (a pipeline's ranks in
         # turn: their mean), and the collectives' waiting, which takes no core

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -241,14 +242,16 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
-    def timeline(self, schedule: Schedule | None = None, replicas: int = 1) -> list[Timed]:
+    def timeline(self, schedule: Schedule | None = None, replicas: int = 1,
+                 others: Sequence[tuple[float, float]] = ()) -> list[Timed]:
         """The predicted start and end of every task of one step (:func:`schedule.timeline`), each
         stage's transfer split evenly between its forward and its backward, and the backward of a
         micro-batch that ``recompute`` recomputes charged its forward again. ``schedule``: the
         tasks as run (torch's table for a rank's virtual stages,
         :meth:`~lightning_antichain.plans.process_schedules.ProcessSchedule.table`); default,
         the plan's own schedule over one worker per stage. ``replicas``: pipelines running the
-        same step at once, whose CPU stages share the machine with these."""
+        same step at once, whose CPU stages share the machine with these; ``others``: spans of
+        other work sharing it meanwhile (a rank's reduction and optimizer step)."""
         recomputed = recomputed_micro_batches(self.recompute, self.chunks)
 
         def duration(task: Task) -> float:
@@ -267,6 +270,7 @@ class Plan:
             shared=[shares_host(self.stages[tasks[0].stage].device) and not self.measured_together if tasks else False
                     for tasks in schedule.order],
             copies=replicas,
+            others=others,
         )
 
     def task_seconds(self, stage: Stage, phase: Phase) -> float:

@@ -148,6 +148,7 @@ def timeline(
     capacity: Sequence[float] = (1.0,),
     shared: Sequence[bool] | None = None,
     copies: int = 1,
+    others: Sequence[tuple[float, float]] = (),
 ) -> list[Timed]:
     """When each task runs, if each takes ``duration(task)`` seconds when it runs alone.
 
@@ -162,7 +163,8 @@ def timeline(
     through ``capacity[n - 1]`` times the work of one alone (the last entry holds for more), each
     at an equal share. Other stages run at full speed whatever else runs. ``copies``: each worker
     stands for that many running the same tasks in step (pipeline replicas), which share the
-    machine too.
+    machine too. ``others``: spans of other work on the shared cores (a rank's gradient reduction
+    and optimizer step after its last task), each as busy as a shared stage (``copies`` of each).
     """
     shared = [False] * schedule.workers if shared is None else list(shared)
     waits_for = prerequisites(schedule)
@@ -181,10 +183,12 @@ def timeline(
         if not running:
             waiting = [tasks[position[k]] for k, tasks in enumerate(schedule.order) if position[k] < len(tasks)]
             raise ValueError(f"schedule {schedule.name!r} deadlocks: every stage waits ({waiting})")
-        together = copies * sum(1 for k in running if shared[k])
+        own = sum(1 for k in running if shared[k])
+        together = copies * (own + sum(1 for start, stop in others if start <= now < stop)) if own else 0
         share = capacity[min(together, len(capacity)) - 1] / together if together else 1.0
         rate = {k: share if shared[k] else 1.0 for k in running}
         step = min(left / rate[k] for k, (_, _, left) in running.items())
+        step = min([step, *(t - now for span in others for t in span if t > now)])
         now += step
         for k, (task, start, left) in list(running.items()):
             left -= step * rate[k]
