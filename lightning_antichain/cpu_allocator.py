@@ -44,3 +44,8 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         _kept = False
     return _kept
+
+
+def freed_memory_kept() -> bool:
+    """Whether this process has malloc keep freed memory (:func:`keep_freed_memory` took effect)."""
+    return bool(_kept)

@@ -100,8 +100,8 @@ def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain
     if "--compile" in extra:
         assert all(r["compiled_graphs"] > 0 for r in ranks)
     # every stage process keeps freed memory, as stages in one process and planning's profile do
-    refaults = [r["refaults"] for r in ranks]
-    assert all(r * 5 < plain["refaults"] for r in refaults), (plain["refaults"], refaults)
+    # (that it then reuses freed blocks: tests/test_op_clock.py); plain Lightning leaves malloc alone
+    assert all(r["memory_kept"] for r in ranks) and not plain["memory_kept"]
     if "--predict" in extra:
         expected = f64(plain["predictions"])
         for rank in range(devices):

@@ -15,8 +15,6 @@ training changed in this process, and every parameter's final value.
 import argparse
 import json
 import os
-import resource
-import threading
 from pathlib import Path
 
 import lightning as L
@@ -28,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_antichain as la
+from lightning_antichain.cpu_allocator import freed_memory_kept
 
 
 class Fault(torch.autograd.Function):
@@ -224,25 +223,8 @@ class Record(L.Callback):
             "plan": trainer.strategy.plan.to_dict() if getattr(trainer.strategy, "plan", None) else None,
             "mesh": getattr(module, "mesh_seen", None),
             "compiled_graphs": counters["stats"]["unique_graphs"],  # by torch.compile, with --compile
-            "refaults": refaults(),
+            "memory_kept": freed_memory_kept(),  # malloc keeps freed memory, as CPU stages have it do
         }))
-
-
-def refaults() -> int:
-    """Page faults of a thread allocating and freeing blocks of 1-16 MiB again, after two rounds of
-    the same: near none where malloc keeps freed memory (as CPU stages have it do), thousands where
-    it hands it back."""
-    def blocks() -> None:
-        for i in range(30):
-            held = [torch.ones(1 << 18 + (i + k) % 5) for k in range(8)]
-            del held
-
-    for _ in range(3):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        worker = threading.Thread(target=blocks)
-        worker.start()
-        worker.join()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
 def main() -> None:
