@@ -188,7 +188,8 @@ def timeline(
         share = capacity[min(together, len(capacity)) - 1] / together if together else 1.0
         rate = {k: share if shared[k] else 1.0 for k in running}
         step = min(left / rate[k] for k, (_, _, left) in running.items())
-        step = min([step, *(t - now for span in others for t in span if t > now)])
+        if others:
+            step = min([step, *(t - now for span in others for t in span if t > now)])
         now += step
         for k, (task, start, left) in list(running.items()):
             left -= step * rate[k]
