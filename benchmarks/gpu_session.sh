@@ -6,9 +6,10 @@
 #
 #   bash benchmarks/gpu_session.sh                  # on the GPU machine (device: cuda:0)
 #   DEVICE=cpu bash benchmarks/gpu_session.sh       # a dry run here, small inputs, tests on the CPU
-#   STEPS="compiled lock" bash benchmarks/gpu_session.sh   # a second call: the steps the first leaves out
+#   STEPS="compiled processes lock" bash benchmarks/gpu_session.sh   # a second call: the steps the first leaves out
 set -u
 export PYTHONUNBUFFERED=1  # a step stopped at its limit keeps every row it printed
+export PYTHONFAULTHANDLER=1  # ... and, stopped by SIGABRT, prints where each thread was
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-session}
 device=${DEVICE:-cuda:0}
@@ -24,7 +25,7 @@ step() {  # step NAME SECONDS COMMAND...: run it bounded (if STEPS names it), ke
     shift 2
     [[ "$steps" == *" $name "* ]] || return 0
     local started=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+    timeout -s ABRT "$limit" "$@" >"$out/$name.txt" 2>&1
     echo "$name: exit $? after $((SECONDS - started)) s (limit $limit s)" | tee -a "$out/summary.txt"
 }
 
@@ -36,6 +37,7 @@ step gpu-breakdown 55 python benchmarks/gpu_breakdown.py --device "$device" "${s
 step large-model 40 python benchmarks/large_model.py --device "$device" --part both --no-write
 step compiled 300 python benchmarks/gpu.py --device "$device" "${small[@]}" --repeats 5 --no-write --parts compiled \
     --chunk-counts 1,4
+step processes 150 python benchmarks/processes_cpu.py --device "${device%%:*}" --ranks 1 --chunks 4 --repeats 3
 step lock 120 python benchmarks/gpu_breakdown.py --device "$device" "${small[@]}" --parts lock --repeats 5 \
     --out "$out/breakdown"
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true

@@ -19,7 +19,9 @@ streams use each tensor (``record_stream``) so no memory is reused while a copy 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import platform
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -83,6 +85,37 @@ def replays_graphs(device: Device, compile_arguments: dict[str, Any] | None) -> 
     options = arguments.get("options") or {}
     return as_device(device).type == "cuda" and (arguments.get("mode") in ("reduce-overhead", "max-autotune")
                                                  or bool(options.get("triton.cudagraphs")))
+
+
+#: objects torch keeps in a thread's state for the threads that thread starts: the autograd
+#: engine's threads inherit them, a worker thread of ours must be handed them. CUDA-graph trees
+#: keep their one tree per device there, which a stage's forward and its backward must share.
+_INHERITED_OBJECTS = ("tree_manager_containers", "tree_manager_locks")
+
+_GRAPH_LOCKS: dict[str, threading.RLock] = {}
+
+
+def thread_objects(graphs: bool) -> dict[str, Any]:
+    """The calling thread's objects of torch's thread state that a thread working for it must
+    share (:func:`adopt_thread_objects`). With ``graphs`` (a stage replays CUDA graphs), the
+    CUDA-graph trees are set up first on this thread, so that the autograd threads its backward
+    starts get the same trees as the worker threads that ran its forward."""
+    if graphs:
+        importlib.import_module("torch._inductor.cudagraph_trees")  # puts the trees in the importing thread's state
+    return {key: torch._C._get_obj_in_tls(key) for key in _INHERITED_OBJECTS if torch._C._is_key_in_tls(key)}
+
+
+def adopt_thread_objects(objects: dict[str, Any]) -> None:
+    """Share another thread's objects of torch's thread state (from :func:`thread_objects`)."""
+    for key, value in objects.items():
+        torch._C._stash_obj_in_tls(key, value)
+
+
+def replaying_graphs(device: Device) -> threading.RLock:
+    """Held while a stage records or replays CUDA graphs on ``device``, forward or backward: the
+    CUDA-graph trees keep one tree per device, which two threads must not grow or replay at once."""
+    key = str(as_device(device))
+    return _GRAPH_LOCKS.setdefault(key, threading.RLock())
 
 
 def is_meta(device: Device) -> bool:
@@ -342,6 +375,26 @@ def rng_forked(example: Any = None) -> Iterator[None]:
                           if isinstance(t, torch.Tensor) and is_accelerator(t.device)})
     with torch.random.fork_rng(devices=indices):
         yield
+
+
+# Numerics
+
+
+@contextlib.contextmanager
+def full_precision_float32() -> Iterator[None]:
+    """float32 matmuls and convolutions in full float32 while it lasts, none in TF32 (the default of
+    cuDNN's convolutions) or bfloat16: two batch sizes may run a layer by two algorithms, whose
+    results differ by the reduced precision's rounding, compounded over the layers."""
+    settings = [torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn,
+                torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv]
+    saved = [(setting, setting.fp32_precision) for setting in settings if hasattr(setting, "fp32_precision")]
+    try:
+        for setting, _ in saved:
+            setting.fp32_precision = "ieee"
+        yield
+    finally:
+        for setting, precision in saved:
+            setting.fp32_precision = precision
 
 
 # Autocast

@@ -483,3 +483,31 @@ def test_a_weight_tied_across_devices_is_read_through_a_leaf_on_each_and_trains_
                     for p in net.parameters():
                         p -= 0.1 * p.grad
         assert len(pipe.tied) == 1 and model.head.weight is model.embed.weight
+
+
+class MixesTheBatch(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x - x.mean(0))
+
+
+def test_a_float32_resnet_under_tf32_is_per_sample_and_one_mixing_the_batch_is_not(gpu_device):
+    """cuDNN runs float32 convolutions in TF32 by default, by an algorithm picked per batch size:
+    the check refused a float32 ResNet-50 (off by 0.0146 between the whole batch and its halves on
+    an H200) until it ran in full precision. It must still refuse a model that mixes the batch."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(num_classes=10).to(gpu_device)
+    x = torch.randn(8, 3, 64, 64, device=gpu_device)
+    before = torch.backends.cudnn.conv.fp32_precision
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    try:
+        la.check_micro_batchable(model, (x,), {}, 0)
+        with pytest.raises(la.BatchDependenceError, match="MixesTheBatch"):
+            la.check_micro_batchable(MixesTheBatch(model), (x,), {}, 0)
+    finally:
+        torch.backends.cudnn.conv.fp32_precision = before

@@ -261,6 +261,32 @@ def test_the_check_leaves_every_submodule_in_its_own_mode():
     assert model.training and model[0].training and not model[1].training
 
 
+class NotesPrecision(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+        self.seen: list[tuple[str, str]] = []
+
+    def forward(self, x):
+        self.seen.append((torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision))
+        return self.linear(x)
+
+
+def test_the_check_runs_float32_in_full_precision_and_gives_the_settings_back():
+    """cuDNN runs float32 convolutions in TF32 by default, by an algorithm picked per batch size: the
+    whole batch and its halves differ by TF32's rounding compounded over the layers, which the check
+    would take for a sample depending on the batch (ResNet-50 on a GPU)."""
+    model = NotesPrecision()
+    before = torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cudnn.conv.fp32_precision = torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        la.check_micro_batchable(model, (torch.randn(8, 4),), {}, 0)
+        after = torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+    finally:
+        torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision = before
+    assert model.seen == [("ieee", "ieee")] * 4 and after == ("tf32", "tf32")
+
+
 class KeepsHidden(nn.Module):
     """Sequence-first, and keeps its last output as an attribute, [time, batch, features]."""
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..capture.isolation import attributes_restored, own_forward, side_effects_undone
 from ..capture.signature import original_forward
+from ..device import full_precision_float32
 from . import microbatch
 from .batch_dims import BatchDim, batch_size_of, call_dims
 from .output_join import interleaved_rows_message
@@ -97,7 +98,9 @@ def check_per_sample(module: nn.Module, call: Any, dims: Any, run: Callable[[Any
     its two halves (on ``call`` twice over, for a single sample): each sample's output must not
     change. Eval mode keeps dropout and BatchNorm's batch statistics out, which micro-batching
     changes by design; an output that differs between two runs on the same batch (random numbers
-    drawn in eval mode too) is not compared. Buffer updates, random draws and attributes assigned in forward are undone.
+    drawn in eval mode too) is not compared. float32 runs in full precision (no TF32) and the
+    tolerance grows with the output dtype's rounding: two batch sizes may run a layer by two
+    algorithms. Buffer updates, random draws and attributes assigned in forward are undone.
     Models whose batch dependence is intended (a mixture of experts with a capacity per batch) turn
     the check off with ``check_batch=False``.
     """
@@ -112,7 +115,7 @@ def check_per_sample(module: nn.Module, call: Any, dims: Any, run: Callable[[Any
     modes = {m: m.training for m in module.modules()}  # submodules may differ (a frozen BatchNorm)
     try:
         module.train(False)
-        with attributes_restored(module), side_effects_undone(module), torch.no_grad():
+        with attributes_restored(module), side_effects_undone(module), torch.no_grad(), full_precision_float32():
             whole = run(call)
             halves = [run(part) for part in parts]
             again = run(call)  # random numbers drawn in eval mode too (noise) make an output differ
@@ -134,11 +137,12 @@ def check_per_sample(module: nn.Module, call: Any, dims: Any, run: Callable[[Any
             continue
         scale = whole_leaf.abs().max().item() if whole_leaf.numel() else 0.0
         error = (joined - whole_leaf).abs().max().item()
-        if error > 1e-3 * max(scale, 1e-6) and _rows_by_row_then_sample(first, second, whole_leaf, size, scale):
+        tolerance = max(1e-3, 16 * torch.finfo(whole_leaf.dtype).eps) * max(scale, 1e-6)
+        if error > tolerance and _rows_by_row_then_sample(first, second, whole_leaf, size, scale):
             raise microbatch.MicroBatchError(interleaved_rows_message(
                 tuple(whole_leaf.shape), whole_leaf.shape[0] // size,
                 "the whole batch's rows are the halves' rows interleaved row by row"))
-        if error > 1e-3 * max(scale, 1e-6):
+        if error > tolerance:
             raise BatchDependenceError(
                 f"{type(module).__name__}.forward gives a sample another output when the batch around it changes "
                 f"(off by {error:.3g} on an output of shape {tuple(whole_leaf.shape)} when the batch is split in "

@@ -34,6 +34,7 @@ import torch
 from ..device import (
     CallerStreams,
     StageStreams,
+    adopt_thread_objects,
     arrive,
     autocast_managers,
     autocast_settings,
@@ -43,9 +44,11 @@ from ..device import (
     computing,
     forget_autocast_casts,
     release_to_caller,
+    replaying_graphs,
     same_device,
     ship,
     start_clock,
+    thread_objects,
     wait_for_caller,
 )
 from ..measure.saved_tensors import HeldMemory
@@ -175,12 +178,14 @@ def _wants_grad(value: Any) -> bool:
 class _ThreadContext:
     """Thread-local settings of the caller that worker threads must re-enter."""
 
-    def __init__(self, grad: bool) -> None:
+    def __init__(self, grad: bool, graphs: bool) -> None:
         self.grad = grad
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = autocast_settings()
+        self.objects = thread_objects(graphs)
 
     def enter(self, streams: StageStreams, caller: CallerStreams) -> list[Any]:
+        adopt_thread_objects(self.objects)
         managers: list[Any] = [torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad),
                                computing(streams), *autocast_managers(self.autocast)]
         for manager in managers:
@@ -211,7 +216,7 @@ def _run_workers(
     links = [first] + [queue.Queue() for _ in range(len(stages) - 1)] + [last]
     abort = threading.Event()
     failures: list[_Failure] = []
-    context = _ThreadContext(grad)
+    context = _ThreadContext(grad, any(stage.replays_graphs for stage in stages))
     caller = caller_streams(stage.device for stage in stages)
 
     def task(position: int) -> Callable[[], None]:
@@ -437,10 +442,11 @@ def run_backward(
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         if reduction is not None and m == final[k] and pairs:
             reduction.before_last_backward(k, [o for o, _ in pairs])
+        differentiate = functools.partial(_differentiate, pairs, streams, stage.replays_graphs)
         if pairs and waiting is not None and same_device(waiting, streams.device):
-            pool.call_on_caller(functools.partial(_differentiate, pairs, streams))
+            pool.call_on_caller(differentiate)
         elif pairs:
-            _differentiate(pairs, streams)
+            differentiate()
         if restore is not None:
             restore()
         input_grads = tuple(_grad_of(v) for v in inputs)
@@ -452,9 +458,10 @@ def run_backward(
     return _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), False, count)
 
 
-def _differentiate(pairs: list[tuple[torch.Tensor, torch.Tensor]], streams: StageStreams) -> None:
-    """Backpropagate each output's gradient through the stage, on its compute stream."""
-    with computing(streams):
+def _differentiate(pairs: list[tuple[torch.Tensor, torch.Tensor]], streams: StageStreams, graphs: bool) -> None:
+    """Backpropagate each output's gradient through the stage, on its compute stream (holding the
+    device's CUDA-graph trees where the stage replays graphs)."""
+    with computing(streams), replaying_graphs(streams.device) if graphs else nullcontext():
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 

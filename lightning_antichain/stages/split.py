@@ -28,7 +28,7 @@ from ..capture.devices import retarget_devices
 from ..capture.lifted import share_original_modules
 from ..capture.mutations import is_in_place, may_alias
 from ..capture.pytrees import flatten, unflatten
-from ..device import StageStreams, replays_graphs, stage_streams
+from ..device import StageStreams, replaying_graphs, replays_graphs, stage_streams
 from ..measure.op_clock import OpClock, clocked_module, watching
 from ..plans.plan import Plan
 from ..weights.initialization import Initializer
@@ -82,10 +82,11 @@ class StageModule:
             with watching(self.clock):
                 return flatten(self.clocked_module(*self.arguments(tuple(unflatten(leaves, spec)))))
         module = self.module if self.compile_arguments is None else self.compiled_module
-        outputs = module(*self.arguments(tuple(unflatten(leaves, spec))))
-        if self.replays_graphs:
-            outputs = pytree.tree_map(_kept, outputs)
-        return flatten(outputs)
+        arguments = self.arguments(tuple(unflatten(leaves, spec)))
+        if not self.replays_graphs:
+            return flatten(module(*arguments))
+        with replaying_graphs(self.device):  # kept before another replay on the device overwrites them
+            return flatten(pytree.tree_map(_kept, module(*arguments)))
 
     @cached_property
     def replays_graphs(self) -> bool:
