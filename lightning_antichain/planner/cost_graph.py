@@ -7,6 +7,7 @@ Node attributes (all optional except the graph being acyclic; missing ones defau
 ``backward_s``      backward time of one micro-batch, seconds
 ``output_bytes``    bytes of the node's output for one micro-batch (what a cut ships)
 ``param_bytes``     bytes of the parameters the node owns
+``params``          names of the parameters the node owns; ``frozen_params``: those not trained
 ``buffer_bytes``    bytes of the buffers the node owns (BatchNorm statistics, ...)
 ``saved``           storages the node's backward keeps, ``{key: bytes}`` (keys name storages, so
                     views and in-place results count once; see
@@ -134,6 +135,17 @@ def block_param_bytes(graph: nx.DiGraph, nodes: Any) -> tuple[int, int, int]:
         else:
             per_block[block] = per_block.get(block, 0) + int(attrs["param_bytes"])
     return max(per_block.values(), default=0), outside, sum(1 for nbytes in per_block.values() if nbytes)
+
+
+def trained_tensors(graph: nx.DiGraph, nodes: Any) -> int:
+    """How many parameter tensors ``nodes`` own that train (node attributes ``params`` and
+    ``frozen_params``, their names; a profile without names counts none)."""
+    names: set[str] = set()
+    frozen: set[str] = set()
+    for v in nodes:
+        names.update(graph.nodes[v].get("params") or ())
+        frozen.update(graph.nodes[v].get("frozen_params") or ())
+    return len(names - frozen)
 
 
 def cost_graph_to_dict(graph: nx.DiGraph) -> dict[str, Any]:

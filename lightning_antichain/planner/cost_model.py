@@ -17,7 +17,7 @@ import networkx as nx
 import numpy as np
 
 from ..plans.plan import RECOMPUTE_MODES, Stage
-from .cost_graph import block_param_bytes
+from .cost_graph import block_param_bytes, trained_tensors
 
 
 class InfeasiblePlanError(ValueError):
@@ -232,6 +232,7 @@ def evaluate_stages(
                 largest_block_bytes=largest_block,
                 unblocked_param_bytes=unblocked,
                 param_blocks=blocks,
+                param_tensors=trained_tensors(graph, nodes),
                 frozen_bytes=int(sum_attr("frozen_bytes")),
                 modules=module_span(graph, nodes),
                 buffer_bytes=int(sum_attr("buffer_bytes")),

@@ -138,6 +138,8 @@ class LayoutCost:
     reduction_s: float
     rank_bytes: tuple[int, ...]
     optimizer_s: float = 0.0
+    #: each pipeline position's optimizer step, seconds from its reduction's end (the longest: ``optimizer_s``)
+    rank_optimizer_s: tuple[float, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -189,13 +191,13 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
 
     timed = linked.timeline(table, replicas=dp)
     ends, finish, reductions, waits = ends_of(timed)
-    stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed)
+    stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed, ends)
     shared = any(shares_host(s.device) for s in linked.stages) and not linked.measured_together
     tails = [(e, t) for e, t in zip(ends, stepped) if t > e and e < max(ends)]
     if shared and tails:  # the ranks done first reduce and step on the cores the others still compute on
         timed = linked.timeline(table, replicas=dp, others=tails)
         ends, finish, reductions, waits = ends_of(timed)
-        stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed)
+        stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed, ends)
     end, added = max(finish), max(stepped) - max(finish)
     if shared:
         # all ranks' tasks over what the cores get through at once; then the bytes their
@@ -209,8 +211,8 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     reduction = end - max(ends)
     rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication, regather) for s in schedule.stages_of(p, pp))
                        for p in range(pp))
-    longest = max(e - f for e, f in zip(stepped, finish))
-    return LayoutCost(step, reduction, rank_bytes, longest)
+    optimizers = tuple(e - f for e, f in zip(stepped, finish))
+    return LayoutCost(step, reduction, rank_bytes, max(optimizers), optimizers)
 
 
 def _work_s(plan: Plan, table: Schedule) -> float:
@@ -219,19 +221,28 @@ def _work_s(plan: Plan, table: Schedule) -> float:
 
 
 def _optimizer_ends(plan: Plan, schedule: ProcessSchedule, layout: Layout, replication: Replication,
-                    starts: Sequence[float], timed: Sequence[Timed]) -> list[float]:
+                    starts: Sequence[float], timed: Sequence[Timed], reducing: Sequence[float] = ()) -> list[float]:
     """When each pipeline rank's optimizer step ends, begun once the rank's step ``starts`` to end
-    it: the plan's whole step (timed alone) scaled by the rank's share of the trainable bytes. On
-    a shared CPU a step shares the cores with the tasks still running (``timed``) and the other
-    ranks' steps, no better than the optimizers' own measured sharing (``plan.optimizer_slowdown``):
-    a pipeline's ranks end their backwards one after another, so their steps overlap little (a
-    wide MLP's AdamW, 4 stages: 34-50 ms measured, where all at once would take 100-126)."""
+    it: the plan's whole step (timed alone) scaled by the rank's share of the trainable bytes, and
+    under FSDP2 the DTensors' dispatch for each of its parameter tensors. On
+    a shared CPU a step shares the cores with the tasks still running (``timed``), the other
+    ranks' reductions (from ``reducing[p]``, rank p's last task's end, to its ``starts[p]``) and
+    steps, no better than the optimizers' own measured sharing (``plan.optimizer_slowdown``): a
+    pipeline's ranks end their backwards one after another, so their steps overlap little (a
+    wide MLP's AdamW, 4 stages: 34-50 ms measured, where all at once would take 100-126), but a
+    step beside a gloo all-reduce shares the cores with it (the MLP's dp=2 x pp=2: the second
+    stage's AdamW 92-96 ms beside the first's reduction, 47 predicted without it)."""
     trainable = [s.param_bytes - s.frozen_bytes for s in plan.stages]
     total = sum(trainable)
     if not total or not plan.optimizer_step_s:
         return list(starts)
+    sharded = replication == "fsdp" and layout.dp > 1
     work = [plan.optimizer_step_s * sum(trainable[s] for s in schedule.stages_of(p, layout.pp)) / total
-            / (layout.dp if replication == "fsdp" else 1) for p in range(layout.pp)]
+            / (layout.dp if sharded else 1) for p in range(layout.pp)]
+    if sharded:  # each of FSDP2's parameters is a DTensor, every operation of the step dispatched by it
+        tensors = [sum(plan.stages[s].param_tensors for s in schedule.stages_of(p, layout.pp))
+                   for p in range(layout.pp)]
+        work = [w + plan.optimizer_tensor_s * n for w, n in zip(work, tensors)]
     if not any(shares_host(s.device) for s in plan.stages) or plan.measured_together:
         return [start + w for start, w in zip(starts, work)]
     ranks = layout.world_size
@@ -240,8 +251,8 @@ def _optimizer_ends(plan: Plan, schedule: ProcessSchedule, layout: Layout, repli
         stepping = dataclasses.replace(plan, parallel_capacity=capacity_of_two(
             ranks / plan.optimizer_slowdown, ranks, plan.cpu_cores or ranks))
         curve = stepping.capacity(layout.dp)
-    return shared_ends(starts, work, layout.dp, lambda n: curve[min(n, len(curve)) - 1],
-                       [(t.start, t.end) for t in timed])
+    others = [(t.start, t.end) for t in timed] + [(r, f) for r, f in zip(reducing, starts) if f > r]
+    return shared_ends(starts, work, layout.dp, lambda n: curve[min(n, len(curve)) - 1], others)
 
 
 def shared_ends(starts: Sequence[float], work: Sequence[float], copies: int, capacity: Callable[[int], float],

@@ -108,6 +108,8 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                     cost.graph["parallel_capacity"] = capacity_of_two(shared_cores.model, world_size, cores)
                 if shared_cores is not None and shared_cores.optimizer is not None:
                     cost.graph["optimizer_slowdown"] = world_size / shared_cores.optimizer
+                if shared_cores is not None and shared_cores.optimizer_tensor_s is not None:
+                    cost.graph["optimizer_tensor_s"] = shared_cores.optimizer_tensor_s
                 timed_loss = None if loss is None else loss_seconds(module, *call, loss)
                 if timed_loss is not None:
                     with_loss(cost, *timed_loss)

@@ -246,6 +246,7 @@ def _make_plan(
         parallel_capacity=meta.get("parallel_capacity"),
         cpu_cores=meta.get("cpu_cores"),
         optimizer_slowdown=meta.get("optimizer_slowdown"),
+        optimizer_tensor_s=float(meta.get("optimizer_tensor_s") or 0.0),
         repeated_blocks=dict(meta.get("repeated_blocks") or {}),
     )
     plan.predicted_step_s = plan.predict_step()

@@ -208,6 +208,7 @@ def _cost_graph(graph: OpGraph, module: nn.Module, calls: list[RecordedCall], sa
             frozen_bytes=sum(p.numel() * p.element_size() for _, p in params if not p.requires_grad),
             buffer_bytes=sum(b.numel() * b.element_size() for _, b in buffers),
             params=[name for name, _ in params],
+            frozen_params=[name for name, p in params if not p.requires_grad],
             uses=sorted({canonical[id(p)] for p in _used_parameters(call) if id(p) in canonical}),
             pinned=node.kind == "placeholder",
         )

@@ -90,6 +90,9 @@ class Stage:
     unblocked_param_bytes: int = 0
     #: how many blocks own parameters: FSDP2 gathers and reduce-scatters each with its own collective
     param_blocks: int = 0
+    #: how many parameter tensors the optimizer steps: under FSDP2 each is a DTensor, whose every
+    #: operation goes through DTensor's dispatch (:attr:`Plan.optimizer_tensor_s`)
+    param_tensors: int = 0
 
     def backward_halves(self) -> tuple[float, float]:
         """The seconds of the two halves of a split backward: as measured, else ``backward_s``
@@ -168,6 +171,9 @@ class Plan:
     #: how much slower the optimizer steps with every rank stepping at once, where the ranks (CPU
     #: processes on one machine) measured it; ``None``: as the model's work slows
     optimizer_slowdown: float | None = None
+    #: what a parameter tensor adds to the optimizer's step as a DTensor (FSDP2), seconds, where the
+    #: ranks measured it; 0: not measured
+    optimizer_tensor_s: float = 0.0
     candidates: list[dict[str, Any]] = field(default_factory=list)
     batch_size: int | None = None
     calibration: dict[str, Any] | None = None
