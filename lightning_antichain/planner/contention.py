@@ -90,9 +90,7 @@ def processes_timing(step: Callable[[], None], group: Any = None, repeats: int =
     """Work done by every rank of ``group`` running ``step`` at once, in units of one rank alone
     (the number of ranks: no contention). Every rank calls it, with its own ``step``, and gets the
     same value: over ``repeats`` rounds, rank 0's quickest time alone against the slowest rank's
-    quickest time together (on a shared machine, the medians of either swing by a third from
-    call to call; MobileNetV3 on 4 processes and 2 cores read 1.26-2.0 over 5 rounds, 1.81-1.97
-    over 9); ``None`` where ``step`` failed on any rank (nothing is measured then, and no
+    median time together; ``None`` where ``step`` failed on any rank (nothing is measured then, and no
     rank waits for another)."""
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     try:
@@ -123,8 +121,10 @@ def processes_timing(step: Callable[[], None], group: Any = None, repeats: int =
         times[1] = steps()
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         rounds.append((float(times[0]), float(times[1])))
-    # a busy machine only ever slows a run: the quickest of each is the least disturbed
-    alone, together = min(t[0] for t in rounds), min(t[1] for t in rounds)
+    # alone: the quickest, the least disturbed, as the profile times each operation; together: the
+    # typical round, as training's steps run (the quickest of them read MobileNetV3 at 1.70-1.76
+    # where its ranks in lockstep got 1.43-1.49, the median 1.41-1.50; the decoder's alike)
+    alone, together = min(t[0] for t in rounds), statistics.median(t[1] for t in rounds)
     capacity = min(float(min(ranks, cpu_cores())), max(1.0, ranks * alone / together))
     return SharedTiming(capacity, alone / times_each)
 

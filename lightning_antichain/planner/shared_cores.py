@@ -71,9 +71,9 @@ def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Seque
         for fresh in copies:
             fresh.step()
 
-    # memory-bound, the steps share the cores better while the ranks drift apart, which the quickest
-    # of more rounds finds: a wide MLP's AdamW read 1.64-1.77 over 9 rounds, where training (its
-    # ranks in step after DDP's reduction) got about 1.15; over 5, 1.09-1.35
+    # memory-bound, the steps share the cores better while the ranks drift apart, which more rounds
+    # find: with the quickest round together, a wide MLP's AdamW read 1.64-1.77 over 9 rounds,
+    # where training (its ranks in step after DDP's reduction) got about 1.15; over 5, 1.09-1.35
     optimizer = processes_timing(step_copies, group, OPTIMIZER_ROUNDS) if copies else None
     return SharedCores(None if model is None else model.capacity, None if optimizer is None else optimizer.capacity,
                        None if model is None else model.alone_s, None if optimizer is None else optimizer.alone_s,
