@@ -113,16 +113,20 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         runs[pp] = (functools.partial(train_step, pipeline, optimizer, calls, micro_y, loss_fn, plan.chunks),
                     plan, chosen_layout)
     times: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}
+    per_rank: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}  # each round: [rank, (step, optimizer)]
     again: dict[int, list[float]] = {pp: [] for pp in runs}  # each round's measured / predicted from its probes
     for repeat in range(args.repeats + 1):
         for pp, (step, _, _) in runs.items():
             dist.barrier()
             started = time.perf_counter()
             optimizer_s = step()
-            elapsed = torch.tensor([time.perf_counter() - started, optimizer_s])  # the step, its optimizer's part
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            mine = torch.tensor([time.perf_counter() - started, optimizer_s])  # the step, its optimizer's part
+            each = [torch.zeros(2) for _ in range(ranks)]
+            dist.all_gather(each, mine)
+            elapsed = torch.stack(each).amax(0)
             if repeat:
                 times[pp].append(elapsed)
+                per_rank[pp].append(torch.stack(each))
         if repeat:  # the machine now: the probes again, every layout predicted from them
             probes = _probes(model, x, ranks)
             if rank == 0:
@@ -142,7 +146,18 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                          statistics.median(float(t[0]) for t in times[pp]),
                          chosen_layout["dp"] == auto["dp"] and chosen_layout["schedule"] == auto["schedule"]
                          and chosen_layout.get("regather") == auto.get("regather"), how,
-                         statistics.median(float(t[1]) for t in times[pp]), statistics.median(again[pp])))
+                         statistics.median(float(t[1]) for t in times[pp]), statistics.median(again[pp]),
+                         _by_position(torch.stack(per_rank[pp]).median(0).values, chosen_layout),
+                         best.get("rank_optimizer_s") or []))
+
+
+def _by_position(medians: torch.Tensor, chosen_layout: dict) -> list[tuple[float, float]]:
+    """Each pipeline position's slowest replica: its step's end and its optimizer's part, seconds."""
+    from lightning_antichain.plans.layout import Layout
+
+    layout = Layout(chosen_layout["dp"], chosen_layout["pp"])
+    return [tuple(float(v) for v in medians[[layout.rank(d, p) for d in range(layout.dp)]].amax(0))
+            for p in range(layout.pp)]
 
 
 def _probes(model, x, ranks: int) -> tuple:
@@ -234,14 +249,14 @@ def main() -> None:
           "| of it, optimizer ms (predicted, measured) | measured / predicted | the same, probes each round "
           "| measured / best measured | auto "
           "| link GB/s "
-          "| a collective ms | ranks' capacity |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| a collective ms | ranks' capacity | each position: step end ms, optimizer ms (predicted) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models.split(","):
         for how in args.replication.split(","):
             mine = [r for r in rows if r[0] == model_name and r[8] == how]
             best = min(r[6] for r in mine)
             for _, (link, capacity), layout, chunks, predicted, (reduction, planned_optimizer), measured, auto, _, \
-                    optimizer_s, per_round in sorted(
+                    optimizer_s, per_round, positions, planned_positions in sorted(
                     mine, key=lambda r: r[2]["pp"]):
                 schedule = layout["schedule"] + (
                     f" (v={layout['virtual_stages']})" if layout["virtual_stages"] > 1 else "")
@@ -252,13 +267,23 @@ def main() -> None:
                       f"| {measured / predicted:.2f} | {per_round:.2f} | {measured / best:.2f} "
                       f"| {'chosen' if auto else ''} "
                       f"| {_speeds(link, 'gbps', 1.0)} | {_speeds(link, 'latency_s', 1e3)} "
-                      f"| {_capacity(capacity.model)}, {_capacity(capacity.optimizer)} |")
+                      f"| {_capacity(capacity.model)}, {_capacity(capacity.optimizer)} "
+                      f"| {_positions(positions, planned_positions)} |")
     print("\nLink GB/s and a collective's ms: all-reduce, all-gather, reduce-scatter, each fitted to back-to-back runs "
           "at two sizes; the ranks' capacity: the work all ranks get through at once in units of one alone, "
           "running the model and stepping AdamW. \"The same, probes each round\": the median over the measured "
           "rounds of each round's step over the prediction for the same cut from the probes taken right after "
           "that round (the machine's speed then: the profile's times scaled by one rank's time alone now over "
-          "then), which tells the cost model's error from the machine's drift")
+          "then), which tells the cost model's error from the machine's drift. Each position: the pipeline "
+          "position's slowest replica, the median of its step's end (the optimizer's included) and of its "
+          "optimizer's part, with the cost model's optimizer part")
+
+
+def _positions(measured: list[tuple[float, float]], predicted: list[float]) -> str:
+    """Each pipeline position's measured step end and optimizer part, with the predicted optimizer part."""
+    return "; ".join(f"{1e3 * end:.0f}, {1e3 * optimizer:.0f}"
+                     + (f" ({1e3 * predicted[p]:.0f})" if p < len(predicted) else "")
+                     for p, (end, optimizer) in enumerate(measured))
 
 
 def _capacity(value: float | None) -> str:
