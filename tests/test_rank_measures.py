@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_antichain.measure.link_speed import KINDS, measured_collectives
 from lightning_antichain.planner.contention import capacity_of_two, processes_capacity
-from lightning_antichain.planner.shared_cores import shared_cores
+from lightning_antichain.planner.shared_cores import dtensor_overhead_s, shared_cores
 
 RANKS = 2
 
@@ -20,6 +20,17 @@ RANKS = 2
 def conv_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 4))
+
+
+class PlainTensorsOnly(torch.optim.SGD):
+    """An optimizer that cannot step DTensors (FSDP2's parameters)."""
+
+    def step(self, closure=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"]):
+            raise RuntimeError("plain tensors only")
+        return super().step(closure)
 
 
 def measuring_rank(rank: int, port: int, results) -> None:
@@ -33,7 +44,7 @@ def measuring_rank(rank: int, port: int, results) -> None:
         before = {n: b.clone() for n, b in model.named_buffers()}
         cores = shared_cores(model, (torch.randn(4, 3, 16, 16),), {}, [optimizer])
         capacity = (cores.model, cores.optimizer)
-        per_tensor = cores.optimizer_tensor_s
+        per_tensor = cores.optimizer_tensor_s, dtensor_overhead_s(PlainTensorsOnly(model.parameters(), lr=0.1))
         untouched = all(torch.equal(before[n], b) for n, b in model.named_buffers()) and all(
             p.grad is None for p in model.parameters()) and not optimizer.state
 
@@ -57,7 +68,8 @@ def test_ranks_measure_each_collective_and_their_capacity_alike_and_a_failing_st
     measured steps leave the model's buffers (BatchNorm's running statistics), its gradients and
     the optimizer's state as they were; a step that fails on one rank gives ``None`` on both,
     neither waiting for the other. What a DTensor adds to AdamW's step per parameter tensor
-    (FSDP2's shards) is rank 0's, on both."""
+    (FSDP2's shards) is rank 0's, on both, and ``None`` on both for an optimizer that cannot step
+    DTensors."""
     processes, results = started(measuring_rank, RANKS)
     reports = sorted(reports_of(processes, results, 120, "measuring on 2 ranks"))
     (_, _, speeds, capacity, untouched, failed, per_tensor), other = reports[0], reports[1]
@@ -66,7 +78,8 @@ def test_ranks_measure_each_collective_and_their_capacity_alike_and_a_failing_st
     assert all(latency >= 0 and gbps > 0 for latency, gbps in speeds.values())
     assert all(c is not None and 1.0 <= c <= 2.0 for c in capacity)  # the model's, the optimizer's
     assert untouched and failed is None
-    assert per_tensor is not None and 1e-6 < per_tensor < 0.01  # DTensor's dispatch: about 0.2 ms here
+    assert per_tensor[0] is not None and 1e-6 < per_tensor[0] < 0.01  # DTensor's dispatch: about 0.2 ms here
+    assert per_tensor[1] is None  # rank 0 could not step DTensors: both ranks hear it, neither waits
 
 
 def test_the_capacity_of_all_ranks_becomes_the_plans_capacity_of_two_stages_while_there_are_cores():

@@ -221,12 +221,13 @@ def _work_s(plan: Plan, table: Schedule) -> float:
 
 
 def _optimizer_ends(plan: Plan, schedule: ProcessSchedule, layout: Layout, replication: Replication,
-                    starts: Sequence[float], timed: Sequence[Timed], reducing: Sequence[float] = ()) -> list[float]:
+                    starts: Sequence[float], timed: Sequence[Timed], last_task_ends: Sequence[float] = ()
+                    ) -> list[float]:
     """When each pipeline rank's optimizer step ends, begun once the rank's step ``starts`` to end
     it: the plan's whole step (timed alone) scaled by the rank's share of the trainable bytes, and
     under FSDP2 the DTensors' dispatch for each of its parameter tensors. On
     a shared CPU a step shares the cores with the tasks still running (``timed``), the other
-    ranks' reductions (from ``reducing[p]``, rank p's last task's end, to its ``starts[p]``) and
+    ranks' reductions (from ``last_task_ends[p]`` to ``starts[p]``) and
     steps, no better than the optimizers' own measured sharing (``plan.optimizer_slowdown``): a
     pipeline's ranks end their backwards one after another, so their steps overlap little (a
     wide MLP's AdamW, 4 stages: 34-50 ms measured, where all at once would take 100-126), but a
@@ -251,7 +252,7 @@ def _optimizer_ends(plan: Plan, schedule: ProcessSchedule, layout: Layout, repli
         stepping = dataclasses.replace(plan, parallel_capacity=capacity_of_two(
             ranks / plan.optimizer_slowdown, ranks, plan.cpu_cores or ranks))
         curve = stepping.capacity(layout.dp)
-    others = [(t.start, t.end) for t in timed] + [(r, f) for r, f in zip(reducing, starts) if f > r]
+    others = [(t.start, t.end) for t in timed] + [(e, s) for e, s in zip(last_task_ends, starts) if s > e]
     return shared_ends(starts, work, layout.dp, lambda n: curve[min(n, len(curve)) - 1], others)
 
 

@@ -85,7 +85,8 @@ def dtensor_overhead_s(optimizer: torch.optim.Optimizer, group: Any = None) -> f
     FSDP2 shards it, over the same step on plain tensors: every operation of the step goes through
     DTensor's dispatch (GPT's 99 tensors, AdamW: 7.0 ms on whole plain tensors, 19.2 on quarter
     shards). Timed on rank 0 alone on small shards, where the dispatch is all there is; every rank
-    of ``group`` calls it and gets rank 0's value; ``None`` where the optimizer cannot be rebuilt."""
+    of ``group`` calls it and gets rank 0's value; ``None`` where the optimizer cannot be rebuilt
+    or step DTensors."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -106,13 +107,13 @@ def dtensor_overhead_s(optimizer: torch.optim.Optimizer, group: Any = None) -> f
                 param.grad = wrap(grad)
             try:
                 stepping = type(inner)([{**hyper, "params": params}])
-            except Exception:  # noqa: BLE001 - an optimizer with its own constructor: not measured
-                return None
-            times = []
-            for _ in range(DTENSOR_PROBE_STEPS + 1):
-                started = time.perf_counter()
-                stepping.step()
-                times.append(time.perf_counter() - started)
+                times = []
+                for _ in range(DTENSOR_PROBE_STEPS + 1):
+                    started = time.perf_counter()
+                    stepping.step()
+                    times.append(time.perf_counter() - started)
+            except Exception:  # noqa: BLE001 - an optimizer with its own constructor, or none for DTensors:
+                return None    # not measured, and the other ranks still get rank 0's answer
             return statistics.median(times[1:])
 
         plain, sharded = step_s(False), step_s(True)
