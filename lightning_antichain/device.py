@@ -19,9 +19,7 @@ streams use each tensor (``record_stream``) so no memory is reused while a copy 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import platform
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -76,46 +74,6 @@ def memory_gb(device: Device, usable: float = 0.9) -> float | None:
     if not is_accelerator(device):
         return None
     return usable * torch.cuda.get_device_properties(device).total_memory / 1e9
-
-
-def replays_graphs(device: Device, compile_arguments: dict[str, Any] | None) -> bool:
-    """Whether ``torch.compile`` with these arguments replays CUDA graphs on ``device``: their
-    outputs live in a pool that the next replay overwrites."""
-    arguments = compile_arguments or {}
-    options = arguments.get("options") or {}
-    return as_device(device).type == "cuda" and (arguments.get("mode") in ("reduce-overhead", "max-autotune")
-                                                 or bool(options.get("triton.cudagraphs")))
-
-
-#: objects torch keeps in a thread's state for the threads that thread starts: the autograd
-#: engine's threads inherit them, a worker thread of ours must be handed them. CUDA-graph trees
-#: keep their one tree per device there, which a stage's forward and its backward must share.
-_INHERITED_OBJECTS = ("tree_manager_containers", "tree_manager_locks")
-
-_GRAPH_LOCKS: dict[str, threading.RLock] = {}
-
-
-def thread_objects(graphs: bool) -> dict[str, Any]:
-    """The calling thread's objects of torch's thread state that a thread working for it must
-    share (:func:`adopt_thread_objects`). With ``graphs`` (a stage replays CUDA graphs), the
-    CUDA-graph trees are set up first on this thread, so that the autograd threads its backward
-    starts get the same trees as the worker threads that ran its forward."""
-    if graphs:
-        importlib.import_module("torch._inductor.cudagraph_trees")  # puts the trees in the importing thread's state
-    return {key: torch._C._get_obj_in_tls(key) for key in _INHERITED_OBJECTS if torch._C._is_key_in_tls(key)}
-
-
-def adopt_thread_objects(objects: dict[str, Any]) -> None:
-    """Share another thread's objects of torch's thread state (from :func:`thread_objects`)."""
-    for key, value in objects.items():
-        torch._C._stash_obj_in_tls(key, value)
-
-
-def replaying_graphs(device: Device) -> threading.RLock:
-    """Held while a stage records or replays CUDA graphs on ``device``, forward or backward: the
-    CUDA-graph trees keep one tree per device, which two threads must not grow or replay at once."""
-    key = str(as_device(device))
-    return _GRAPH_LOCKS.setdefault(key, threading.RLock())
 
 
 def is_meta(device: Device) -> bool:

@@ -112,10 +112,28 @@ def test_the_strategy_compiles_its_stages_and_trains_like_plain_lightning():
 @pytest.mark.parametrize(("value", "message"), [
     ({"modee": "max-autotune"}, "compile_stages got 'modee', which torch.compile does not take"),
     ("yes", "compile_stages is True"),
+    ({"mode": "reduce-overhead"}, "replays CUDA graphs"),
+    ({"mode": "max-autotune"}, "replays CUDA graphs"),
+    ({"options": {"triton.cudagraphs": True}}, "replays CUDA graphs"),
 ])
 def test_compile_arguments_torch_compile_does_not_take_are_refused(value, message):
     with pytest.raises(ValueError, match=message):
         la.AntichainPipelineStrategy(compile_stages=value)
+
+
+def test_stages_replaying_cuda_graphs_are_refused_by_both_runtimes_before_anything_runs():
+    """A CUDA graph's outputs and saved activations live in a pool its next replay overwrites,
+    and a pipeline keeps several micro-batches of a stage in flight: refused when the options are
+    made, so every rank of the process runtime refuses them too, and the modes without CUDA graphs
+    are taken."""
+    model = _mlp()
+    _, plan = _two_stages(model)
+    with pytest.raises(ValueError, match="max-autotune-no-cudagraphs"):
+        la.Pipeline(model, plan, chunks=2, compile_stages={"mode": "reduce-overhead"})
+    with pytest.raises(ValueError, match="replays CUDA graphs"):
+        la.AntichainPipelineStrategy(schedule="1f1b", compile_stages={"mode": "max-autotune"})
+    for taken in (True, {"mode": "max-autotune-no-cudagraphs"}, {"options": {"triton.cudagraphs": False}}):
+        assert la.AntichainPipelineStrategy(schedule="1f1b", compile_stages=taken).options.compile_stages
 
 
 @pytest.mark.slow  # inductor builds C++ kernels on the CPU: tens of seconds

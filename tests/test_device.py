@@ -8,7 +8,6 @@ import threading
 import pytest
 import torch
 
-import lightning_antichain as la
 from lightning_antichain import device as dev
 from lightning_antichain.in_process.worker import WorkerPool
 
@@ -85,30 +84,3 @@ def test_a_failing_call_raises_in_the_worker_that_asked():
 def test_call_on_caller_outside_a_run_is_refused():
     with pytest.raises(RuntimeError, match="while the pool runs"):
         WorkerPool(1).call_on_caller(lambda: None)
-
-
-def test_stage_workers_share_the_callers_cuda_graph_trees():
-    """A stage replaying CUDA graphs records its forward on a worker thread and its backward on an
-    autograd thread: both must find the one tree per device that torch keeps in the caller's thread
-    state (a worker thread does not inherit it as torch's own threads do)."""
-    from lightning_antichain.capture import capture
-
-    trees = dev.thread_objects(graphs=True)
-    assert set(trees) == {"tree_manager_containers", "tree_manager_locks"}
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    seen: list[tuple[int, object]] = []
-    key = "tree_manager_containers"
-
-    def note_thread_objects(*_: object) -> None:
-        seen.append((threading.get_ident(), torch._C._get_obj_in_tls(key) if torch._C._is_key_in_tls(key) else None))
-
-    for layer in (model[0], model[2]):
-        layer.register_forward_hook(note_thread_objects)
-    x = torch.randn(8, 4)
-    graph = capture(model, x[:2], frontends=("fx",))
-    plan = la.partition(la.profile(model, x[:2], op_graph=graph, progress=False), 2, chunks=2)
-    with la.Pipeline(model, plan, chunks=2, graph=graph, check_batch=False) as pipe:
-        seen.clear()
-        pipe(x).sum().backward()
-    workers = {ident for ident, _ in seen} - {threading.get_ident()}
-    assert len(workers) == 2 and all(trees_seen is trees[key] for _, trees_seen in seen)

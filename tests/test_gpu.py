@@ -106,30 +106,6 @@ def test_float32_parity_is_as_close_to_float64_as_plain_float32_is(gpu_device, c
         assert piped_error <= 4 * plain_error + 1e-6 * t.abs().max().item(), (piped_error, plain_error)
 
 
-@pytest.mark.parametrize("recompute", ["never", "always"])
-def test_stages_replaying_cuda_graphs_keep_each_micro_batch_output_and_train_like_plain(gpu_device, recompute):
-    """``compile_stages={"mode": "reduce-overhead"}``: each stage replays a CUDA graph whose outputs
-    live in a pool the next replay overwrites, so four micro-batches through one stage would read
-    the last one's values. Two steps of training and one evaluation without gradients (which also
-    runs the per-sample check on the first call) equal the plain module's."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).double()
-    plain = copy.deepcopy(model).to(gpu_device)
-    x = torch.randn(16, 32, dtype=torch.float64, device=gpu_device)
-    cost = la.profile(model, x[:4].cpu(), repeats=1, warmup=0, progress=False, runtime_overhead=False)
-    plan = la.partition(cost, stages=2, chunks=4, devices=[str(gpu_device)] * 2)
-    with la.Pipeline(model, plan, chunks=4, recompute=recompute, compile_stages={"mode": "reduce-overhead"}) as pipe:
-        for step in range(2):
-            pipe(x + step).sin().sum().backward()
-            plain(x + step).sin().sum().backward()
-        with torch.no_grad():
-            evaluated, expected = pipe(x).clone(), plain(x)
-        assert_pipelined(pipe, stages=2)
-    torch.testing.assert_close(evaluated, expected, rtol=1e-9, atol=1e-12)
-    for mine, theirs in zip(model.parameters(), plain.parameters()):
-        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-9, atol=1e-12)
-
-
 def test_many_steps_of_uneven_micro_batches_train_like_the_plain_module(gpu_device):
     """Forty SGD steps with momentum, four stages on one device, batch sizes that do not divide
     into the micro-batches (and one smaller than their count): every loss and the final weights

@@ -34,7 +34,6 @@ import torch
 from ..device import (
     CallerStreams,
     StageStreams,
-    adopt_thread_objects,
     arrive,
     autocast_managers,
     autocast_settings,
@@ -44,11 +43,9 @@ from ..device import (
     computing,
     forget_autocast_casts,
     release_to_caller,
-    replaying_graphs,
     same_device,
     ship,
     start_clock,
-    thread_objects,
     wait_for_caller,
 )
 from ..measure.saved_tensors import HeldMemory
@@ -178,14 +175,12 @@ def _wants_grad(value: Any) -> bool:
 class _ThreadContext:
     """Thread-local settings of the caller that worker threads must re-enter."""
 
-    def __init__(self, grad: bool, graphs: bool) -> None:
+    def __init__(self, grad: bool) -> None:
         self.grad = grad
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = autocast_settings()
-        self.objects = thread_objects(graphs)
 
     def enter(self, streams: StageStreams, caller: CallerStreams) -> list[Any]:
-        adopt_thread_objects(self.objects)
         managers: list[Any] = [torch.inference_mode(self.inference), torch.set_grad_enabled(self.grad),
                                computing(streams), *autocast_managers(self.autocast)]
         for manager in managers:
@@ -216,7 +211,7 @@ def _run_workers(
     links = [first] + [queue.Queue() for _ in range(len(stages) - 1)] + [last]
     abort = threading.Event()
     failures: list[_Failure] = []
-    context = _ThreadContext(grad, any(stage.replays_graphs for stage in stages))
+    context = _ThreadContext(grad)
     caller = caller_streams(stage.device for stage in stages)
 
     def task(position: int) -> Callable[[], None]:
@@ -442,11 +437,10 @@ def run_backward(
                  if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
         if reduction is not None and m == final[k] and pairs:
             reduction.before_last_backward(k, [o for o, _ in pairs])
-        differentiate = functools.partial(_differentiate, pairs, streams, stage.replays_graphs)
         if pairs and waiting is not None and same_device(waiting, streams.device):
-            pool.call_on_caller(differentiate)
+            pool.call_on_caller(functools.partial(_differentiate, pairs, streams))
         elif pairs:
-            differentiate()
+            _differentiate(pairs, streams)
         if restore is not None:
             restore()
         input_grads = tuple(_grad_of(v) for v in inputs)
@@ -458,10 +452,9 @@ def run_backward(
     return _run_workers(pool, stages, body, first, last, list(reversed(range(len(stages)))), False, count)
 
 
-def _differentiate(pairs: list[tuple[torch.Tensor, torch.Tensor]], streams: StageStreams, graphs: bool) -> None:
-    """Backpropagate each output's gradient through the stage, on its compute stream (holding the
-    device's CUDA-graph trees where the stage replays graphs)."""
-    with computing(streams), replaying_graphs(streams.device) if graphs else nullcontext():
+def _differentiate(pairs: list[tuple[torch.Tensor, torch.Tensor]], streams: StageStreams) -> None:
+    """Backpropagate each output's gradient through the stage, on its compute stream."""
+    with computing(streams):
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 

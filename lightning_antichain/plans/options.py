@@ -42,8 +42,8 @@ class PipelineOptions:
     Face's ``_init_weights`` or the module's ``reset_parameters()``; see
     :mod:`~lightning_antichain.weights.initialization`), and ``compile_stages`` (run each stage's
     graph through ``torch.compile``: ``True`` with its defaults, or a dict of its arguments, such
-    as ``{"mode": "reduce-overhead"}`` for CUDA graphs; planning and calibration time the stages
-    uncompiled).
+    as ``{"mode": "max-autotune-no-cudagraphs"}``; not the modes that replay CUDA graphs, see
+    :func:`checked_compile_stages`; planning and calibration time the stages uncompiled).
 
     Planning: ``balance`` (operations per stage instead of planning), ``method`` (the antichain DP
     or a baseline), ``schedule`` (the order the stages run their tasks in, which sets the predicted
@@ -152,12 +152,32 @@ def checked_compile_stages(value: Any) -> bool | tuple[tuple[str, Any], ...]:
         value = dict(value)
     if not isinstance(value, Mapping) or any(not isinstance(k, str) for k in value):
         raise ValueError(f"compile_stages is True (torch.compile's defaults), False, or a dict of torch.compile's "
-                         f"arguments such as {{'mode': 'reduce-overhead'}}; got {value!r}")
+                         f"arguments such as {{'mode': 'max-autotune-no-cudagraphs'}}; got {value!r}")
     unknown = sorted(set(value) - set(COMPILE_ARGUMENTS))
     if unknown:
         raise ValueError(f"compile_stages got {', '.join(map(repr, unknown))}, which torch.compile does not take per "
                          f"stage; it takes {', '.join(COMPILE_ARGUMENTS)}")
+    _refuse_cuda_graphs(value)
     return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+
+
+#: ``torch.compile`` modes that record CUDA graphs and replay them
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _refuse_cuda_graphs(arguments: Mapping[str, Any]) -> None:
+    """Refuse stages that replay CUDA graphs. A replayed graph keeps its outputs and the
+    activations its backward reads in one static pool that its next replay overwrites, while a
+    pipeline keeps several micro-batches of a stage in flight between their forward and backward
+    (torch's CUDA-graph trees then fail the backward: "accessing tensor output of CUDAGraphs that
+    has been overwritten by a subsequent run", seen on an H200 with torch 2.11)."""
+    options = arguments.get("options") or {}
+    if arguments.get("mode") in CUDA_GRAPH_MODES or (isinstance(options, Mapping) and options.get("triton.cudagraphs")):
+        raise ValueError(
+            f"compile_stages={dict(arguments)!r} replays CUDA graphs, whose outputs and saved activations live in "
+            "memory the graph's next replay overwrites, and a pipeline keeps several micro-batches of a stage in "
+            "flight: compile the stages without them, e.g. compile_stages={'mode': 'max-autotune-no-cudagraphs'} "
+            "or compile_stages=True (torch.compile's default mode)")
 
 
 def _frozen(value: Any) -> Any:

@@ -28,7 +28,7 @@ from ..capture.devices import retarget_devices
 from ..capture.lifted import share_original_modules
 from ..capture.mutations import is_in_place, may_alias
 from ..capture.pytrees import flatten, unflatten
-from ..device import StageStreams, replaying_graphs, replays_graphs, stage_streams
+from ..device import StageStreams, stage_streams
 from ..measure.op_clock import OpClock, clocked_module, watching
 from ..plans.plan import Plan
 from ..weights.initialization import Initializer
@@ -82,17 +82,7 @@ class StageModule:
             with watching(self.clock):
                 return flatten(self.clocked_module(*self.arguments(tuple(unflatten(leaves, spec)))))
         module = self.module if self.compile_arguments is None else self.compiled_module
-        arguments = self.arguments(tuple(unflatten(leaves, spec)))
-        if not self.replays_graphs:
-            return flatten(module(*arguments))
-        with replaying_graphs(self.device):  # kept before another replay on the device overwrites them
-            return flatten(pytree.tree_map(_kept, module(*arguments)))
-
-    @cached_property
-    def replays_graphs(self) -> bool:
-        """Whether the compiled stage replays CUDA graphs, whose outputs live in a pool that the next
-        replay overwrites: the next micro-batch's, before the pipeline joins them."""
-        return replays_graphs(self.device, self.compile_arguments)
+        return flatten(module(*self.arguments(tuple(unflatten(leaves, spec)))))
 
     @cached_property
     def compiled_module(self) -> Callable[..., Any]:
@@ -355,8 +345,3 @@ def _move_in_place(tensor: torch.Tensor, device: torch.device) -> None:
         tensor.data = tensor.data.to(device)
         if tensor.grad is not None:
             tensor.grad = tensor.grad.to(device)
-
-
-def _kept(value: Any) -> Any:
-    """A CUDA graph's output copied out of the graph's pool (autograd goes through the copy)."""
-    return value.clone() if isinstance(value, torch.Tensor) else value
