@@ -165,3 +165,44 @@ def test_a_weight_over_the_piece_size_is_timed_a_slice_at_a_time_and_counted_who
     assert {v: tuple(whole.nodes[v][k] for k in keys) for v in whole.nodes} == {
         v: tuple(sliced.nodes[v][k] for k in keys) for v in sliced.nodes}
     assert all(sliced.nodes[v]["backward_s"] > 0 for v in sliced.nodes if sliced.nodes[v]["param_bytes"] > 100_000)
+
+
+def test_the_whole_steps_timing_takes_the_quickest_round_after_the_first_and_two_at_once_against_the_typical():
+    """The profile scales its per-op times to the whole step alone: a slow spell of a shared machine
+    must not raise it, so the quickest round counts (the first only warms up); two threads at once
+    are weighed against the typical round alone. A step that cannot run on two threads at once
+    leaves the capacity to calibration."""
+    import threading
+    import time
+
+    from lightning_antichain.planner.contention import PairedSteps
+
+    alone_s = iter([0.2, 0.06, 0.02, 0.04])  # warm-up, then a spell, the machine, a spell
+    lock = threading.Lock()
+
+    def sleeps() -> None:
+        if threading.current_thread().name.startswith("antichain-alone"):
+            time.sleep(next(alone_s))
+        else:
+            time.sleep(0.04)
+
+    with PairedSteps([sleeps, sleeps]) as paired:
+        for _ in range(4):
+            paired.round()
+        capacity, quickest = paired.result()
+    assert 0.02 <= quickest < 0.035
+    assert 1.5 < capacity <= 2.0  # two sleeps at once: the median alone (0.04) over 0.04 together
+
+    def one_at_a_time() -> None:
+        if not lock.acquire(blocking=False):
+            raise RuntimeError("another thread is in this step")
+        try:
+            time.sleep(0.01)
+        finally:
+            lock.release()
+
+    with PairedSteps([one_at_a_time, one_at_a_time]) as paired:
+        for _ in range(3):
+            paired.round()
+        capacity, quickest = paired.result()
+    assert capacity is None and quickest >= 0.01

@@ -35,36 +35,63 @@ from ..measure.cpu_threads import cpu_cores
 from ..plans.schedule import Task, Timed
 
 
-def parallel_capacity(steps: list[Callable[[], None]], repeats: int) -> tuple[float | None, float]:
-    """Work done by two threads running ``steps`` (one each, on their own copies of the inputs) at
-    once, in units of one thread alone (2.0: no contention), and the seconds one step takes alone.
-    ``None`` where the model cannot train on two threads at once (the calibration measures it then)."""
-    keep_freed_memory()  # as CPU pipelines do, so the threads contend as theirs will
-    threads = torch.get_num_threads()  # the stages' count, which planning profiles with
-    alone_pool = WorkerPool(1, name="antichain-alone", threads=threads)
-    pair_pool = WorkerPool(2, name="antichain-pair", threads=threads)
-    alone, together = [], []
-    paired = True
-    try:
-        for i in range(1 + max(1, min(3, repeats))):
+class PairedSteps:
+    """Two threads running ``steps`` (one each, on their own copies of the inputs) at once, against
+    one thread alone, a round at a time: a caller spreads the rounds over a longer measurement (the
+    profile's rounds over every operation), so that a slow spell of a shared machine touches a few
+    rounds, not all (MobileNetV3's whole step read 52 ms where it ran in 37, from three rounds back
+    to back). Use it as a context manager: its worker threads end with it."""
+
+    def __init__(self, steps: list[Callable[[], None]]) -> None:
+        keep_freed_memory()  # as CPU pipelines do, so the threads contend as theirs will
+        threads = torch.get_num_threads()  # the stages' count, which planning profiles with
+        self.steps = steps
+        self._alone_pool = WorkerPool(1, name="antichain-alone", threads=threads)
+        self._pair_pool = WorkerPool(2, name="antichain-pair", threads=threads)
+        self._alone: list[float] = []
+        self._together: list[float] = []
+        self._paired = True
+        self._warm = False
+
+    def __enter__(self) -> PairedSteps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._alone_pool.shutdown()
+        self._pair_pool.shutdown()
+
+    def round(self) -> None:
+        """One step alone, then (while the model trains on two threads at all) two at once; the
+        first round only warms up."""
+        start = time.perf_counter()
+        self._alone_pool.run(self.steps[:1], lambda: None)
+        alone = time.perf_counter() - start
+        together = None
+        if self._paired:
             start = time.perf_counter()
-            alone_pool.run(steps[:1], lambda: None)
-            if i:
-                alone.append(time.perf_counter() - start)
-            if paired:
-                start = time.perf_counter()
-                try:
-                    pair_pool.run(steps, lambda: None)
-                except RuntimeError:  # e.g. autograd's in-place check tripped by the other thread
-                    paired = False
-                if i:
-                    together.append(time.perf_counter() - start)
-    finally:
-        alone_pool.shutdown()
-        pair_pool.shutdown()
-    if not paired:
-        return None, statistics.median(alone)
-    return min(2.0, 2.0 * statistics.median(alone) / statistics.median(together)), statistics.median(alone)
+            try:
+                self._pair_pool.run(self.steps, lambda: None)
+                together = time.perf_counter() - start
+            except RuntimeError:  # e.g. autograd's in-place check tripped by the other thread
+                self._paired = False
+        if self._warm:
+            self._alone.append(alone)
+            if together is not None:
+                self._together.append(together)
+        self._warm = True
+
+    def result(self) -> tuple[float | None, float]:
+        """The work two threads at once get through in units of one alone (2.0: no contention;
+        ``None`` where the model cannot train on two threads at once, which calibration measures
+        then), and the seconds one step takes alone: medians of the rounds after the first."""
+        if not self._alone:
+            self.round()
+        if not self._alone:
+            self.round()
+        alone, quickest = statistics.median(self._alone), min(self._alone)
+        if not self._paired or not self._together:
+            return None, quickest
+        return min(2.0, 2.0 * alone / statistics.median(self._together)), quickest
 
 
 MIN_TIMED_S = 0.05

@@ -10,6 +10,7 @@ saved and planned again without profiling.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import statistics
@@ -35,7 +36,7 @@ from ..measure.cpu_threads import cpu_cores
 from ..measure.saved_tensors import saved_per_call, state_storages
 from ..weights.materialize import has_meta_state
 from . import overhead
-from .contention import parallel_capacity, training_step
+from .contention import PairedSteps, training_step
 from .cost_graph import GRAPH_FORMAT
 from .just_in_time import profile_just_in_time
 from .progress import Progress
@@ -157,24 +158,38 @@ def _profile_whole(graph: OpGraph, module: nn.Module, args: tuple, kwargs: dict,
     rounds = warmup + repeats
     reporter = Progress(len(calls) * rounds, enabled=progress, label=label, unit="op runs")
     samples = [[] for _ in calls]
-    # Round-robin over all ops, rather than op after op: a slow spell of the machine then
-    # touches one sample of many ops instead of every sample of one op.
-    for round_index in range(rounds):
-        for call, measured in zip(calls, samples):
-            timing = _time_once(call, timer)
-            if round_index >= warmup:
-                measured.append(timing)
-            reporter.step()
-    reporter.close()
     capacity, scale = None, 1.0
-    if shares_host(device):
-        call_args, call_kwargs = (replay.bind(args, kwargs), {}) if graph.graph_module is not None else (args, kwargs)
-        capacity, whole_s = parallel_capacity(
-            [training_step(work_module, *map_tensors(torch.Tensor.clone, (tuple(call_args), call_kwargs)))
-             for _ in range(2)], repeats)
-        ops_s = sum(statistics.median(t[0] for t in m) + statistics.median(t[1] for t in m) for m in samples)
-        scale = whole_s / ops_s if ops_s > 0 else 1.0
+    with _whole_steps(work_module, replay, graph, args, kwargs, device) as whole:
+        # Round-robin over all ops, rather than op after op, and the whole step's rounds spread
+        # among them: a slow spell of the machine then touches one sample of many ops, and a few
+        # of the whole step's, instead of every sample of one.
+        whole_rounds = 1 + max(1, min(5, repeats))
+        for round_index in range(rounds):
+            for call, measured in zip(calls, samples):
+                timing = _time_once(call, timer)
+                if round_index >= warmup:
+                    measured.append(timing)
+                reporter.step()
+            if whole is not None:
+                for _ in range(whole_rounds * (round_index + 1) // rounds - whole_rounds * round_index // rounds):
+                    whole.round()
+        reporter.close()
+        if whole is not None:
+            capacity, whole_s = whole.result()
+            ops_s = sum(statistics.median(t[0] for t in m) + statistics.median(t[1] for t in m) for m in samples)
+            scale = whole_s / ops_s if ops_s > 0 else 1.0
     return calls, samples, kept, capacity, scale
+
+
+def _whole_steps(work_module: nn.Module, replay: OpGraph, graph: OpGraph, args: tuple, kwargs: dict,
+                 device: torch.device) -> contextlib.AbstractContextManager[PairedSteps | None]:
+    """On a device that shares the host, the whole model's training step timed alone and on two
+    threads at once, for what per-op times miss; elsewhere nothing."""
+    if not shares_host(device):
+        return contextlib.nullcontext()
+    call_args, call_kwargs = (replay.bind(args, kwargs), {}) if graph.graph_module is not None else (args, kwargs)
+    return PairedSteps([training_step(work_module, *map_tensors(torch.Tensor.clone, (tuple(call_args), call_kwargs)))
+                        for _ in range(2)])
 
 
 def _cost_graph(graph: OpGraph, module: nn.Module, calls: list[RecordedCall], samples: list[list[tuple[float, float]]],
