@@ -87,6 +87,11 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         # the free choice's layout runs the free choice itself (the per-layout search, timing the
         # optimizer again, may break a near tie between schedules the other way)
         runs = {pp: (chosen if pp == chosen.layout["pp"] else plan) for pp, plan in zip(counts, per_layout)}
+        for row in chosen.layouts:  # where the cores' sharing moving either way turned the choice
+            if row.get("lost", "").startswith("faster"):
+                print(f"layouts_cpu: {model_name} {how}: auto took dp={chosen.layout['dp']} x pp={chosen.layout['pp']} "
+                      f"{chosen.layout['schedule']} over dp={row['dp']} x pp={row['pp']} {row['schedule']} "
+                      f"{row['chunks']} chunks: {row['lost']}", flush=True)
         sent = [({pp: plan.to_dict() for pp, plan in runs.items()}, chosen.layout, chosen.predicted_step_s)]
     dist.broadcast_object_list(sent, src=0)
     plans, auto, _ = sent[0]

@@ -9,6 +9,7 @@ from torch import nn
 
 import lightning_antichain as la
 from lightning_antichain.measure.link_speed import CollectiveSpeed
+from lightning_antichain.planner.contention import capacity_of_two
 from lightning_antichain.planner.cost_graph import with_loss
 from lightning_antichain.planner.layout_cost import (
     BUCKET_BYTES,
@@ -22,6 +23,8 @@ from lightning_antichain.planner.layout_cost import (
 )
 from lightning_antichain.planner.layout_search import LayoutSearch, layout_search, plan_layouts
 from lightning_antichain.planner.overhead import loss_seconds
+from lightning_antichain.planner.robust_choice import CAPACITY_SPREAD, least_regret, regrets, with_cores_shared
+from lightning_antichain.planner.shared_cores import SharedCores
 from lightning_antichain.plans.layout import Layout
 from lightning_antichain.plans.options import PipelineOptions
 from lightning_antichain.plans.plan import Plan, Stage
@@ -147,14 +150,15 @@ class Blocks(nn.Module):
         return self.blocks(x)
 
 
-def search(world: int, *, stages="auto", schedule="auto", replication="ddp", **settings):
+def search(world: int, *, stages="auto", schedule="auto", replication="ddp", shared_cores=None, **settings):
     torch.manual_seed(0)
     model = Blocks()
     options = PipelineOptions(use_profile_cache=False, progress=False, **settings)
     return plan_layouts(model, (torch.randn(32, 64),), {}, world,
                         lambda layout, s: [torch.device("cpu")] * s.num_stages(layout.pp),
                         layout_search(stages, schedule, None), Links(per_node=world), options,
-                        optimizers=[torch.optim.Adam(model.parameters())], replication=replication)
+                        optimizers=[torch.optim.Adam(model.parameters())], replication=replication,
+                        shared_cores=shared_cores)
 
 
 def test_with_fsdp_the_search_weighs_both_ways_to_gather_and_per_micro_batch_fits_where_once_per_step_does_not():
@@ -350,3 +354,33 @@ def test_a_pipelines_ranks_step_their_optimizers_as_their_backwards_end_and_shar
     on_gpus = layout_cost(dataclasses.replace(two_stage_plan(chunks=4, cut_bytes=0), optimizer_step_s=0.2),
                           ONE_F_ONE_B, Layout(1, 2), links)
     assert on_gpus.optimizer_s == pytest.approx(0.1)
+
+
+def test_least_regret_takes_the_layout_that_falls_least_behind_as_the_cores_share_worse_or_better():
+    # as measured, worse, better: the first is quickest as measured and falls 30 behind where the
+    # cores share worse; the second never falls more than 5 behind
+    steps = [(100.0, 160.0, 80.0), (105.0, 130.0, 85.0), (140.0, 150.0, 135.0)]
+    assert regrets(steps) == [30.0, 5.0, 55.0]
+    assert least_regret(steps) == 1
+    assert least_regret([(100.0, 110.0, 90.0), (101.0, 110.0, 90.0)]) == 0  # equal regret: quickest as measured
+
+
+def test_the_cores_sharing_worse_slows_data_parallel_layouts_more_and_auto_weighs_it_where_the_ranks_measured_it():
+    plan = two_stage_plan()
+    shared = SharedCores(model=1.5, optimizer=1.3)
+    cores = 2
+    plan = dataclasses.replace(plan, cpu_cores=cores)
+    worse = with_cores_shared(plan, shared, 4, cores, 1 - CAPACITY_SPREAD)
+    better = with_cores_shared(plan, shared, 4, cores, 1 + CAPACITY_SPREAD)
+    assert worse.parallel_capacity < better.parallel_capacity and worse.optimizer_slowdown > better.optimizer_slowdown
+    assert with_cores_shared(plan, SharedCores(model=1.9), 4, cores, 1.5).parallel_capacity == capacity_of_two(
+        2.0, 4, cores)  # no more than the cores
+    free = search(4, schedule="1f1b", shared_cores=shared).plan
+    ran = [r for r in free.layouts if r.get("predicted_step_s") is not None and "over its" not in r.get("lost", "")]
+    assert all(len(r["predicted_step_as_cores_vary_s"]) == 2 and r["regret_s"] >= 0 for r in ran)
+    assert all(r["predicted_step_as_cores_vary_s"][0] >= r["predicted_step_as_cores_vary_s"][1] for r in ran)
+    chosen = next(r for r in free.layouts if "lost" not in r)
+    assert chosen["regret_s"] == min(r["regret_s"] for r in ran)
+    faster = [r for r in ran if r["predicted_step_s"] < chosen["predicted_step_s"]]
+    assert all("behind the best where the ranks share the cores 12% worse or better" in r["lost"] for r in faster)
+    assert search(4, schedule="1f1b").plan.layouts[0].get("regret_s") is None  # not measured: the quickest

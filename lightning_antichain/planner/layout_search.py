@@ -12,6 +12,7 @@ weighed, with its prediction and why it lost (:attr:`~lightning_antichain.plans.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ from .planning import (
     profile_cache_dir,
     timed_optimizer_step_s,
 )
+from .robust_choice import CAPACITY_SPREAD, least_regret, regrets, steps_as_cores_vary
 from .shared_cores import SharedCores
 
 #: the devices of a layout's stages (its first replica's), under a schedule
@@ -119,18 +121,42 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
         return profiles[micro]
 
     rows: list[dict[str, Any]] = []
-    best: tuple[Plan, dict[str, Any], nx.DiGraph] | None = None
+    candidates: list[tuple[Plan, dict[str, Any], nx.DiGraph]] = []
+    steps: list[tuple[float, float, float]] = []  # each candidate's, as measured and as the cores vary
     cuts: dict[Hashable, Plan | InfeasiblePlanError] = {}  # schedules of one stage count share their cuts
+    varies = shared_cores is not None and (shared_cores.model is not None or shared_cores.optimizer is not None)
     for pp in search.pipeline_counts(world_size):
+        layout = Layout(world_size // pp, pp)
         for schedule in schedules:
-            for row, plan, cost in _weighed(Layout(world_size // pp, pp), schedule, size, replication, profiled,
+            for row, plan, cost in _weighed(layout, schedule, size, replication, profiled,
                                             lambda cost, layout, schedule, chunks: _candidate(
                                                 cost, layout, schedule, chunks, devices_of, links, options,
                                                 multiplier, replication, cuts)):
                 rows.append(row)
-                if plan is not None and (best is None or row["predicted_step_s"] < best[1]["predicted_step_s"]):
-                    best = (plan, row, cost)
+                if plan is None:
+                    continue
+                candidates.append((plan, row, cost))
+                if varies:
+                    assert shared_cores is not None
+                    step_of = functools.partial(_step_of, schedule=schedule, layout=layout, links=links,
+                                                replication=replication, regather=row.get("regather") or "step")
+                    worse, better = steps_as_cores_vary(plan, step_of, shared_cores, world_size)
+                    row["predicted_step_as_cores_vary_s"] = [worse, better]
+                    steps.append((row["predicted_step_s"], worse, better))
+    best = None
+    if candidates:
+        if varies:
+            for (_, row, _), regret in zip(candidates, regrets(steps)):
+                row["regret_s"] = regret
+            best = candidates[least_regret(steps)]
+        else:
+            best = min(candidates, key=lambda c: c[1]["predicted_step_s"])
     return _chosen(rows, best, world_size, size, graph)
+
+
+def _step_of(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links, replication: Replication,
+             regather: Regather) -> float:
+    return layout_cost(plan, schedule, layout, links, replication, regather).step_s
 
 
 Weigh = Callable[[nx.DiGraph, Layout, ProcessSchedule, int], tuple[Plan, dict[Regather | None, LayoutCost],
@@ -201,8 +227,13 @@ def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiG
     plan, chosen, cost = best
     for row in rows:
         if row is not chosen and "lost" not in row:
-            row["lost"] = (f"{'slower' if row['predicted_step_s'] > chosen['predicted_step_s'] else 'no faster'}: "
-                           f"{1e3 * row['predicted_step_s']:.1f} ms against {1e3 * chosen['predicted_step_s']:.1f} ms")
+            ours, theirs = row["predicted_step_s"], chosen["predicted_step_s"]
+            verdict = "faster" if ours < theirs else "slower" if ours > theirs else "no faster"
+            row["lost"] = f"{verdict}: {1e3 * ours:.1f} ms against {1e3 * theirs:.1f} ms"
+            if "regret_s" in row and ours <= theirs:
+                row["lost"] += (f", but up to {1e3 * row['regret_s']:.1f} ms behind the best where the ranks share the "
+                                f"cores {CAPACITY_SPREAD:.0%} worse or better (the chosen: "
+                                f"{1e3 * chosen['regret_s']:.1f} ms)")
     plan.layout = {k: chosen[k] for k in ("dp", "pp", "schedule", "virtual_stages", "replication", "regather")
                    if k in chosen}
     plan.predicted_step_s = chosen["predicted_step_s"]  # in its layout
