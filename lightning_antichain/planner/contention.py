@@ -84,9 +84,7 @@ class PairedSteps:
         """The work two threads at once get through in units of one alone (2.0: no contention;
         ``None`` where the model cannot train on two threads at once, which calibration measures
         then), and the seconds one step takes alone: medians of the rounds after the first."""
-        if not self._alone:
-            self.round()
-        if not self._alone:
+        while not self._alone:  # a warm-up round and a timed one at least
             self.round()
         alone, quickest = statistics.median(self._alone), min(self._alone)
         if not self._paired or not self._together:

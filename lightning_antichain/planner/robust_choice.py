@@ -19,7 +19,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..measure.cpu_threads import cpu_cores
 from ..plans.plan import Plan
 from .contention import capacity_of_two
 from .shared_cores import SharedCores
@@ -46,7 +45,7 @@ def with_cores_shared(plan: Plan, shared: SharedCores, ranks: int, cores: int, f
 def steps_as_cores_vary(plan: Plan, step_of: StepOf, shared: SharedCores, ranks: int) -> tuple[float, float]:
     """The step ``step_of`` predicts for ``plan`` with the cores shared :data:`CAPACITY_SPREAD`
     worse, and better, than measured."""
-    cores = plan.cpu_cores or cpu_cores()
+    cores = plan.cpu_cores or ranks  # as the search's capacity took it
     return tuple(step_of(with_cores_shared(plan, shared, ranks, cores, 1.0 + sign * CAPACITY_SPREAD))
                  for sign in (-1, 1))  # type: ignore[return-value]
 
