@@ -84,6 +84,22 @@ def test_a_compiled_stage_takes_micro_batches_of_another_size_like_the_plain_mod
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-12)
 
 
+def test_a_compiled_stage_compiles_once_for_batches_of_one_size():
+    """The check that samples do not depend on each other runs the stages on half batches without
+    gradients before the first step: eager, so that it costs no compiles of its own nor turns the
+    stages' graphs into ones for any batch size."""
+    torch.manual_seed(0)
+    model = _mlp()
+    x, plan = _two_stages(model)
+    before, recompiled = _compiled_graphs(), counters["recompiles"].copy()
+    with la.Pipeline(model, plan, chunks=2, compile_stages=EAGER_AUTOGRAD) as pipe:
+        assert pipe.check_batch
+        for _ in range(3):
+            pipe(x).square().mean().backward()
+    assert _compiled_graphs() - before == 2
+    assert counters["recompiles"] == recompiled
+
+
 def test_without_compile_stages_nothing_is_compiled():
     torch.manual_seed(0)
     model = _mlp()

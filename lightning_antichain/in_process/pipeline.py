@@ -49,7 +49,7 @@ from ..plans.plan import Plan, recomputed_micro_batches
 from ..plans.schedule import make_schedule, runs_in_process
 from ..stages.batchnorm import deferred_batch_norm
 from ..stages.randomness import step_seed
-from ..stages.split import PlanMismatchError
+from ..stages.split import PlanMismatchError, run_eagerly
 from ..stages.tied_copies import TiedCopies
 from .autograd_bridge import PipelineBackward, PipelineFunction
 from .call_layout import CallLayout, call_key
@@ -415,7 +415,8 @@ class Pipeline(nn.Module):
         """One forward of ``values`` through the stages as a single micro-batch, outside any step."""
         leaves = flatten([values[i] for i in run.input_slots])
         stages = self._captures.stages_for(run, values)
-        return self._take_assigned_of(run, run_forward(self._pool, [stages], [leaves], None, 0))
+        with run_eagerly(stages):
+            return self._take_assigned_of(run, run_forward(self._pool, [stages], [leaves], None, 0))
 
     def _grown_run(self, run: Runnable, first: list[Any]
                    ) -> tuple[list[tuple[int, ...] | None], dict[str, tuple[int, ...] | None]]:

@@ -13,7 +13,8 @@ being shipped between stages.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -35,6 +36,22 @@ from ..weights.initialization import Initializer
 from ..weights.materialize import materialize
 from .randomness import seed_random_nodes
 from .tied_copies import TiedCopies, module_with_leaves
+
+
+@contextlib.contextmanager
+def run_eagerly(stages: Sequence[StageModule]) -> Iterator[None]:
+    """``stages`` eager meanwhile, also where they run compiled: the calls outside the steps (the
+    check that samples do not depend on each other, the shapes of a batch one sample bigger) run
+    without gradients and on other batch sizes, so that compiled they would compile each stage
+    twice more, the second time for any batch size, which the steps would then run."""
+    before = [stage.eager for stage in stages]
+    for stage in stages:
+        stage.eager = True
+    try:
+        yield
+    finally:
+        for stage, was in zip(stages, before):
+            stage.eager = was
 
 
 class PlanMismatchError(ValueError):
@@ -66,6 +83,8 @@ class StageModule:
     #: the stage's graph as it was cut, its operations not grouped: what runs the stage outside the
     #: hooks FSDP2 puts on the groups (finding what crosses its cuts); ``None``: ``module`` is that
     ungrouped: fx.GraphModule | None = None
+    #: set while the stage runs outside the steps (:func:`run_eagerly`)
+    eager: bool = False
 
     @property
     def hookless_module(self) -> fx.GraphModule:
@@ -81,7 +100,7 @@ class StageModule:
         if self.clock is not None:
             with watching(self.clock):
                 return flatten(self.clocked_module(*self.arguments(tuple(unflatten(leaves, spec)))))
-        module = self.module if self.compile_arguments is None else self.compiled_module
+        module = self.module if self.compile_arguments is None or self.eager else self.compiled_module
         return flatten(module(*self.arguments(tuple(unflatten(leaves, spec)))))
 
     @cached_property
