@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import math
 import statistics
 import subprocess
 import sys
@@ -126,6 +127,13 @@ def step_of(net: nn.Module, params: list[nn.Parameter], x: torch.Tensor) -> Call
     return step
 
 
+def calibration_step(plan: la.Plan) -> float:
+    """The pipelined step that calibrating ``plan`` measured, with the optimizer's step (NaN where
+    it was not calibrated)."""
+    found = plan.calibration or {}
+    return found.get("pipelined_step_s", math.nan) + plan.optimizer_step_s
+
+
 def accumulated_step_of(net: nn.Module, x: torch.Tensor, chunks: int) -> Callable[[], None]:
     """The plain module's step on ``chunks`` micro-batches one after another, gradients accumulated
     (the pipeline's loss over the whole batch, split): what the micro-batches' smaller kernels
@@ -212,10 +220,12 @@ def main() -> None:
               "\"plain, accumulated\" runs the plain module on the same micro-batches one after another, gradients "
               "accumulated: the cost of smaller kernels without a pipeline; the pipeline's own cost is the last "
               "overhead.", "",
+              "\"calibration's step\" is the pipelined step calibration measured (plus the optimizer's step): "
+              "where it is far from the measured step, the host ran in another state while calibrating.", "",
               "| model | batch | chunks | plain step ms | pipeline step ms | overhead | profiled / measured "
-              "| calibrated / measured | calibrated stage ms per micro-batch | calibrated step overhead ms "
-              "| plain, accumulated ms | overhead over it |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| calibrated / measured | calibration's step / measured | calibrated stage ms per micro-batch "
+              "| calibrated step overhead ms | plain, accumulated ms | overhead over it |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("ResNet-50", "GPT-2 (12 x 768)") if "one" in parts else ():
         for chunks in map(int, args.chunk_counts.split(",")):
             build, batch, size = zoo[name]
@@ -239,6 +249,7 @@ def main() -> None:
                          f"| {100 * (medians['pipe'] / medians['plain'] - 1):+.1f}% "
                          f"| {profiled_plan.predict_step() / medians['pipe']:.2f} "
                          f"| {plan.predict_step() / medians['pipe']:.2f} "
+                         f"| {calibration_step(plan) / medians['pipe']:.2f} "
                          f"| {1e3 * plan.stages[0].compute_s:.1f} | {1e3 * plan.step_overhead_s:.1f} "
                          f"| {1e3 * accumulated:.1f} | {100 * (medians['pipe'] / accumulated - 1):+.1f}% |")
             print(lines[-1], flush=True)
@@ -246,10 +257,12 @@ def main() -> None:
     # 1b. compiled: the stage through torch.compile against the compiled plain module
     lines += ["", "### One stage compiled (`compile_stages`) against the compiled plain module", "",
               "Each compiled on its first steps (the warm-up), then timed; `torch.compile` defaults "
-              "(inductor); stages refuse the modes that replay CUDA graphs.", "",
-              "| model | chunks | plain ms | plain compiled ms | stage ms | stage compiled ms "
-              "| stage compiled / plain compiled |",
-              "|---|---|---|---|---|---|---|"]
+              "(inductor); stages refuse the modes that replay CUDA graphs. \"accumulated\": the compiled plain "
+              "module on the same micro-batches one after another, gradients accumulated (a copy of its own, "
+              "compiled for that size: `dynamic=False` in both).", "",
+              "| model | chunks | plain ms | plain compiled ms | plain compiled, accumulated ms | stage ms "
+              "| stage compiled ms | stage compiled / plain compiled | stage compiled / accumulated |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name in args.compiled_models.split(",") if "compiled" in parts else ():
         for chunks in map(int, args.chunk_counts.split(",")):
             build, batch, size = zoo[name]
@@ -259,11 +272,14 @@ def main() -> None:
             model, x = build(), batch(size)
             xs = x.to(device)
             plain = copy.deepcopy(model).to(device)
-            plain_compiled = torch.compile(copy.deepcopy(model).to(device))
+            plain_compiled = torch.compile(copy.deepcopy(model).to(device), dynamic=False)
             plan = la.plan(model, x, [str(device)], chunks=chunks, profile_cache=str(cache), progress=False,
                            calibrate=False)
             steps = {"plain": step_of(plain, list(plain.parameters()), xs),
                      "plain compiled": step_of(plain_compiled, list(plain_compiled.parameters()), xs)}
+            if chunks > 1:
+                steps["accumulated"] = accumulated_step_of(
+                    torch.compile(copy.deepcopy(model).to(device), dynamic=False), xs, chunks)
             pipes = []
             for label, compiled in (("stage", False), ("stage compiled", True)):
                 copied = copy.deepcopy(model)
@@ -275,10 +291,12 @@ def main() -> None:
             finally:
                 for pipe in pipes:
                     pipe.close()
+            medians.setdefault("accumulated", medians["plain compiled"])
             ms = {k: f"{1e3 * v:.1f}" for k, v in medians.items()}
-            lines.append(f"| {name} | {chunks} | {ms['plain']} | {ms['plain compiled']} | {ms['stage']} "
-                         f"| {ms['stage compiled']} "
-                         f"| {medians['stage compiled'] / medians['plain compiled']:.3f} |")
+            lines.append(f"| {name} | {chunks} | {ms['plain']} | {ms['plain compiled']} | {ms['accumulated']} "
+                         f"| {ms['stage']} | {ms['stage compiled']} "
+                         f"| {medians['stage compiled'] / medians['plain compiled']:.3f} "
+                         f"| {medians['stage compiled'] / medians['accumulated']:.3f} |")
             print(lines[-1], flush=True)
             del plain, plain_compiled, model, pipes
     # 2. memory per stage, predicted against measured, for each recompute mode

@@ -13,6 +13,7 @@ from torch import nn
 import lightning_antichain as la
 from lightning_antichain.planner import calibration, planning
 from lightning_antichain.planner.contention import runtime_capacity
+from lightning_antichain.planner.progress import Progress
 from lightning_antichain.plans import schedule
 from lightning_antichain.plans.schedule import Task, gpipe
 
@@ -145,9 +146,10 @@ def test_a_damaged_cached_calibration_is_measured_again(tmp_path):
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda:0"])
-def test_a_calibrated_accelerator_plan_charges_per_step_what_its_measured_step_leaves_unexplained(device):
-    """On accelerators the stage times come from the device's clock, and what the runtime adds per
-    step is read from the measured pipelined step; CPU plans keep the runtime overhead measured for
+def test_a_calibrated_accelerator_plan_predicts_the_pipelined_step_it_measured(device):
+    """On accelerators the stage times come from the device's clock, and the plan predicts the
+    measured pipelined step: what the stage times leave unexplained is charged per step, and stage
+    times that explain more are scaled to it; CPU plans keep the runtime overhead measured for
     the machine. (Planning only: nothing runs on the device.)"""
     model = SequentialCNN()
     cost = la.profile(model, torch.randn(4, 3, 16, 16), "cpu", repeats=1, warmup=0, progress=False)
@@ -165,5 +167,24 @@ def test_a_calibrated_accelerator_plan_charges_per_step_what_its_measured_step_l
     else:
         assert calibrated.step_overhead_s == pytest.approx(0.005)
         assert calibrated.predict_step() == pytest.approx(found.pipelined_step_s + plan.optimizer_step_s)
-        slower = calibration.calibrated(plan, replace(found, pipelined_step_s=explained / 2))
-        assert slower.step_overhead_s == 0.0  # never negative: the stage times stand
+        # the micro-batches alone took longer than pipelined (a host launching behind a device it
+        # waits on): the stage times are scaled to the pipelined step, their ratios kept
+        quicker = calibration.calibrated(plan, replace(found, pipelined_step_s=explained / 2))
+        assert quicker.predict_step() == pytest.approx(explained / 2 + plan.optimizer_step_s, rel=2e-3)
+        assert quicker.step_overhead_s >= 0.0
+        ratios = [s.compute_s / calibrated.stages[0].compute_s for s in calibrated.stages]
+        assert [s.compute_s / quicker.stages[0].compute_s for s in quicker.stages] == pytest.approx(ratios)
+        assert quicker.stages[0].compute_s < 0.6 * calibrated.stages[0].compute_s
+
+
+def test_on_accelerators_the_pipelined_steps_are_timed_back_to_back_once_they_stop_getting_quicker():
+    """A training loop on an H200 (ResNet-50, 8 micro-batches): its steps, ms. The warm-up runs until
+    a step is no quicker than 0.97x the quickest before it; the next ones are timed, and replace
+    the pipelined steps of the rounds, whose micro-batches run alone stay."""
+    loop = iter([469, 149, 139, 120, 119, 129, 115, 116, 110, 125, 115, 110, 111])
+    rounds = [(0.5, [{"alone": float(r)}], [[]]) for r in range(3)]
+    reporter = Progress(3, enabled=False, label="calibrating", unit="steps")
+    timed = calibration._with_steps_back_to_back(rounds, lambda: (next(loop) / 1e3, [["step"]]), 3, reporter)
+    assert [elapsed for elapsed, _, _ in timed] == pytest.approx([0.129, 0.115, 0.116])
+    assert [alone for _, alone, _ in timed] == [alone for _, alone, _ in rounds]
+    assert all(steps == [["step"]] for _, _, steps in timed)
