@@ -135,6 +135,25 @@ def test_other_work_on_the_shared_cores_slows_the_cpu_stages_only_while_it_runs(
     assert apart[Task("forward", 0, 0)] == pytest.approx(1.0)  # an accelerator's stages do not share the cores
 
 
+def test_a_task_held_after_its_work_delays_what_waits_for_it_and_shares_no_core():
+    """A replicated stage's reduction in its last backward: the previous stage's backward of that
+    micro-batch waits for it; meanwhile the other stage has the one shared core to itself."""
+    durations = schedule.stage_durations([1.0, 1.0], [4.0, 2.0])
+    last = Task("backward", 1, 0)  # GPipe runs its backwards in reverse: micro-batch 0's is stage 1's last
+
+    def run(held):
+        return {t.task: t for t in timeline(gpipe(2, 2), durations, capacity=[1.0, 1.0], shared=[True, True],
+                                            held=held)}
+
+    plain, held = run(None), run({last: 3.0})
+    # F0,0 1; F0,1 and F1,0 together to 3; F1,1 to 4; B1,1 to 6; B0,1 and B1,0 together until B1,0's work
+    # is done at 10, which then holds its stage to 13 while B0,1 has the core alone: its last 2 s end at 12
+    assert plain[last].end == pytest.approx(10.0) and held[last].end == pytest.approx(13.0)
+    assert held[Task("backward", 0, 1)].end == pytest.approx(12.0) == plain[Task("backward", 0, 1)].end
+    assert held[Task("backward", 0, 0)].start == pytest.approx(13.0)
+    assert held[Task("backward", 0, 0)].end == pytest.approx(plain[Task("backward", 0, 0)].end + 1.0)
+
+
 def test_each_cpu_stage_beyond_the_first_adds_the_profiled_gain_while_there_are_cores():
     cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
     plan = la.partition(cost, 4, chunks=2)

@@ -6,9 +6,10 @@ the ``dp`` pipelines run at once, so where they share a machine's CPU they slow 
 pipeline's own stages do; a cut between ranks on two nodes ships its values over the slower link
 between nodes; and the ranks that hold a stage keep their copies in step.
 
-DDP reduces the gradients during the last micro-batch's backward, bucket by bucket, so a rank's
-reduction delays its end of the step only by what that backward does not hide, and at least by
-its last bucket. On a CPU the reduction hides nothing: the step then lasts at least all ranks'
+DDP reduces the gradients during a stage's last backward, bucket by bucket, so a stage's reduction
+delays that backward only by what it does not hide, and at least by its last bucket; torch's stage
+sends the input gradient once the backward returns, so the previous rank's last backward waits for
+the reduction too. On a CPU the reduction hides nothing: the step then lasts at least all ranks'
 tasks over what the cores get through at once (measured among the ranks where they are there to
 ask: :func:`~lightning_antichain.planner.contention.processes_capacity`), then the collectives'
 copying, timed with every rank in one at once, and their latencies, which are waiting, not work
@@ -42,7 +43,7 @@ from ..measure.link_speed import CollectiveSpeed, Kind
 from ..plans.layout import Layout
 from ..plans.plan import Plan, Stage
 from ..plans.process_schedules import ProcessSchedule
-from ..plans.schedule import Schedule, Timed
+from ..plans.schedule import Schedule, Task, Timed
 from ..processes.replication import Regather, Replication
 from .contention import capacity_of_two
 
@@ -158,46 +159,39 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         linked = gathers.in_tasks()
     table = schedule.table(pp, plan.chunks)
     holder = {s: schedule.rank_of(s, pp) for s in range(plan.num_stages)}
+    reduced = _ddp_reductions(linked, schedule, layout, links, table) if gathers is None and dp > 1 else {}
+    held = {task: exposed for task, (exposed, _, _) in reduced.items()}
 
     def ends_of(timed: Sequence[Timed]) -> tuple[list[float], list[float], list[float], list[float]]:
         """Each rank's last task's end and its step's end before the optimizer (with the replicas'
         collectives), and those collectives' seconds and waiting."""
         ends = [0.0] * pp
-        last_backward = [0.0] * pp  # the last micro-batch's backward, which DDP's reduction hides behind
         for t in timed:
-            rank = holder[t.task.stage]
-            ends[rank] = max(ends[rank], t.end)
-            if t.task.phase != "forward" and t.task.micro_batch == plan.chunks - 1:
-                last_backward[rank] += t.end - t.start
+            ends[holder[t.task.stage]] = max(ends[holder[t.task.stage]], t.end)
         finish, reductions, waits = [], [], []  # the replicas' collectives per rank; of them, what is waiting
         for position in range(pp):
-            stages = [linked.stages[s] for s in schedule.stages_of(position, pp)]
-            hidden = 0.0 if any(shares_host(s.device) for s in stages) else last_backward[position]
-            grads = sum(s.param_bytes - s.frozen_bytes for s in stages)
-            gbps = links.slowest([layout.rank(d, position) for d in range(dp)])
             if gathers is not None:  # FSDP2: what its tasks do not already carry
                 exposed, waiting = gathers.at_step_ends(position)
                 reductions.append(exposed)
                 waits.append(waiting)
                 finish.append(ends[position] + exposed)
                 continue
-            buckets = math.ceil(grads / BUCKET_BYTES) if dp > 1 and gbps is not None else 0
-            whole = ring_all_reduce_s(grads, dp, gbps) + buckets * links.latency_s  # DDP: a collective a bucket
-            tail = ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps, links.latency_s)
-            reductions.append(whole if dp > 1 else 0.0)
-            waits.append(buckets * links.latency_s if dp > 1 else 0.0)
-            finish.append(ends[position] + (max(whole - hidden, tail) if dp > 1 else 0.0))
+            mine = [r for task, r in reduced.items() if holder[task.stage] == position]
+            reductions.append(sum(whole for _, whole, _ in mine))  # DDP's: inside the last backwards
+            waits.append(sum(waiting for _, _, waiting in mine))
+            finish.append(ends[position])
         return ends, finish, reductions, waits
 
-    timed = linked.timeline(table, replicas=dp)
+    timed = linked.timeline(table, replicas=dp, held=held)
     ends, finish, reductions, waits = ends_of(timed)
     stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed, ends)
     shared = any(shares_host(s.device) for s in linked.stages) and not linked.measured_together
     tails = [(e, t) for e, t in zip(ends, stepped) if t > e and e < max(ends)]
     if shared and tails:  # the ranks done first reduce and step on the cores the others still compute on
-        timed = linked.timeline(table, replicas=dp, others=tails)
+        timed = linked.timeline(table, replicas=dp, others=tails, held=held)
         ends, finish, reductions, waits = ends_of(timed)
         stepped = _optimizer_ends(linked, schedule, layout, replication, finish, timed, ends)
+    unreduced = max(t.end for t in linked.timeline(table, replicas=dp)) if held else max(ends)
     end, added = max(finish), max(stepped) - max(finish)
     if shared:
         # all ranks' tasks over what the cores get through at once; then the bytes their
@@ -208,11 +202,42 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         moved = (sum(reductions) - sum(waits)) / pp
         end = max(end, dp * _work_s(linked, table) / capacity + moved + max(waits, default=0.0))
     step = end + added + linked.step_overhead_s
-    reduction = end - max(ends)
+    reduction = end - unreduced
     rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication, regather) for s in schedule.stages_of(p, pp))
                        for p in range(pp))
     optimizers = tuple(e - f for e, f in zip(stepped, finish))
     return LayoutCost(step, reduction, rank_bytes, max(optimizers), optimizers)
+
+
+def _ddp_reductions(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links, table: Schedule
+                    ) -> dict[Task, tuple[float, float, float]]:
+    """Each stage's DDP reduction, by the task it runs in: the stage's last backward (or, where the
+    schedule takes backwards apart, its last weight gradients), whose input gradient the previous
+    rank waits for until the reduction is done (torch's stage sends it after the backward returns,
+    and DDP's backward returns once its buckets are reduced: the wide MLP's dp=2 x pp=2 measured
+    1.25-1.64x a prediction that let the previous rank go on meanwhile). Each: what it adds to the
+    task (on an accelerator, what that backward does not hide, and at least its last bucket; on
+    a CPU, all of it), its seconds, and of them the collectives' waiting."""
+    dp = layout.dp
+    last: dict[int, Task] = {}
+    for tasks in table.order:
+        for task in tasks:
+            if task.phase in ("backward", "backward_weight"):
+                last[task.stage] = task
+    found = {}
+    for index, task in last.items():
+        stage = plan.stages[index]
+        position = schedule.rank_of(index, layout.pp)
+        grads = stage.param_bytes - stage.frozen_bytes
+        gbps = links.slowest([layout.rank(d, position) for d in range(dp)])
+        if grads <= 0 or gbps is None:
+            continue
+        buckets = math.ceil(grads / BUCKET_BYTES)
+        whole = ring_all_reduce_s(grads, dp, gbps) + buckets * links.latency_s  # DDP: a collective a bucket
+        tail = ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps, links.latency_s)
+        hidden = 0.0 if shares_host(stage.device) else plan.task_seconds(stage, task.phase)
+        found[task] = (max(whole - hidden, tail), whole, buckets * links.latency_s)
+    return found
 
 
 def _work_s(plan: Plan, table: Schedule) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -249,7 +249,8 @@ class Plan:
         return self.table()
 
     def timeline(self, schedule: Schedule | None = None, replicas: int = 1,
-                 others: Sequence[tuple[float, float]] = ()) -> list[Timed]:
+                 others: Sequence[tuple[float, float]] = (), held: Mapping[Task, float] | None = None
+                 ) -> list[Timed]:
         """The predicted start and end of every task of one step (:func:`schedule.timeline`), each
         stage's transfer split evenly between its forward and its backward, and the backward of a
         micro-batch that ``recompute`` recomputes charged its forward again. ``schedule``: the
@@ -257,7 +258,8 @@ class Plan:
         :meth:`~lightning_antichain.plans.process_schedules.ProcessSchedule.table`); default,
         the plan's own schedule over one worker per stage. ``replicas``: pipelines running the
         same step at once, whose CPU stages share the machine with these; ``others``: spans of
-        other work sharing it meanwhile (a rank's reduction and optimizer step)."""
+        other work sharing it meanwhile (a rank's reduction and optimizer step); ``held``: seconds
+        a task keeps its stage after its work, sharing nothing (a replicated stage's reduction)."""
         recomputed = recomputed_micro_batches(self.recompute, self.chunks)
 
         def duration(task: Task) -> float:
@@ -277,6 +279,7 @@ class Plan:
                     for tasks in schedule.order],
             copies=replicas,
             others=others,
+            held=held,
         )
 
     def task_seconds(self, stage: Stage, phase: Phase) -> float:

@@ -15,7 +15,7 @@ before waits for, and that of its weights, which nobody waits for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -149,6 +149,7 @@ def timeline(
     shared: Sequence[bool] | None = None,
     copies: int = 1,
     others: Sequence[tuple[float, float]] = (),
+    held: Mapping[Task, float] | None = None,
 ) -> list[Timed]:
     """When each task runs, if each takes ``duration(task)`` seconds when it runs alone.
 
@@ -165,12 +166,16 @@ def timeline(
     stands for that many running the same tasks in step (pipeline replicas), which share the
     machine too. ``others``: spans of other work on the shared cores (a rank's gradient reduction
     and optimizer step after its last task), each as busy as a shared stage (``copies`` of each).
+    ``held``: seconds a task keeps its stage after its work is done, sharing nothing and slowed by
+    nothing (a replicated stage's gradient reduction in its last backward, timed as the ranks run it
+    at once), before what waits for it may start.
     """
     shared = [False] * schedule.workers if shared is None else list(shared)
+    held = held or {}
     waits_for = prerequisites(schedule)
     end: dict[Task, float] = {}
     position = [0] * schedule.workers
-    running: dict[int, tuple[Task, float, float]] = {}  # stage -> (task, start, work left)
+    running: dict[int, tuple[Task, float, float, float]] = {}  # stage -> (task, start, work left, held left)
     timed: list[Timed] = []
     now = 0.0
     total = sum(len(tasks) for tasks in schedule.order)
@@ -179,27 +184,33 @@ def timeline(
             if k not in running and position[k] < len(tasks):
                 task = tasks[position[k]]
                 if all(t in end for t in waits_for(task)):
-                    running[k] = (task, now, duration(task))
+                    running[k] = (task, now, duration(task), held.get(task, 0.0))
         if not running:
             waiting = [tasks[position[k]] for k, tasks in enumerate(schedule.order) if position[k] < len(tasks)]
             raise ValueError(f"schedule {schedule.name!r} deadlocks: every stage waits ({waiting})")
-        own = sum(1 for k in running if shared[k])
+        working = [k for k, (_, _, left, _) in running.items() if left > 0.0]
+        own = sum(1 for k in working if shared[k])
         together = copies * (own + sum(1 for start, stop in others if start <= now < stop)) if own else 0
         share = capacity[min(together, len(capacity)) - 1] / together if together else 1.0
-        rate = {k: share if shared[k] else 1.0 for k in running}
-        step = min(left / rate[k] for k, (_, _, left) in running.items())
+        rate = {k: share if shared[k] else 1.0 for k in working}
+        step = min(running[k][2] / rate[k] if k in rate else running[k][3] for k in running)
         if others:
             step = min([step, *(t - now for span in others for t in span if t > now)])
         now += step
-        for k, (task, start, left) in list(running.items()):
-            left -= step * rate[k]
-            if left <= 1e-12 * max(1.0, now):
+        for k, (task, start, left, kept) in list(running.items()):
+            if k in rate:
+                left -= step * rate[k]
+                if left <= 1e-12 * max(1.0, now):
+                    left = 0.0
+            else:
+                kept -= step
+            if left == 0.0 and kept <= 1e-12 * max(1.0, now):
                 end[task] = now
                 timed.append(Timed(task, start, now))
                 position[k] += 1
                 del running[k]
             else:
-                running[k] = (task, start, left)
+                running[k] = (task, start, left, kept)
     return timed
 
 
