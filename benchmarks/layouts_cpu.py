@@ -52,7 +52,7 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
             loss_fn = loss_of(model_name)
             free = layout_search("auto", "auto", None)
             counts = free.pipeline_counts(ranks)
-            planned = _probes(model, x, ranks)  # as the strategy does before it plans a layout on CPU processes
+            planned = _probes(model, x, ranks, counts)  # as the strategy does before it plans a layout on CPU processes
             for how in args.replication.split(","):
                 _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, planned, cache, args,
                          results)
@@ -141,7 +141,7 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                 times[pp].append(elapsed)
                 per_rank[pp].append(torch.stack(each))
         if repeat:  # the machine now: the probes again, every layout predicted from them
-            probes = _probes(model, x, ranks)
+            probes = _probes(model, x, ranks, counts)
             if rank == 0:
                 for pp, (_, plan, chosen_layout) in runs.items():
                     predicted = repredicted(plan, chosen_layout, how, link, probes, ranks)
@@ -173,15 +173,18 @@ def _by_position(medians: torch.Tensor, chosen_layout: dict) -> list[tuple[float
             for p in range(layout.pp)]
 
 
-def _probes(model, x, ranks: int) -> tuple:
+def _probes(model, x, ranks: int, counts: list[int]) -> tuple:
     """What every rank measures before rank 0 plans (as the strategy does): each collective's
-    speed, and what the ranks get through at once running the model and stepping AdamW."""
+    speed, and what the ranks get through at once running the model and stepping AdamW (on the
+    share of the parameters each rank steps in a pipeline of each of ``counts`` ranks; FSDP2's
+    shares, ``pp * dp``, are the ranks, among them)."""
     from lightning_antichain.measure.link_speed import measured_collectives
     from lightning_antichain.planner.shared_cores import shared_cores
 
     cpu = torch.device("cpu")
     return (measured_collectives(cpu),
-            shared_cores(model, (x[:len(x) // ranks],), {}, [torch.optim.AdamW(model.parameters())]))
+            shared_cores(model, (x[:len(x) // ranks],), {}, [torch.optim.AdamW(model.parameters())],
+                         shares=counts))
 
 
 def repredicted(plan, chosen_layout: dict, how: str, planned: tuple, probes: tuple, ranks: int) -> float:
@@ -193,6 +196,7 @@ def repredicted(plan, chosen_layout: dict, how: str, planned: tuple, probes: tup
 
     from lightning_antichain.planner.contention import capacity_of_two
     from lightning_antichain.planner.layout_cost import layout_cost, measured_links
+    from lightning_antichain.planner.shared_cores import share_of
     from lightning_antichain.plans.layout import Layout
     from lightning_antichain.plans.process_schedules import process_schedule
 
@@ -211,11 +215,12 @@ def repredicted(plan, chosen_layout: dict, how: str, planned: tuple, probes: tup
                                   backward_input_s=scaled(s.backward_input_s),
                                   backward_weight_s=scaled(s.backward_weight_s)) for s in plan.stages]
     cores = plan.cpu_cores or ranks
+    layout = Layout(chosen_layout["dp"], chosen_layout["pp"])
     plan = dataclasses.replace(
         plan, stages=stages, optimizer_step_s=plan.optimizer_step_s * optimizer_speed,
         parallel_capacity=capacity_of_two(now.model, ranks, cores) if now.model else plan.parallel_capacity,
-        optimizer_slowdown=ranks / now.optimizer if now.optimizer else plan.optimizer_slowdown)
-    layout = Layout(chosen_layout["dp"], chosen_layout["pp"])
+        optimizer_slowdown=ranks / optimizer if (optimizer := now.optimizer_at(share_of(layout, how)))
+        else plan.optimizer_slowdown)
     schedule = process_schedule(chosen_layout["schedule"], chosen_layout["virtual_stages"])
     return layout_cost(plan, schedule, layout, measured_links(ranks, collectives), how,
                        chosen_layout.get("regather") or "step").step_s

@@ -21,10 +21,10 @@ from lightning_antichain.planner.layout_cost import (
     ring_all_reduce_s,
     shared_ends,
 )
-from lightning_antichain.planner.layout_search import LayoutSearch, layout_search, plan_layouts
+from lightning_antichain.planner.layout_search import LayoutSearch, layout_search, optimizer_slowdown, plan_layouts
 from lightning_antichain.planner.overhead import loss_seconds
 from lightning_antichain.planner.robust_choice import CAPACITY_SPREAD, least_regret, regrets, with_cores_shared
-from lightning_antichain.planner.shared_cores import SharedCores
+from lightning_antichain.planner.shared_cores import SharedCores, share_of
 from lightning_antichain.plans.layout import Layout
 from lightning_antichain.plans.options import PipelineOptions
 from lightning_antichain.plans.plan import Plan, Stage
@@ -387,3 +387,27 @@ def test_the_cores_sharing_worse_slows_data_parallel_layouts_more_and_auto_weigh
     faster = [r for r in ran if r["predicted_step_s"] < chosen["predicted_step_s"]]
     assert all("behind the best where the ranks share the cores 12% worse or better" in r["lost"] for r in faster)
     assert search(4, schedule="1f1b").plan.layouts[0].get("regret_s") is None  # not measured: the quickest
+
+
+def test_each_layout_steps_the_optimizer_as_measured_on_the_share_of_the_parameters_its_ranks_step():
+    """Memory-bound, an optimizer's steps share the cores better on less: a layout's ranks step
+    ``1/pp`` of the parameters (``1/(pp * dp)`` sharded by FSDP2), and the search charges each
+    layout the sharing measured for the nearest share."""
+    shared = SharedCores(model=1.5, optimizer=1.1, optimizer_shares=((2, 1.5), (4, 1.9)))
+    assert [shared.optimizer_at(s) for s in (1, 2, 3, 4, 8)] == [1.1, 1.5, 1.9, 1.9, 1.9]
+    assert SharedCores(model=1.5).optimizer_at(2) is None
+    assert share_of(Layout(2, 2), "ddp") == 2 and share_of(Layout(2, 2), "fsdp") == 4
+    assert optimizer_slowdown(shared, Layout(1, 4), "ddp", 4) == pytest.approx(4 / 1.9)
+    assert optimizer_slowdown(shared, Layout(4, 1), "ddp", 4) == pytest.approx(4 / 1.1)
+    assert optimizer_slowdown(shared, Layout(4, 1), "fsdp", 4) == pytest.approx(4 / 1.9)
+    whole_only = SharedCores(model=1.5, optimizer=1.1)
+    # each search times the optimizer again: its parts against those of the layout whose ranks step it all
+    parts = []
+    for cores in (shared, whole_only):
+        found = search(4, schedule="1f1b", shared_cores=cores).plan.layouts
+        rows = {(r["dp"], r["chunks"]): r["optimizer_s"] for r in found if r.get("optimizer_s")}
+        whole = [s for (dp, _), s in rows.items() if dp == 4]
+        assert whole and max(whole) == pytest.approx(min(whole))
+        parts.append({key: s / whole[0] for key, s in rows.items() if key[0] < 4})
+    pipelines = [key for key in parts[0] if key in parts[1]]
+    assert pipelines and all(parts[0][k] < parts[1][k] for k in pipelines)

@@ -42,8 +42,9 @@ def measuring_rank(rank: int, port: int, results) -> None:
         model = conv_net()
         optimizer = torch.optim.AdamW(model.parameters())
         before = {n: b.clone() for n, b in model.named_buffers()}
-        cores = shared_cores(model, (torch.randn(4, 3, 16, 16),), {}, [optimizer])
-        capacity = (cores.model, cores.optimizer)
+        cores = shared_cores(model, (torch.randn(4, 3, 16, 16),), {}, [optimizer], shares=[1, 2])
+        capacity = (cores.model, cores.optimizer, cores.optimizer_at(2))
+        assert [share for share, _ in cores.optimizer_shares] == [2]  # the half, measured apart
         per_tensor = cores.optimizer_tensor_s, dtensor_overhead_s(PlainTensorsOnly(model.parameters(), lr=0.1))
         untouched = all(torch.equal(before[n], b) for n, b in model.named_buffers()) and all(
             p.grad is None for p in model.parameters()) and not optimizer.state
@@ -64,7 +65,8 @@ def measuring_rank(rank: int, port: int, results) -> None:
 @pytest.mark.processes
 def test_ranks_measure_each_collective_and_their_capacity_alike_and_a_failing_step_measures_nothing():
     """Every rank gets the same latencies, bandwidths and capacities (the slowest rank's times);
-    each capacity, the model's and the optimizer's, lies between one rank's work and two; the
+    each capacity, the model's and the optimizer's (on all parameters, and each rank on half of
+    them), lies between one rank's work and two; the
     measured steps leave the model's buffers (BatchNorm's running statistics), its gradients and
     the optimizer's state as they were; a step that fails on one rank gives ``None`` on both,
     neither waiting for the other. What a DTensor adds to AdamW's step per parameter tensor
@@ -76,7 +78,7 @@ def test_ranks_measure_each_collective_and_their_capacity_alike_and_a_failing_st
     assert other[2:] == reports[0][2:]
     assert set(speeds) == set(KINDS)
     assert all(latency >= 0 and gbps > 0 for latency, gbps in speeds.values())
-    assert all(c is not None and 1.0 <= c <= 2.0 for c in capacity)  # the model's, the optimizer's
+    assert all(c is not None and 1.0 <= c <= 2.0 for c in capacity)  # the model's, the optimizer's on all, on half
     assert untouched and failed is None
     assert per_tensor[0] is not None and 1e-6 < per_tensor[0] < 0.01  # DTensor's dispatch: about 0.2 ms here
     assert per_tensor[1] is None  # rank 0 could not step DTensors: both ranks hear it, neither waits

@@ -12,6 +12,7 @@ weighed, with its prediction and why it lost (:attr:`~lightning_antichain.plans.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from .planning import (
     timed_optimizer_step_s,
 )
 from .robust_choice import CAPACITY_SPREAD, least_regret, regrets, steps_as_cores_vary
-from .shared_cores import SharedCores
+from .shared_cores import SharedCores, share_of
 
 #: the devices of a layout's stages (its first replica's), under a schedule
 DevicesOf = Callable[[Layout, ProcessSchedule], list[torch.device]]
@@ -108,8 +109,6 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                 if shared_cores is not None and shared_cores.model is not None:
                     cores = cost.graph.get("cpu_cores") or world_size
                     cost.graph["parallel_capacity"] = capacity_of_two(shared_cores.model, world_size, cores)
-                if shared_cores is not None and shared_cores.optimizer is not None:
-                    cost.graph["optimizer_slowdown"] = world_size / shared_cores.optimizer
                 if shared_cores is not None and shared_cores.optimizer_tensor_s is not None:
                     cost.graph["optimizer_tensor_s"] = shared_cores.optimizer_tensor_s
                 timed_loss = None if loss is None else loss_seconds(module, *call, loss)
@@ -131,7 +130,8 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
             for row, plan, cost in _weighed(layout, schedule, size, replication, profiled,
                                             lambda cost, layout, schedule, chunks: _candidate(
                                                 cost, layout, schedule, chunks, devices_of, links, options,
-                                                multiplier, replication, cuts)):
+                                                multiplier, replication, cuts,
+                                                optimizer_slowdown(shared_cores, layout, replication, world_size))):
                 rows.append(row)
                 if plan is None:
                     continue
@@ -140,7 +140,8 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                     assert shared_cores is not None
                     step_of = functools.partial(_step_of, schedule=schedule, layout=layout, links=links,
                                                 replication=replication, regather=row.get("regather") or "step")
-                    worse, better = steps_as_cores_vary(plan, step_of, shared_cores, world_size)
+                    worse, better = steps_as_cores_vary(plan, step_of, shared_cores, world_size,
+                                                        share_of(layout, replication))
                     row["predicted_step_as_cores_vary_s"] = [worse, better]
                     steps.append((row["predicted_step_s"], worse, better))
     best = None
@@ -243,13 +244,22 @@ def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiG
     return Planned(plan, graph, cost)
 
 
+def optimizer_slowdown(shared: SharedCores | None, layout: Layout, replication: Replication, world_size: int
+                       ) -> float | None:
+    """How much slower the ranks of ``layout`` step the optimizer all at once than one alone, as
+    measured with each stepping its share of the parameters (``None``: not measured)."""
+    capacity = None if shared is None else shared.optimizer_at(share_of(layout, replication))
+    return None if capacity is None else world_size / capacity
+
+
 def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chunks: int, devices_of: DevicesOf,
                links: Links, options: PipelineOptions, multiplier: float, replication: Replication,
-               cuts: dict[Hashable, Plan | InfeasiblePlanError] | None = None
+               cuts: dict[Hashable, Plan | InfeasiblePlanError] | None = None, slowdown: float | None = None
                ) -> tuple[Plan, dict[Regather | None, LayoutCost], float | None]:
     """The plan of ``layout`` under ``schedule`` at ``chunks`` micro-batches, its cost there for
     each way FSDP2 may gather (:func:`regathers`), and the memory of a rank's device in bytes
-    (``None``: unlimited)."""
+    (``None``: unlimited). ``slowdown``: the ranks' optimizer steps all at once against one alone
+    (:func:`optimizer_slowdown`)."""
     schedule.table(layout.pp, chunks)  # a count torch's schedule refuses raises here
     devices = devices_of(layout, schedule)
     device_gb = default_memory_gb(devices) if options.memory_gb is None else _per_device(options.memory_gb,
@@ -280,6 +290,8 @@ def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chun
         # sharding over the replicas may fit what a stage whole does not: cut without a budget
         # (None per device; None alone would mean the devices' own memory), FSDP2's peak is weighed below
         plan = cut([None] * len(devices))
+    if slowdown is not None:
+        plan = dataclasses.replace(plan, optimizer_slowdown=slowdown)
     costs = {regather: layout_cost(plan, schedule, layout, links, replication, regather or "step")
              for regather in regathers(replication, layout, schedule)}
     return plan, costs, min(known) * GB if known else None

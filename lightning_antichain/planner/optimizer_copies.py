@@ -3,21 +3,25 @@ optimizer step on, leaving the user's optimizer, parameters and gradients untouc
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 
 def optimizer_copies(optimizers: list[torch.optim.Optimizer], budget_bytes: int = 256 * 2**20,
-                     device: torch.device | None = None) -> list[tuple[torch.optim.Optimizer, float]]:
+                     device: torch.device | None = None, share: int = 1) -> list[tuple[torch.optim.Optimizer, float]]:
     """Fresh optimizers like ``optimizers`` over copies of (the first ``budget_bytes`` of) their
     parameters, each with what its bytes scale by to the whole (see
-    :func:`~lightning_antichain.planner.overhead.optimizer_step_s`)."""
+    :func:`~lightning_antichain.planner.overhead.optimizer_step_s`). ``share``: copy only the
+    first ``1/share`` of each optimizer's parameter bytes (at least one tensor), what a rank
+    steps where a layout gives it that share of the model."""
     copies = []
     for optimizer in optimizers:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-        budget = budget_bytes
         state = [p for group in optimizer.param_groups for p in group["params"]]
         sizes = [p.numel() * p.element_size() for p in state]
+        budget = min(budget_bytes, math.ceil(sum(sizes) / share))
         on_meta = any(p.is_meta for p in state)
         if on_meta:  # the model is not real anywhere: stay far below its size, even its largest tensor
             budget = max(min(budget // 4, sum(sizes) // 8), min(sizes, default=0))

@@ -30,23 +30,27 @@ CAPACITY_SPREAD = 0.12
 StepOf = Callable[[Plan], float]
 
 
-def with_cores_shared(plan: Plan, shared: SharedCores, ranks: int, cores: int, factor: float) -> Plan:
+def with_cores_shared(plan: Plan, shared: SharedCores, ranks: int, cores: int, factor: float, share: int = 1
+                      ) -> Plan:
     """``plan`` with the ranks getting ``factor`` times the work at once that ``shared`` measured,
-    running the model and stepping the optimizer (no more than the cores allow)."""
+    running the model and stepping the optimizer, each rank ``1/share`` of the parameters (no
+    more than the cores allow)."""
     most = float(min(ranks, cores))
     changes: dict[str, Any] = {}
     if shared.model is not None:
         changes["parallel_capacity"] = capacity_of_two(min(most, max(1.0, shared.model * factor)), ranks, cores)
-    if shared.optimizer is not None:
-        changes["optimizer_slowdown"] = ranks / min(most, max(1.0, shared.optimizer * factor))
+    optimizer = shared.optimizer_at(share)
+    if optimizer is not None:
+        changes["optimizer_slowdown"] = ranks / min(most, max(1.0, optimizer * factor))
     return dataclasses.replace(plan, **changes)
 
 
-def steps_as_cores_vary(plan: Plan, step_of: StepOf, shared: SharedCores, ranks: int) -> tuple[float, float]:
-    """The step ``step_of`` predicts for ``plan`` with the cores shared :data:`CAPACITY_SPREAD`
-    worse, and better, than measured."""
+def steps_as_cores_vary(plan: Plan, step_of: StepOf, shared: SharedCores, ranks: int, share: int = 1
+                        ) -> tuple[float, float]:
+    """The step ``step_of`` predicts for ``plan`` (its ranks each stepping ``1/share`` of the
+    parameters) with the cores shared :data:`CAPACITY_SPREAD` worse, and better, than measured."""
     cores = plan.cpu_cores or ranks  # as the search's capacity took it
-    return tuple(step_of(with_cores_shared(plan, shared, ranks, cores, 1.0 + sign * CAPACITY_SPREAD))
+    return tuple(step_of(with_cores_shared(plan, shared, ranks, cores, 1.0 + sign * CAPACITY_SPREAD, share))
                  for sign in (-1, 1))  # type: ignore[return-value]
 
 

@@ -10,9 +10,10 @@ and all at once (:func:`~lightning_antichain.planner.contention.processes_timing
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..capture.signature import original_forward
+from ..plans.layout import Layout
 from . import calibration
 from .contention import copied_training_step, processes_timing
 from .optimizer_copies import optimizer_copies
@@ -48,36 +50,65 @@ class SharedCores:
     optimizer_alone_s: float | None = None
     #: what FSDP2 adds to the optimizer's step per parameter tensor (:func:`dtensor_overhead_s`)
     optimizer_tensor_s: float | None = None
+    #: the optimizer's sharing with each rank stepping ``1/share`` of the parameters, by share
+    #: (the whole, share 1, is :attr:`optimizer`)
+    optimizer_shares: tuple[tuple[int, float], ...] = ()
+
+    def optimizer_at(self, share: int) -> float | None:
+        """How the optimizer's steps share the cores where each rank steps ``1/share`` of the
+        parameters: as measured for the nearest share measured. Memory-bound, it shares them
+        better on less: four ranks stepping the wide MLP's AdamW got 1.12-1.25 on the whole model
+        each, 1.47-1.61 on half, 1.63-2.00 on a quarter."""
+        measured = dict(self.optimizer_shares)
+        if self.optimizer is not None:
+            measured.setdefault(1, self.optimizer)
+        if not measured:
+            return None
+        return measured[min(measured, key=lambda s: (abs(math.log(s / share)), s))]
 
 
 def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Sequence[torch.optim.Optimizer],
-                 group: Any = None) -> SharedCores | None:
+                 group: Any = None, shares: Sequence[int] = ()) -> SharedCores | None:
     """What the ranks of ``group`` get through at once (:func:`processes_timing`), each running
     ``module``'s forward and backward on its call ``args, kwargs`` (its share of a batch), and
     each stepping copies of ``optimizers`` on the gradients of that call's backward, as planning
     times the optimizer alone (:func:`~lightning_antichain.planner.planning.timed_optimizer_step_s`:
     on a CPU the gradients' values set an optimizer's pace, and how it shares the cores: a wide
     MLP's AdamW measured 1.7-2.0 on random gradients, 1.0 on its own, as its steps in training
-    showed); ``None`` for a module without values (on meta).
-    Every rank calls it; the module, its buffers and the optimizers stay as they were."""
+    showed); ``None`` for a module without values (on meta). ``shares``: also each rank
+    stepping only ``1/share`` of the parameters, for each share beyond the whole (a layout's:
+    :func:`share_of`). Every rank calls it; the module, its buffers and the optimizers stay as
+    they were."""
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         return None
     model = processes_timing(copied_training_step(module, args, kwargs), group)
+    counts = sorted({1, *(s for s in shares if s > 1)})
     with calibration.untouched(module):  # the copies step on real gradients: values set an optimizer's pace
         calibration.backward_from(original_forward(module)(*args, **kwargs))
-        copies = [fresh for fresh, _ in optimizer_copies(list(optimizers))]
+        copies = {share: [fresh for fresh, _ in optimizer_copies(list(optimizers), share=share)] for share in counts}
 
-    def step_copies() -> None:
-        for fresh in copies:
-            fresh.step()
+    def stepping(fresh_ones: list[torch.optim.Optimizer]) -> Callable[[], None]:
+        def step() -> None:
+            for fresh in fresh_ones:
+                fresh.step()
+        return step
 
     # memory-bound, the steps share the cores better while the ranks drift apart, which more rounds
     # find: with the quickest round together, a wide MLP's AdamW read 1.64-1.77 over 9 rounds,
     # where training (its ranks in step after DDP's reduction) got about 1.15; over 5, 1.09-1.35
-    optimizer = processes_timing(step_copies, group, OPTIMIZER_ROUNDS) if copies else None
+    timed = {share: processes_timing(stepping(fresh), group, OPTIMIZER_ROUNDS) if fresh else None
+             for share, fresh in copies.items()}
+    optimizer = timed[1]
     return SharedCores(None if model is None else model.capacity, None if optimizer is None else optimizer.capacity,
                        None if model is None else model.alone_s, None if optimizer is None else optimizer.alone_s,
-                       dtensor_overhead_s(optimizers[0], group) if optimizers else None)
+                       dtensor_overhead_s(optimizers[0], group) if optimizers else None,
+                       tuple((share, t.capacity) for share, t in timed.items() if share > 1 and t is not None))
+
+
+def share_of(layout: Layout, replication: str) -> int:
+    """How many parts of the model's parameters each rank of ``layout`` steps one of: a pipeline
+    position's (``pp``), and of it, with FSDP2, its shard (``pp * dp``)."""
+    return layout.pp * (layout.dp if replication == "fsdp" else 1)
 
 
 def dtensor_overhead_s(optimizer: torch.optim.Optimizer, group: Any = None) -> float | None:

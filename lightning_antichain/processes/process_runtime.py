@@ -48,7 +48,7 @@ from ..planner.layout_search import chosen_regather, layout_search, plan_layouts
 from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
 from ..planner.process_calibration import StepCalibration, from_records
 from ..planner.public import planned_for_call, planning_call
-from ..planner.shared_cores import SharedCores, shared_cores
+from ..planner.shared_cores import SharedCores, share_of, shared_cores
 from ..plans.layout import Layout
 from ..plans.options import PipelineOptions, compile_arguments
 from ..plans.plan import Plan
@@ -570,9 +570,13 @@ class ProcessRuntime(RankHoldings, Runtime):
         """What the ranks get through at once (:func:`shared_cores`), each on its share of the ``batch``."""
         assert self.steps is not None
         args, kwargs = self.steps.call_of(hook, batch, rest)  # type: ignore[misc]
-        share = first_micro_batch(target, args, kwargs, self.strategy.world_size, self.options.batch_dim)
+        world = self.strategy.world_size
+        share = first_micro_batch(target, args, kwargs, world, self.options.batch_dim)
+        assert self.layout_search is not None
+        counts = self.layout_search.pipeline_counts(world)
+        shares = [share_of(Layout(world // pp, pp), self.replication) for pp in counts]
         with planned_in_training(target):
-            return shared_cores(target, *share, self.strategy.optimizers)
+            return shared_cores(target, *share, self.strategy.optimizers, shares=shares)
 
     def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple,
                    measured: Mapping[Kind, CollectiveSpeed] | None, capacity: SharedCores | None) -> Any:
