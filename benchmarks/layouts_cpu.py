@@ -52,7 +52,8 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
             loss_fn = loss_of(model_name)
             free = layout_search("auto", "auto", None)
             counts = free.pipeline_counts(ranks)
-            planned = _probes(model, x, ranks, counts)  # as the strategy does before it plans a layout on CPU processes
+            # as the strategy does before it plans a layout on CPU processes
+            planned = _probes(model, x, y, loss_fn, ranks, counts)
             for how in args.replication.split(","):
                 _measure(rank, ranks, model_name, model, x, y, loss_fn, how, free, counts, planned, cache, args,
                          results)
@@ -93,8 +94,8 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
             # scaled to its whole step, the loss added), the ranks' probe just before it
             profiled = sum(s.forward_s + s.backward_s for s in pure.stages)
             print(f"layouts_cpu: {model_name} {how}: one rank's step alone on {len(x) // ranks} samples, the "
-                  f"profile's {1e3 * profiled:.1f} ms (with the loss), the probe's {1e3 * probed.model_alone_s:.1f} "
-                  f"ms ({profiled / probed.model_alone_s:.2f})", flush=True)
+                  f"profile's {1e3 * profiled:.1f} ms, the probe's {1e3 * probed.model_alone_s:.1f} "
+                  f"ms, both with the loss ({profiled / probed.model_alone_s:.2f})", flush=True)
         for row in chosen.layouts:  # where the cores' sharing moving either way turned the choice
             if row.get("lost", "").startswith("faster"):
                 print(f"layouts_cpu: {model_name} {how}: auto took dp={chosen.layout['dp']} x pp={chosen.layout['pp']} "
@@ -141,7 +142,7 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                 times[pp].append(elapsed)
                 per_rank[pp].append(torch.stack(each))
         if repeat:  # the machine now: the probes again, every layout predicted from them
-            probes = _probes(model, x, ranks, counts)
+            probes = _probes(model, x, y, loss_fn, ranks, counts)
             if rank == 0:
                 for pp, (_, plan, chosen_layout) in runs.items():
                     predicted = repredicted(plan, chosen_layout, how, link, probes, ranks)
@@ -173,18 +174,19 @@ def _by_position(medians: torch.Tensor, chosen_layout: dict) -> list[tuple[float
             for p in range(layout.pp)]
 
 
-def _probes(model, x, ranks: int, counts: list[int]) -> tuple:
+def _probes(model, x, y, loss_fn, ranks: int, counts: list[int]) -> tuple:
     """What every rank measures before rank 0 plans (as the strategy does): each collective's
     speed, and what the ranks get through at once running the model and stepping AdamW (on the
     share of the parameters each rank steps in a pipeline of each of ``counts`` ranks; FSDP2's
-    shares, ``pp * dp``, are the ranks, among them)."""
+    shares, ``pp * dp``, are the ranks, among them), the model's step from its loss, as the
+    search charges it."""
     from lightning_antichain.measure.link_speed import measured_collectives
     from lightning_antichain.planner.shared_cores import shared_cores
 
     cpu = torch.device("cpu")
     return (measured_collectives(cpu),
             shared_cores(model, (x[:len(x) // ranks],), {}, [torch.optim.AdamW(model.parameters())],
-                         shares=counts))
+                         shares=counts, loss=lambda out: loss_fn(out, y[:len(out)])))
 
 
 def repredicted(plan, chosen_layout: dict, how: str, planned: tuple, probes: tuple, ranks: int) -> float:

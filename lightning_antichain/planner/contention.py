@@ -168,11 +168,15 @@ def training_step(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], 
     return _gradients_of(module, lambda: module(*args, **kwargs))
 
 
-def copied_training_step(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
+def copied_training_step(module: nn.Module, args: tuple, kwargs: dict,
+                         loss: Callable[[Any], torch.Tensor] | None = None) -> Callable[[], None]:
     """:func:`training_step` of ``module`` on copies of its buffers (a BatchNorm's running
-    statistics stay as they were), sharing its parameters, whose values it does not change."""
+    statistics stay as they were), sharing its parameters, whose values it does not change;
+    with ``loss``, from that loss of its output."""
     state = copied_buffers(module)
-    return _gradients_of(module, lambda: functional_call(module, state, args, kwargs))
+    if loss is None:
+        return _gradients_of(module, lambda: functional_call(module, state, args, kwargs))
+    return _gradients_of(module, lambda: loss(functional_call(module, state, args, kwargs)))
 
 
 def copied_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

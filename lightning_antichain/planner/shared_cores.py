@@ -68,7 +68,8 @@ class SharedCores:
 
 
 def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Sequence[torch.optim.Optimizer],
-                 group: Any = None, shares: Sequence[int] = ()) -> SharedCores | None:
+                 group: Any = None, shares: Sequence[int] = (),
+                 loss: Callable[[Any], torch.Tensor] | None = None) -> SharedCores | None:
     """What the ranks of ``group`` get through at once (:func:`processes_timing`), each running
     ``module``'s forward and backward on its call ``args, kwargs`` (its share of a batch), and
     each stepping copies of ``optimizers`` on the gradients of that call's backward, as planning
@@ -77,11 +78,12 @@ def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Seque
     MLP's AdamW measured 1.7-2.0 on random gradients, 1.0 on its own, as its steps in training
     showed); ``None`` for a module without values (on meta). ``shares``: also each rank
     stepping only ``1/share`` of the parameters, for each share beyond the whole (a layout's:
-    :func:`share_of`). Every rank calls it; the module, its buffers and the optimizers stay as
-    they were."""
+    :func:`share_of`). ``loss``: the model's step from that loss of its output, the work a search
+    given the loss counts (``plan_layouts(loss=...)``). Every rank calls it; the module, its
+    buffers and the optimizers stay as they were."""
     if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         return None
-    model = processes_timing(copied_training_step(module, args, kwargs), group)
+    model = processes_timing(copied_training_step(module, args, kwargs, loss), group)
     counts = sorted({1, *(s for s in shares if s > 1)})
     with calibration.untouched(module):  # the copies step on real gradients: values set an optimizer's pace
         calibration.backward_from(original_forward(module)(*args, **kwargs))
