@@ -43,7 +43,9 @@ def measuring_rank(rank: int, port: int, results) -> None:
         optimizer = torch.optim.AdamW(model.parameters())
         before = {n: b.clone() for n, b in model.named_buffers()}
         cores = shared_cores(model, (torch.randn(4, 3, 16, 16),), {}, [optimizer], shares=[1, 2])
-        capacity = (cores.model, cores.optimizer, cores.optimizer_at(2))
+        from_loss = shared_cores(model, (torch.randn(4, 3, 16, 16),), {}, [optimizer],
+                                 loss=lambda out: out.logsumexp(1).mean())
+        capacity = (cores.model, cores.optimizer, cores.optimizer_at(2), from_loss.model)
         assert [share for share, _ in cores.optimizer_shares] == [2]  # the half, measured apart
         per_tensor = cores.optimizer_tensor_s, dtensor_overhead_s(PlainTensorsOnly(model.parameters(), lr=0.1))
         untouched = all(torch.equal(before[n], b) for n, b in model.named_buffers()) and all(
@@ -78,7 +80,7 @@ def test_ranks_measure_each_collective_and_their_capacity_alike_and_a_failing_st
     assert other[2:] == reports[0][2:]
     assert set(speeds) == set(KINDS)
     assert all(latency >= 0 and gbps > 0 for latency, gbps in speeds.values())
-    assert all(c is not None and 1.0 <= c <= 2.0 for c in capacity)  # the model's, the optimizer's on all, on half
+    assert all(c is not None and 1.0 <= c <= 2.0 for c in capacity)  # model, optimizer on all, on half; from a loss
     assert untouched and failed is None
     assert per_tensor[0] is not None and 1e-6 < per_tensor[0] < 0.01  # DTensor's dispatch: about 0.2 ms here
     assert per_tensor[1] is None  # rank 0 could not step DTensors: both ranks hear it, neither waits
