@@ -91,14 +91,11 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         pure, probed = runs.get(1), link[1]
         if pure is not None and pure.chunks == 1 and probed is not None and probed.model_alone_s:
             # both time one rank's step alone on a replica's share: the profile in planning (its ops
-            # scaled to its whole step, the loss added), the ranks' probe just before it; the search
-            # then scales the profiles to the probe
-            scaled_by = next((r["profile_scaled_by"] for r in pure.layouts if "profile_scaled_by" in r), 1.0)
-            profiled = sum(s.forward_s + s.backward_s for s in pure.stages) / scaled_by
+            # scaled to its whole step, the loss added), the ranks' probe just before it
+            profiled = sum(s.forward_s + s.backward_s for s in pure.stages)
             print(f"layouts_cpu: {model_name} {how}: one rank's step alone on {len(x) // ranks} samples, the "
                   f"profile's {1e3 * profiled:.1f} ms, the probe's {1e3 * probed.model_alone_s:.1f} "
-                  f"ms, both with the loss ({profiled / probed.model_alone_s:.2f}); the search scaled the "
-                  f"profiles by {scaled_by:.2f}", flush=True)
+                  f"ms, both with the loss ({profiled / probed.model_alone_s:.2f})", flush=True)
         for row in chosen.layouts:  # where the cores' sharing moving either way turned the choice
             if row.get("lost", "").startswith("faster"):
                 print(f"layouts_cpu: {model_name} {how}: auto took dp={chosen.layout['dp']} x pp={chosen.layout['pp']} "
