@@ -174,9 +174,12 @@ def copied_training_step(module: nn.Module, args: tuple, kwargs: dict,
     statistics stay as they were), sharing its parameters, whose values it does not change;
     with ``loss``, from that loss of its output."""
     state = copied_buffers(module)
-    if loss is None:
-        return _gradients_of(module, lambda: functional_call(module, state, args, kwargs))
-    return _gradients_of(module, lambda: loss(functional_call(module, state, args, kwargs)))
+
+    def forward() -> Any:
+        output = functional_call(module, state, args, kwargs)
+        return output if loss is None else loss(output)
+
+    return _gradients_of(module, forward)
 
 
 def copied_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

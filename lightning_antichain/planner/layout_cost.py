@@ -161,6 +161,9 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     holder = {s: schedule.rank_of(s, pp) for s in range(plan.num_stages)}
     reduced = _ddp_reductions(linked, schedule, layout, links, table) if gathers is None and dp > 1 else {}
     held = {task: exposed for task, (exposed, _, _) in reduced.items()}
+    # DDP's reductions of each rank's stages, inside their last backwards: their seconds, and of them the waiting
+    ddp = [(sum(r[1] for t, r in reduced.items() if holder[t.stage] == p),
+            sum(r[2] for t, r in reduced.items() if holder[t.stage] == p)) for p in range(pp)]
 
     def ends_of(timed: Sequence[Timed]) -> tuple[list[float], list[float], list[float], list[float]]:
         """Each rank's last task's end and its step's end before the optimizer (with the replicas'
@@ -176,9 +179,8 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
                 waits.append(waiting)
                 finish.append(ends[position] + exposed)
                 continue
-            mine = [r for task, r in reduced.items() if holder[task.stage] == position]
-            reductions.append(sum(whole for _, whole, _ in mine))  # DDP's: inside the last backwards
-            waits.append(sum(waiting for _, _, waiting in mine))
+            reductions.append(ddp[position][0])
+            waits.append(ddp[position][1])
             finish.append(ends[position])
         return ends, finish, reductions, waits
 
