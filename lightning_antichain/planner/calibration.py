@@ -167,7 +167,7 @@ def _with_steps_back_to_back(rounds: list[Round], pipelined_step: Callable[[], t
     them, once they stopped getting quicker. Where the host's launches set the pace (accelerators,
     small micro-batches), a pipelined step run between micro-batches run alone took up to 1.28x a
     training step, and a training loop's steps kept getting quicker for its first 4 or 5 (ResNet-50
-    in 8 micro-batches on an H200, docs/benchmark-runs.md, "Seventh GPU session")."""
+    in 8 micro-batches on an H200: commit 49c863b's message)."""
     best = math.inf
     for warmed in range(MAX_WARMUP_STEPS):
         elapsed, _ = pipelined_step()
