@@ -105,6 +105,7 @@ def test_table_and_saved_profile(tmp_path):
     assert again.stderr == ""  # no profiling the second time
 
 
+@pytest.mark.slow  # the plan's path is the table's (test_table_and_saved_profile); this adds matplotlib's drawing
 def test_plot_draws_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     picture = tmp_path / "plan.png"

@@ -101,8 +101,12 @@ def _plain_losses(name: str) -> tuple[float, ...]:
     return tuple(_losses(name, "auto")[0])
 
 
+#: the longest through the Trainer; their capture and gradients stay in the default suite (test_zoo.py)
+SLOW_THROUGH_THE_TRAINER = {"densenet121"}
+
+
 def _marks(name: str) -> list:
-    return [pytest.mark.slow] if ZOO[name].slow else []
+    return [pytest.mark.slow] if ZOO[name].slow or name in SLOW_THROUGH_THE_TRAINER else []
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in sorted(ZOO)])
