@@ -91,11 +91,14 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         pure, probed = runs.get(1), link[1]
         if pure is not None and pure.chunks == 1 and probed is not None and probed.model_alone_s:
             # both time one rank's step alone on a replica's share: the profile in planning (its ops
-            # scaled to its whole step, the loss added), the ranks' probe just before it
-            profiled = sum(s.forward_s + s.backward_s for s in pure.stages)
+            # scaled to its whole step, the loss added), the ranks' probe just before it; the search
+            # then scales the profiles halfway to the probe
+            scaled_by = next((r["profile_scaled_by"] for r in pure.layouts if "profile_scaled_by" in r), 1.0)
+            profiled = sum(s.forward_s + s.backward_s for s in pure.stages) / scaled_by
             print(f"layouts_cpu: {model_name} {how}: one rank's step alone on {len(x) // ranks} samples, the "
                   f"profile's {1e3 * profiled:.1f} ms, the probe's {1e3 * probed.model_alone_s:.1f} "
-                  f"ms, both with the loss ({profiled / probed.model_alone_s:.2f})", flush=True)
+                  f"ms, both with the loss ({profiled / probed.model_alone_s:.2f}); the search scaled the "
+                  f"profiles by {scaled_by:.2f}", flush=True)
         for row in chosen.layouts:  # where the cores' sharing moving either way turned the choice
             if row.get("lost", "").startswith("faster"):
                 print(f"layouts_cpu: {model_name} {how}: auto took dp={chosen.layout['dp']} x pp={chosen.layout['pp']} "
@@ -266,15 +269,17 @@ def main() -> None:
     print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, AdamW, the batch of 32 "
           f"split over the replicas; median of {args.repeats} interleaved steps\n")
     print("| model | replicas | layout | schedule | chunks | predicted ms | of it, replicas ms | measured ms "
-          "| of it, optimizer ms (predicted, measured) | measured / predicted | the same, probes each round "
-          "| measured / best measured | auto "
+          "| of it, optimizer ms (predicted, measured) | measured / predicted | over the model's median "
+          "| the same, probes each round | measured / best measured | auto "
           "| link GB/s "
           "| a collective ms | ranks' capacity | each position: step end ms, optimizer ms (predicted) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    within, relative, picks = [], [], []
     for model_name in args.models.split(","):
         for how in args.replication.split(","):
             mine = [r for r in rows if r[0] == model_name and r[8] == how]
             best = min(r[6] for r in mine)
+            typical = statistics.median(r[6] / r[4] for r in mine)  # the machine's speed since planning, as one
             for _, (link, capacity), layout, chunks, predicted, (reduction, planned_optimizer), measured, auto, _, \
                     optimizer_s, per_round, positions, planned_positions in sorted(
                     mine, key=lambda r: r[2]["pp"]):
@@ -284,19 +289,34 @@ def main() -> None:
                 print(f"| {model_name} | {kept} | dp={layout['dp']} x pp={layout['pp']} | {schedule} | {chunks} "
                       f"| {1e3 * predicted:.1f} | {1e3 * reduction:.1f} | {1e3 * measured:.1f} "
                       f"| {1e3 * planned_optimizer:.1f}, {1e3 * optimizer_s:.1f} "
-                      f"| {measured / predicted:.2f} | {per_round:.2f} | {measured / best:.2f} "
+                      f"| {measured / predicted:.2f} | {measured / predicted / typical:.2f} "
+                      f"| {per_round:.2f} | {measured / best:.2f} "
                       f"| {'chosen' if auto else ''} "
                       f"| {_speeds(link, 'gbps', 1.0)} | {_speeds(link, 'latency_s', 1e3)} "
                       f"| {_capacity(capacity.model)}, {_capacity(capacity.optimizer)} "
                       f"| {_positions(positions, planned_positions)} |")
+                within.append(BAND[0] <= measured / predicted <= BAND[1])
+                relative.append(BAND[0] <= measured / predicted / typical <= BAND[1])
+                if auto:
+                    picks.append(measured / best)
+    print(f"\nWithin {BAND[0]}-{BAND[1]} of the prediction before planning: {sum(within)} of {len(within)} rows; "
+          f"over their model's median: {sum(relative)} of {len(relative)}. `auto` against the best measured: "
+          + ", ".join(f"{p:.2f}" for p in picks))
     print("\nLink GB/s and a collective's ms: all-reduce, all-gather, reduce-scatter, each fitted to back-to-back runs "
           "at two sizes; the ranks' capacity: the work all ranks get through at once in units of one alone, "
           "running the model and stepping AdamW. \"The same, probes each round\": the median over the measured "
           "rounds of each round's step over the prediction for the same cut from the probes taken right after "
           "that round (the machine's speed then: the profile's times scaled by one rank's time alone now over "
-          "then), which tells the cost model's error from the machine's drift. Each position: the pipeline "
+          "then), which tells the cost model's error from the machine's drift. \"Over the model's median\": "
+          "measured / predicted over its median among the model's layouts, the layouts' costs relative to each "
+          "other (what the choice rests on), whatever the machine's speed did between planning and measuring. "
+          "Each position: the pipeline "
           "position's slowest replica, the median of its step's end (the optimizer's included) and of its "
           "optimizer's part, with the cost model's optimizer part")
+
+
+#: the band a layout's measured / predicted step should fall in (issue 50)
+BAND = (0.85, 1.15)
 
 
 def _positions(measured: list[tuple[float, float]], predicted: list[float]) -> str:

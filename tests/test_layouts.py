@@ -411,3 +411,19 @@ def test_each_layout_steps_the_optimizer_as_measured_on_the_share_of_the_paramet
         parts.append({key: s / whole[0] for key, s in rows.items() if key[0] < 4})
     pipelines = [key for key in parts[0] if key in parts[1]]
     assert pipelines and all(parts[0][k] < parts[1][k] for k in pipelines)
+
+
+def test_the_search_scales_its_profiles_to_the_machine_speed_the_ranks_probed():
+    """The ranks' probe times one rank's step alone on a replica's share moments before the search
+    weighs the layouts; the profiles, timed at another moment, are scaled halfway to it."""
+    slow, quick = (search(4, schedule="gpipe", shared_cores=SharedCores(model=1.5, model_alone_s=alone))
+                   for alone in (10.0, 1e-4))
+    assert all(r["profile_scaled_by"] > 1 for r in slow.plan.layouts)
+    assert all(r["profile_scaled_by"] < 1 for r in quick.plan.layouts)
+    one = [r for r in slow.plan.layouts if r["dp"] == 4 and r["chunks"] == 1 and r.get("predicted_step_s")]
+    factor = slow.plan.layouts[0]["profile_scaled_by"]
+    # halfway (geometrically): the share's step alone between the profile's and the probe's
+    assert one and all(10.0 / factor <= r["predicted_step_s"] and r["predicted_step_s"] < 10.0 for r in one)
+    assert "profile_scaled_by" not in search(4, schedule="gpipe").plan.layouts[0]  # no probe: as profiled
+    with_loss = SharedCores(model=1.5, model_alone_s=10.0, with_loss=True)  # timed otherwise than the search counts
+    assert "profile_scaled_by" not in search(4, schedule="gpipe", shared_cores=with_loss).plan.layouts[0]

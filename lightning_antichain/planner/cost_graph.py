@@ -194,3 +194,13 @@ def with_loss(cost: nx.DiGraph, forward_s: float, backward_s: float) -> None:
     node = cost.nodes[max(outputs, key=lambda n: (cost.nodes[n].get("output_bytes", 0), cost.nodes[n].get("order", 0)))]
     node["forward_s"] = node.get("forward_s", 0.0) + forward_s
     node["backward_s"] = node.get("backward_s", 0.0) + backward_s
+
+
+def with_times_scaled(cost: nx.DiGraph, factor: float) -> nx.DiGraph:
+    """A copy of ``cost`` with every operation's forward and backward seconds times ``factor``
+    (the machine's speed at another moment)."""
+    scaled = cost.copy()  # each node's attributes a dict of its own
+    for _, attrs in scaled.nodes(data=True):
+        attrs["forward_s"] = attrs.get("forward_s", 0.0) * factor
+        attrs["backward_s"] = attrs.get("backward_s", 0.0) * factor
+    return scaled

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from ..plans.plan import Plan
 from ..plans.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_schedule
 from ..processes.replication import REGATHERS, Regather, Replication
 from .contention import capacity_of_two
-from .cost_graph import with_loss
+from .cost_graph import total_compute, with_loss, with_times_scaled
 from .layout_cost import LayoutCost, Links, layout_cost
 from .overhead import loss_seconds
 from .partition import InfeasiblePlanError
@@ -96,10 +97,25 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
     multiplier = optimizer_multiplier_for(options, optimizers)
     optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, profile_device)
     directory, use_cache = profile_cache_dir(options)
+    raw_profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
     profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
+    speed: list[float] = []
 
     def profiled(micro: int) -> tuple[nx.DiGraph, str] | Exception:
+        """The profile of micro-batches of ``micro`` samples, its times at the machine's speed when
+        the ranks probed it (:func:`probe_over_profile`)."""
         if micro not in profiles:
+            found = raw(micro)
+            if not speed:
+                speed.append(probe_over_profile(shared_cores, raw(size // world_size) if size % world_size == 0
+                                                else None, loss is not None))
+            profiles[micro] = found if isinstance(found, Exception) or speed[0] == 1.0 else (
+                with_times_scaled(found[0], speed[0]), found[1])
+        return profiles[micro]
+
+    def raw(micro: int) -> tuple[nx.DiGraph, str] | Exception:
+        """The profile of micro-batches of ``micro`` samples, as measured (or read from the cache)."""
+        if micro not in raw_profiles:
             call = first_micro_batch(module, args, kwargs, size // micro, batch_dim)
             try:
                 cost, _, key = _profiled(module, graph, *call, profile_device, batch_dim, directory, use_cache,
@@ -114,10 +130,10 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                 timed_loss = None if loss is None else loss_seconds(module, *call, loss)
                 if timed_loss is not None:
                     with_loss(cost, *timed_loss)
-                profiles[micro] = (cost, key)
+                raw_profiles[micro] = (cost, key)
             except (RuntimeError, ValueError) as exc:  # e.g. BatchNorm refuses a single sample in training
-                profiles[micro] = exc
-        return profiles[micro]
+                raw_profiles[micro] = exc
+        return raw_profiles[micro]
 
     rows: list[dict[str, Any]] = []
     candidates: list[tuple[Plan, dict[str, Any], nx.DiGraph]] = []
@@ -152,7 +168,26 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
             best = candidates[least_regret(steps)]
         else:
             best = min(candidates, key=lambda c: c[1]["predicted_step_s"])
+    for row in rows if speed and speed[0] != 1.0 else ():
+        row["profile_scaled_by"] = speed[0]
     return _chosen(rows, best, world_size, size, graph)
+
+
+def probe_over_profile(shared: SharedCores | None, found: tuple[nx.DiGraph, str] | Exception | None,
+                       with_a_loss: bool) -> float:
+    """The factor that brings the profile's times halfway (geometrically) to the ranks' probe's
+    (``found``: the profile of one replica's share of the batch, what the probe ran), where both
+    time the same work: 1.0 where either is missing. Both take the quickest of several rounds of
+    one rank's step alone, moments apart on a shared machine, and read 0.82-1.19 of each other
+    (docs/benchmark-runs.md, "The reduction in the last backward"); every layout of the model then
+    came out off alike. Neither lay reliably nearer the training steps that followed (scaled
+    wholly to the probe, the rows missed where the profile had been nearer), so the search takes
+    both readings of the machine's speed at equal weight."""
+    if (shared is None or not shared.model_alone_s or found is None or isinstance(found, Exception)
+            or shared.with_loss != with_a_loss):
+        return 1.0
+    total = total_compute(found[0])
+    return math.sqrt(shared.model_alone_s / total) if total > 0 else 1.0
 
 
 def _step_of(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links, replication: Replication,

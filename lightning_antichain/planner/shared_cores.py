@@ -53,6 +53,8 @@ class SharedCores:
     #: the optimizer's sharing with each rank stepping ``1/share`` of the parameters, by share
     #: (the whole, share 1, is :attr:`optimizer`)
     optimizer_shares: tuple[tuple[int, float], ...] = ()
+    #: whether the model's step was timed from the loss of its output (``model_alone_s`` counts it)
+    with_loss: bool = False
 
     def optimizer_at(self, share: int) -> float | None:
         """How the optimizer's steps share the cores where each rank steps ``1/share`` of the
@@ -104,7 +106,8 @@ def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Seque
     return SharedCores(None if model is None else model.capacity, None if optimizer is None else optimizer.capacity,
                        None if model is None else model.alone_s, None if optimizer is None else optimizer.alone_s,
                        dtensor_overhead_s(optimizers[0], group) if optimizers else None,
-                       tuple((share, t.capacity) for share, t in timed.items() if share > 1 and t is not None))
+                       tuple((share, t.capacity) for share, t in timed.items() if share > 1 and t is not None),
+                       loss is not None)
 
 
 def share_of(layout: Layout, replication: str) -> int:
