@@ -101,8 +101,12 @@ def _plain_losses(name: str) -> tuple[float, ...]:
     return tuple(_losses(name, "auto")[0])
 
 
-#: the longest through the Trainer; their capture and gradients stay in the default suite (test_zoo.py)
-SLOW_THROUGH_THE_TRAINER = {"densenet121"}
+#: the longest through the Trainer, under -m slow (the default suite keeps each capture path, decoders,
+#: encoders and an encoder-decoder through it); every model's capture and gradients stay in the default
+#: suite (test_zoo.py)
+SLOW_THROUGH_THE_TRAINER = {"densenet121", "googlenet_train", "hf_clip", "hf_mistral", "hf_mixtral", "hf_phi",
+                            "hf_qwen2", "hf_t5", "hf_wav2vec2", "mobilenet_v3_small", "timm_convnext",
+                            "timm_regnet", "timm_swin"}
 
 
 def _marks(name: str) -> list:
@@ -122,7 +126,7 @@ def test_zoo_model_trains_through_the_trainer_like_plain_lightning(name):
     RESULTS[name] = fit.strategy.plan.frontend
 
 
-META_BY_DEFAULT = {"hf_llama", "hf_gpt2", "hf_t5", "hf_bart"}  # a decoder, a tied head, encoder-decoders
+META_BY_DEFAULT = {"hf_llama", "hf_gpt2", "hf_bart"}  # a decoder, a tied head, an encoder-decoder
 HUGGING_FACE = [pytest.param(n, marks=[] if n in META_BY_DEFAULT else [pytest.mark.slow])
                 for n in sorted(ZOO) if ZOO[n].library == "transformers"]
 
