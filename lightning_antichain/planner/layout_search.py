@@ -99,18 +99,22 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
     directory, use_cache = profile_cache_dir(options)
     raw_profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
     profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
-    speed: list[float] = []
+
+    @functools.cache
+    def speed() -> float:
+        """The factor of :func:`probe_over_profile`; a replica's share is profiled for it only where
+        the ranks probed their step (``shared_cores``) and the batch splits evenly over them."""
+        if shared_cores is None or not shared_cores.model_alone_s or size % world_size:
+            return 1.0
+        return probe_over_profile(shared_cores, raw(size // world_size), loss is not None)
 
     def profiled(micro: int) -> tuple[nx.DiGraph, str] | Exception:
         """The profile of micro-batches of ``micro`` samples, its times at the machine's speed when
         the ranks probed it (:func:`probe_over_profile`)."""
         if micro not in profiles:
             found = raw(micro)
-            if not speed:
-                speed.append(probe_over_profile(shared_cores, raw(size // world_size) if size % world_size == 0
-                                                else None, loss is not None))
-            profiles[micro] = found if isinstance(found, Exception) or speed[0] == 1.0 else (
-                with_times_scaled(found[0], speed[0]), found[1])
+            profiles[micro] = found if isinstance(found, Exception) or speed() == 1.0 else (
+                with_times_scaled(found[0], speed()), found[1])
         return profiles[micro]
 
     def raw(micro: int) -> tuple[nx.DiGraph, str] | Exception:
@@ -168,8 +172,8 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
             best = candidates[least_regret(steps)]
         else:
             best = min(candidates, key=lambda c: c[1]["predicted_step_s"])
-    for row in rows if speed and speed[0] != 1.0 else ():
-        row["profile_scaled_by"] = speed[0]
+    for row in rows if speed() != 1.0 else ():
+        row["profile_scaled_by"] = speed()
     return _chosen(rows, best, world_size, size, graph)
 
 
