@@ -141,6 +141,9 @@ class LayoutCost:
     optimizer_s: float = 0.0
     #: each pipeline position's optimizer step, seconds from its reduction's end (the longest: ``optimizer_s``)
     rank_optimizer_s: tuple[float, ...] = ()
+    #: each pipeline position's end of its step, its optimizer's included, as its tasks' timeline
+    #: says (the step may last longer: all ranks' work over what the shared cores get through)
+    rank_end_s: tuple[float, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -208,7 +211,8 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication, regather) for s in schedule.stages_of(p, pp))
                        for p in range(pp))
     optimizers = tuple(e - f for e, f in zip(stepped, finish))
-    return LayoutCost(step, reduction, rank_bytes, max(optimizers), optimizers)
+    return LayoutCost(step, reduction, rank_bytes, max(optimizers), optimizers,
+                      tuple(e + linked.step_overhead_s for e in stepped))
 
 
 def _ddp_reductions(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links, table: Schedule
