@@ -141,6 +141,7 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
     times: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}
     per_rank: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}  # each round: [rank, (step, optimizer)]
     again: dict[int, list[float]] = {pp: [] for pp in runs}  # each round's measured / predicted from its probes
+    alone: list[float] = []  # each round's probe of one rank's step alone, seconds
     for repeat in range(args.repeats + 1):
         for pp, (step, _, _) in runs.items():
             dist.barrier()
@@ -155,10 +156,15 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                 per_rank[pp].append(torch.stack(each))
         if repeat:  # the machine now: the probes again, every layout predicted from them
             probes = _probes(model, x, y, loss_fn, ranks, counts)
+            alone.append(probes[1].model_alone_s or 0.0)
             if rank == 0:
                 for pp, (_, plan, chosen_layout) in runs.items():
                     predicted = repredicted(plan, chosen_layout, how, link, probes, ranks)
                     again[pp].append(float(times[pp][-1][0]) / predicted)
+    if rank == 0 and link[1].model_alone_s:
+        print(f"layouts_cpu: {model_name} {how}: one rank's step alone, the probe before planning "
+              f"{1e3 * link[1].model_alone_s:.1f} ms, after each round {', '.join(f'{1e3 * a:.1f}' for a in alone)} "
+              f"ms (median {statistics.median(alone) / link[1].model_alone_s:.2f} of before)", flush=True)
     if rank == 0:
         for pp, (_, plan, chosen_layout) in runs.items():
             best = min((r for r in plan.layouts if r.get("predicted_step_s") is not None and "lost" not in r),
