@@ -141,7 +141,8 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
     times: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}
     per_rank: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}  # each round: [rank, (step, optimizer)]
     again: dict[int, list[float]] = {pp: [] for pp in runs}  # each round's measured / predicted from its probes
-    alone: list[float] = []  # each round's probe of one rank's step alone, seconds
+    # each round's probes: one rank's step alone, the ranks' capacity, a send's latency
+    alone: list[tuple[float, float, float]] = []
     for repeat in range(args.repeats + 1):
         for pp, (step, _, _) in runs.items():
             dist.barrier()
@@ -156,15 +157,19 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                 per_rank[pp].append(torch.stack(each))
         if repeat:  # the machine now: the probes again, every layout predicted from them
             probes = _probes(model, x, y, loss_fn, ranks, counts)
-            alone.append(probes[1].model_alone_s or 0.0)
+            alone.append((probes[1].model_alone_s or 0.0, probes[1].model or 0.0, probes[0]["send"].latency_s))
             if rank == 0:
                 for pp, (_, plan, chosen_layout) in runs.items():
                     predicted = repredicted(plan, chosen_layout, how, link, probes, ranks)
                     again[pp].append(float(times[pp][-1][0]) / predicted)
     if rank == 0 and link[1].model_alone_s:
-        print(f"layouts_cpu: {model_name} {how}: one rank's step alone, the probe before planning "
-              f"{1e3 * link[1].model_alone_s:.1f} ms, after each round {', '.join(f'{1e3 * a:.1f}' for a in alone)} "
-              f"ms (median {statistics.median(alone) / link[1].model_alone_s:.2f} of before)", flush=True)
+        steps, capacities, sends = zip(*alone)
+        print(f"layouts_cpu: {model_name} {how}: the probes before planning and after each round: one rank's step "
+              f"alone {1e3 * link[1].model_alone_s:.1f} ms, then {', '.join(f'{1e3 * a:.1f}' for a in steps)} "
+              f"(median {statistics.median(steps) / link[1].model_alone_s:.2f} of before); the ranks' capacity "
+              f"{link[1].model or 0.0:.2f}, then {', '.join(f'{c:.2f}' for c in capacities)}; a send's latency "
+              f"{1e3 * link[0]['send'].latency_s:.2f} ms, then {', '.join(f'{1e3 * t:.2f}' for t in sends)}",
+              flush=True)
     if rank == 0:
         for pp, (_, plan, chosen_layout) in runs.items():
             best = min((r for r in plan.layouts if r.get("predicted_step_s") is not None and "lost" not in r),
