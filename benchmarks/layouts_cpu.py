@@ -162,6 +162,16 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                 for pp, (_, plan, chosen_layout) in runs.items():
                     predicted = repredicted(plan, chosen_layout, how, link, probes, ranks)
                     again[pp].append(float(times[pp][-1][0]) / predicted)
+    if rank == 0 and all(again.values()):
+        # the layout the cost model ranks first from each round's probes, against that round's best measured
+        picked = []
+        for r in range(args.repeats):
+            step = {pp: float(times[pp][r][0]) for pp in runs}
+            first = min(runs, key=lambda pp: step[pp] / again[pp][r])
+            picked.append(step[first] / min(step.values()))
+        print(f"layouts_cpu: {model_name} {how}: the layout predicted fastest from each round's probes, against "
+              f"that round's fastest: {', '.join(f'{p:.2f}' for p in picked)} (median "
+              f"{statistics.median(picked):.2f})", flush=True)
     if rank == 0 and link[1].model_alone_s:
         steps, capacities, sends = zip(*alone)
         print(f"layouts_cpu: {model_name} {how}: the probes before planning and after each round: one rank's step "
