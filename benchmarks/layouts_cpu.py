@@ -97,13 +97,13 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         # the free choice's layout runs the free choice itself (the per-layout search, timing the
         # optimizer again, may break a near tie between schedules the other way)
         runs = {pp: (chosen if pp == chosen.layout["pp"] else plan) for pp, plan in zip(counts, per_layout)}
-        pure, probed = runs.get(1), link[1]
-        if pure is not None and pure.chunks == 1 and probed is not None and probed.model_alone_s:
+        probed = link[1]
+        if probed is not None and probed.model_alone_s:
             # both time one rank's step alone on a replica's share: the profile in planning (its ops
-            # scaled to its whole step, the loss added), the ranks' probe just before it; the search
-            # then scales the profiles halfway to the probe
-            scaled_by = next((r["profile_scaled_by"] for r in pure.layouts if "profile_scaled_by" in r), 1.0)
-            profiled = sum(s.forward_s + s.backward_s for s in pure.stages) / scaled_by
+            # added up, the loss with them), the ranks' probe just before it; the search then scales
+            # the profiles halfway (geometrically) to the probe: by sqrt(probe / profile)
+            scaled_by = next((r["profile_scaled_by"] for r in chosen.layouts if "profile_scaled_by" in r), 1.0)
+            profiled = probed.model_alone_s / scaled_by ** 2
             print(f"layouts_cpu: {model_name} {how}: one rank's step alone on {len(x) // ranks} samples, the "
                   f"profile's {1e3 * profiled:.1f} ms, the probe's {1e3 * probed.model_alone_s:.1f} "
                   f"ms, both with the loss ({profiled / probed.model_alone_s:.2f}); the search scaled the "
