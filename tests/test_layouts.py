@@ -114,6 +114,13 @@ def test_fsdp_steps_a_share_of_the_bytes_and_pays_the_dtensor_dispatch_for_every
     assert ddp.rank_optimizer_s == pytest.approx((0.02, 0.02))  # whole plain tensors
     alone = layout_cost(plan, ONE_F_ONE_B, Layout(1, 2), links, "fsdp", "step")
     assert alone.rank_optimizer_s == pytest.approx((0.02, 0.02))  # no replicas: nothing is sharded
+    # each position's end: its last task's, then its optimizer's part; the step is the last of them
+    free = dataclasses.replace(plan, stages=[dataclasses.replace(s, transfer_s=0.0) for s in plan.stages])
+    over_free_links = layout_cost(free, ONE_F_ONE_B, Layout(1, 2), Links(4), "fsdp", "step")
+    ends = [max(t.end for t in free.timeline(ONE_F_ONE_B.table(2, plan.chunks)) if t.task.stage == p)
+            for p in range(2)]
+    assert over_free_links.rank_end_s == pytest.approx(tuple(e + 0.02 + plan.step_overhead_s for e in ends))
+    assert ends[0] != ends[1] and over_free_links.step_s == pytest.approx(max(over_free_links.rank_end_s))
 
 
 def test_a_stage_counts_the_parameter_tensors_it_trains():
