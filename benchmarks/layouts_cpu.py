@@ -139,7 +139,7 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         runs[pp] = (functools.partial(train_step, pipeline, optimizer, calls, micro_y, loss_fn, plan.chunks),
                     plan, chosen_layout)
     times: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}
-    per_rank: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}  # each round: [rank, (step, optimizer)]
+    per_rank: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}  # each round: [rank, (step, optimizer, busy)]
     again: dict[int, list[float]] = {pp: [] for pp in runs}  # each round's measured / predicted from its probes
     # each round's probes: one rank's step alone, the ranks' capacity, a send's latency
     alone: list[tuple[float, float, float]] = []
@@ -147,9 +147,10 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         for pp, (step, _, _) in runs.items():
             dist.barrier()
             started = time.perf_counter()
-            optimizer_s = step()
-            mine = torch.tensor([time.perf_counter() - started, optimizer_s])  # the step, its optimizer's part
-            each = [torch.zeros(2) for _ in range(ranks)]
+            optimizer_s, busy_s = step()
+            # the step, its optimizer's part, the rank's actions
+            mine = torch.tensor([time.perf_counter() - started, optimizer_s, busy_s])
+            each = [torch.zeros(3) for _ in range(ranks)]
             dist.all_gather(each, mine)
             elapsed = torch.stack(each).amax(0)
             if repeat:
@@ -195,11 +196,13 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                          and chosen_layout.get("regather") == auto.get("regather"), how,
                          statistics.median(float(t[1]) for t in times[pp]), statistics.median(again[pp]),
                          _by_position(torch.stack(per_rank[pp]).median(0).values, chosen_layout),
-                         best.get("rank_optimizer_s") or [], best.get("rank_end_s") or []))
+                         best.get("rank_optimizer_s") or [], best.get("rank_end_s") or [],
+                         best.get("rank_busy_s") or []))
 
 
-def _by_position(medians: torch.Tensor, chosen_layout: dict) -> list[tuple[float, float]]:
-    """Each pipeline position's slowest replica: its step's end and its optimizer's part, seconds."""
+def _by_position(medians: torch.Tensor, chosen_layout: dict) -> list[tuple[float, ...]]:
+    """Each pipeline position's slowest replica: its step's end, its optimizer's part and its
+    actions' part, seconds."""
     from lightning_antichain.plans.layout import Layout
 
     layout = Layout(chosen_layout["dp"], chosen_layout["pp"])
@@ -265,14 +268,18 @@ def on_cpu(layout, schedule) -> list[torch.device]:
     return [torch.device("cpu")] * schedule.num_stages(layout.pp)
 
 
-def train_step(pipeline, optimizer, calls, targets, loss_fn, chunks: int) -> float:
+def train_step(pipeline, optimizer, calls, targets, loss_fn, chunks: int) -> tuple[float, float]:
     """One step of a layout's pipeline: its share of the batch, the replicas' reduction, AdamW;
-    returns the seconds of the optimizer's part."""
-    pipeline.run("step", calls, lambda out, m: loss_fn(out, targets[m]) / chunks, chunks, train=True)
+    returns the seconds of the optimizer's part, and of the rank's actions (its step less its
+    waits for other ranks' values, as torch's schedule waits for them: :class:`ActionClock`)."""
+    from lightning_antichain.measure.action_clock import ActionClock
+
+    clock = ActionClock(torch.device("cpu"))
+    pipeline.run("step", calls, lambda out, m: loss_fn(out, targets[m]) / chunks, chunks, train=True, clock=clock)
     started = time.perf_counter()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, chunks * sum(clock.steps[-1].values())
 
 
 def main() -> None:
@@ -305,7 +312,7 @@ def main() -> None:
           "| of it, optimizer ms (predicted, measured) | measured / predicted | over the model's median "
           "| the same, probes each round | measured / best measured | auto "
           "| link GB/s "
-          "| a collective ms | ranks' capacity | each position: step end ms, optimizer ms (predicted) |")
+          "| a collective ms | ranks' capacity | each position: step end, optimizer, actions ms (predicted) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     within, relative, picks = [], [], []
     for model_name in args.models.split(","):
@@ -314,7 +321,7 @@ def main() -> None:
             best = min(r[6] for r in mine)
             typical = statistics.median(r[6] / r[4] for r in mine)  # the machine's speed since planning, as one
             for _, (link, capacity), layout, chunks, predicted, (reduction, planned_optimizer), measured, auto, _, \
-                    optimizer_s, per_round, positions, planned_positions, planned_ends in sorted(
+                    optimizer_s, per_round, positions, planned_positions, planned_ends, planned_busy in sorted(
                     mine, key=lambda r: r[2]["pp"]):
                 schedule = layout["schedule"] + (
                     f" (v={layout['virtual_stages']})" if layout["virtual_stages"] > 1 else "")
@@ -327,7 +334,7 @@ def main() -> None:
                       f"| {'chosen' if auto else ''} "
                       f"| {_speeds(link, 'gbps', 1.0)} | {_speeds(link, 'latency_s', 1e3)} "
                       f"| {_capacity(capacity.model)}, {_capacity(capacity.optimizer)} "
-                      f"| {_positions(positions, planned_positions, planned_ends, predicted)} |")
+                      f"| {_positions(positions, planned_positions, planned_ends, planned_busy, predicted)} |")
                 within.append(BAND[0] <= measured / predicted <= BAND[1])
                 relative.append(BAND[0] <= measured / predicted / typical <= BAND[1])
                 if auto:
@@ -345,24 +352,31 @@ def main() -> None:
           "other (what the choice rests on), whatever the machine's speed did between planning and measuring. "
           "Each position: the pipeline "
           "position's slowest replica, the median of its step's end (the optimizer's included) and of its "
-          "optimizer's part, with the cost model's (its tasks' timeline's end, the optimizer's part; * where all "
-          "ranks' work over the shared cores' capacity, not the timeline, set the predicted step)")
+          "optimizer's part and of its actions' part (the step less its optimizer and its waits for other ranks, "
+          "as torch's schedule waits), with the cost model's (its tasks' timeline's end, the optimizer's part, "
+          "its tasks' durations; * where all ranks' work over the shared cores' capacity, not the timeline, set "
+          "the predicted step)")
 
 
 #: the band a layout's measured / predicted step should fall in (issue 50)
 BAND = (0.85, 1.15)
 
 
-def _positions(measured: list[tuple[float, float]], predicted: list[float], ends: list[float],
+def _positions(measured: list[tuple[float, ...]], optimizers: list[float], ends: list[float], busy: list[float],
                step: float) -> str:
-    """Each pipeline position's measured step end and optimizer part, with the predicted ones (the
-    end as its tasks' timeline says); a ``*`` where the shared cores' bound, not the timeline, set
-    the predicted step."""
+    """Each pipeline position's measured step end, optimizer part and actions' part, with the
+    predicted ones (the end as its tasks' timeline says); a ``*`` where the shared cores' bound,
+    not the timeline, set the predicted step."""
     bound = "*" if ends and step > max(ends) * 1.001 else ""
-    return "; ".join(f"{1e3 * end:.0f}, {1e3 * optimizer:.0f}"
-                     + (f" ({1e3 * ends[p]:.0f}{bound}, {1e3 * predicted[p]:.0f})" if p < len(ends)
-                        else f" ({1e3 * predicted[p]:.0f})" if p < len(predicted) else "")
-                     for p, (end, optimizer) in enumerate(measured))
+
+    def predicted(p: int) -> str:
+        found = [f"{1e3 * ends[p]:.0f}{bound}" if p < len(ends) else "-",
+                 f"{1e3 * optimizers[p]:.0f}" if p < len(optimizers) else "-",
+                 f"{1e3 * busy[p]:.0f}" if p < len(busy) else "-"]
+        return ", ".join(found)
+
+    return "; ".join(f"{1e3 * end:.0f}, {1e3 * optimizer:.0f}, {1e3 * acting:.0f} ({predicted(p)})"
+                     for p, (end, optimizer, acting) in enumerate(measured))
 
 
 def _capacity(value: float | None) -> str:

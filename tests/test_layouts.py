@@ -121,6 +121,8 @@ def test_fsdp_steps_a_share_of_the_bytes_and_pays_the_dtensor_dispatch_for_every
             for p in range(2)]
     assert over_free_links.rank_end_s == pytest.approx(tuple(e + 0.02 + plan.step_overhead_s for e in ends))
     assert ends[0] != ends[1] and over_free_links.step_s == pytest.approx(max(over_free_links.rank_end_s))
+    # each position's tasks, each as long as it takes (on accelerators nothing shares their time)
+    assert over_free_links.rank_busy_s == pytest.approx(tuple(plan.chunks * (0.01 + 0.02) for _ in range(2)))
 
 
 def test_a_stage_counts_the_parameter_tensors_it_trains():

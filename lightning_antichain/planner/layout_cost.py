@@ -144,6 +144,9 @@ class LayoutCost:
     #: each pipeline position's end of its step, its optimizer's included, as its tasks' timeline
     #: says (the step may last longer: all ranks' work over what the shared cores get through)
     rank_end_s: tuple[float, ...] = ()
+    #: each pipeline position's seconds in its tasks (each as long as the timeline has it, sharing
+    #: the cores and holding DDP's reduction included): its step less its waits and its optimizer
+    rank_busy_s: tuple[float, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -211,8 +214,11 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     rank_bytes = tuple(sum(_stage_bytes(linked, s, dp, replication, regather) for s in schedule.stages_of(p, pp))
                        for p in range(pp))
     optimizers = tuple(e - f for e, f in zip(stepped, finish))
+    busy = [0.0] * pp
+    for t in timed:
+        busy[holder[t.task.stage]] += t.end - t.start
     return LayoutCost(step, reduction, rank_bytes, max(optimizers), optimizers,
-                      tuple(e + linked.step_overhead_s for e in stepped))
+                      tuple(e + linked.step_overhead_s for e in stepped), tuple(busy))
 
 
 def _ddp_reductions(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links, table: Schedule

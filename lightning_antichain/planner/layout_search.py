@@ -248,7 +248,7 @@ def _weighed(layout: Layout, schedule: ProcessSchedule, size: int, replication: 
             gathered = {**row, **({} if regather is None else {"regather": regather}),
                         "predicted_step_s": weighed.step_s, "reduction_s": weighed.reduction_s,
                         "optimizer_s": weighed.optimizer_s, "rank_optimizer_s": list(weighed.rank_optimizer_s),
-                        "rank_end_s": list(weighed.rank_end_s),
+                        "rank_end_s": list(weighed.rank_end_s), "rank_busy_s": list(weighed.rank_busy_s),
                         "peak_memory_bytes": weighed.peak_bytes}
             if limit is not None and weighed.peak_bytes > limit:
                 gathered["lost"] = f"needs {weighed.peak_bytes / GB:.1f} GB on a rank, over its {limit / GB:.1f} GB"
