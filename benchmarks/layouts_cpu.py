@@ -140,10 +140,15 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                     plan, chosen_layout)
     times: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}
     per_rank: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}  # each round: [rank, (step, optimizer, busy)]
-    again: dict[int, list[float]] = {pp: [] for pp in runs}  # each round's measured / predicted from its probes
+    # each round's measured / predicted from the probes taken just before it
+    again: dict[int, list[float]] = {pp: [] for pp in runs}
     # each round's probes: one rank's step alone, the ranks' capacity, a send's latency
     alone: list[tuple[float, float, float]] = []
     for repeat in range(args.repeats + 1):
+        probes = None
+        if repeat:  # the machine just before the round: the probes again, every layout predicted from them
+            probes = _probes(model, x, y, loss_fn, ranks, counts)
+            alone.append((probes[1].model_alone_s or 0.0, probes[1].model or 0.0, probes[0]["send"].latency_s))
         for pp, (step, _, _) in runs.items():
             dist.barrier()
             started = time.perf_counter()
@@ -156,13 +161,10 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
             if repeat:
                 times[pp].append(elapsed)
                 per_rank[pp].append(torch.stack(each))
-        if repeat:  # the machine now: the probes again, every layout predicted from them
-            probes = _probes(model, x, y, loss_fn, ranks, counts)
-            alone.append((probes[1].model_alone_s or 0.0, probes[1].model or 0.0, probes[0]["send"].latency_s))
-            if rank == 0:
-                for pp, (_, plan, chosen_layout) in runs.items():
-                    predicted = repredicted(plan, chosen_layout, how, link, probes, ranks)
-                    again[pp].append(float(times[pp][-1][0]) / predicted)
+        if probes is not None and rank == 0:
+            for pp, (_, plan, chosen_layout) in runs.items():
+                predicted = repredicted(plan, chosen_layout, how, link, probes, ranks)
+                again[pp].append(float(times[pp][-1][0]) / predicted)
     if rank == 0 and all(again.values()):
         # the layout the cost model ranks first from each round's probes, against that round's best measured
         picked = []
@@ -175,7 +177,7 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
               f"{statistics.median(picked):.2f})", flush=True)
     if rank == 0 and link[1].model_alone_s:
         steps, capacities, sends = zip(*alone)
-        print(f"layouts_cpu: {model_name} {how}: the probes before planning and after each round: one rank's step "
+        print(f"layouts_cpu: {model_name} {how}: the probes before planning and before each round: one rank's step "
               f"alone {1e3 * link[1].model_alone_s:.1f} ms, then {', '.join(f'{1e3 * a:.1f}' for a in steps)} "
               f"(median {statistics.median(steps) / link[1].model_alone_s:.2f} of before); the ranks' capacity "
               f"{link[1].model or 0.0:.2f}, then {', '.join(f'{c:.2f}' for c in capacities)}; a send's latency "
@@ -345,9 +347,9 @@ def main() -> None:
     print("\nLink GB/s and a collective's ms: all-reduce, all-gather, reduce-scatter, each fitted to back-to-back runs "
           "at two sizes; the ranks' capacity: the work all ranks get through at once in units of one alone, "
           "running the model and stepping AdamW. \"The same, probes each round\": the median over the measured "
-          "rounds of each round's step over the prediction for the same cut from the probes taken right after "
-          "that round (the machine's speed then: the profile's times scaled by one rank's time alone now over "
-          "then), which tells the cost model's error from the machine's drift. \"Over the model's median\": "
+          "rounds of each round's step over the prediction for the same cut from the probes taken just before "
+          "that round (the machine's speed then: the profile's times scaled by one rank's time alone then over "
+          "before planning), which tells the cost model's error from the machine's drift. \"Over the model's median\": "
           "measured / predicted over its median among the model's layouts, the layouts' costs relative to each "
           "other (what the choice rests on), whatever the machine's speed did between planning and measuring. "
           "Each position: the pipeline "
