@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh                  # on the GPU machine (device: cuda:0)
 #   DEVICE=cpu bash benchmarks/gpu_session.sh       # a dry run here, small inputs, tests on the CPU
 #   STEPS="compiled processes lock" bash benchmarks/gpu_session.sh   # a second call: the steps the first leaves out
+#   STEPS="layouts-cpu" bash benchmarks/gpu_session.sh   # issue 50's layouts on the machine's CPU cores, quieter than 2
 set -u
 export PYTHONUNBUFFERED=1  # a step stopped at its limit keeps every row it printed
 export PYTHONFAULTHANDLER=1  # ... and, stopped by SIGABRT, prints where each thread was
@@ -40,6 +41,9 @@ step compiled 300 python benchmarks/gpu.py --device "$device" "${small[@]}" --re
 step processes 150 python benchmarks/processes_cpu.py --device "${device%%:*}" --ranks 1 --chunks 4 --repeats 3
 step lock 120 python benchmarks/gpu_breakdown.py --device "$device" "${small[@]}" --parts lock --repeats 5 \
     --out "$out/breakdown"
+# 4 gloo ranks with a core each: the layouts' absolute band on a machine that does not drift as a
+# shared 2-core VM does (docs/benchmarks.md, "Layouts of 4 CPU processes")
+step layouts-cpu 420 python benchmarks/layouts_cpu.py --ranks 4 --models mlp,mobilenetv3,decoder8k --repeats 3
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
 # the device tool brings back at most 8 files: every text output in one file, the traces in one archive
 for f in "$out"/*.txt; do echo "=== $(basename "$f")"; cat "$f"; done >"$out/session.log"

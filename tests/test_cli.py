@@ -97,7 +97,7 @@ def test_table_and_saved_profile(tmp_path):
         "--no-calibrate",
     )
     assert "stage" in first.stdout and "bottleneck" in first.stdout
-    again = run_cli(
+    again = run_main(  # the saved profile, read back (the command's own process is the first call's)
         "plan", "torchvision.models.squeezenet1_0", "--stages", "3", "--chunks", "2", "--load-profile", str(profile),
         "--json"
     )

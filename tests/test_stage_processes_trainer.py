@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import processes_of, script_command
 
 pytestmark = pytest.mark.processes  # the script in real processes (an options check aside)
 
@@ -25,10 +26,10 @@ def f64(values) -> torch.Tensor:
 
 
 def fit(out: Path, *args: str) -> list[dict]:
-    """Run the script; each rank's report, by rank."""
+    """Run the script, its processes started together (tests/launch.py); each rank's report, by rank."""
     out.mkdir(parents=True)
-    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args], capture_output=True, text=True,
-                            timeout=600, cwd=out)
+    result = subprocess.run(script_command(SCRIPT, ["--out", str(out), *args], processes_of(args)),
+                            capture_output=True, text=True, timeout=600, cwd=out)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads(r.read_text()) for r in sorted(out.glob("rank*.json"))]
     for rank, report in enumerate(reports):
@@ -343,7 +344,8 @@ def test_a_shorter_last_batch_trains_as_plain_lightning(tmp_path, plain_with, sa
 TIED = "net.transformer.wte.weight"  # GPT-2's input embedding, also its output layer's weight
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=SLOW), "none", pytest.param("zbv", marks=SLOW)])
+# the copies across ranks by default; one process's tie (30 s) is also tests/test_pipeline.py's
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("none", marks=SLOW), pytest.param("zbv", marks=SLOW)])
 def test_gpt2_with_its_embedding_tied_to_its_output_layer_across_the_first_and_last_rank_equals_plain(
         tmp_path, plain_with, schedule):
     """Each of the two ranks holds a copy of the tied weight (with ZBV both stages that use it are on
