@@ -225,7 +225,7 @@ def test_the_cli_and_the_library_take_one_planning_path_with_the_same_defaults(t
 
     profile = tmp_path / "cost.json"
     run_main("plan", "torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32,32", "--batch-size", "8",
-            "--chunks", "4", "--quiet", "--save-profile", str(profile), "--no-profile-cache")
+            "--chunks", "4", "--quiet", "--save-profile", str(profile), "--no-profile-cache", "--no-calibrate")
     result = run_main("plan", "torchvision.models.resnet18", "--stages", "3", "--chunks", "4", "--load-profile",
                      str(profile), "--json")
     from_cli = json.loads(result.stdout)
@@ -298,7 +298,7 @@ def test_a_plan_saved_by_the_command_trains_a_fresh_capture_with_plan(tmp_path):
 
     path = tmp_path / "vit.json"
     run_cli("plan", "timm.create_model", "--model-kwargs", json.dumps(VIT), "--stages", "2", "--input-shape",
-            "3,32,32", "--batch-size", "8", "--chunks", "4", "--output", str(path), "--quiet")
+            "3,32,32", "--batch-size", "8", "--chunks", "4", "--output", str(path), "--quiet", "--no-calibrate")
 
     class Classifier(L.LightningModule):
         def __init__(self) -> None:

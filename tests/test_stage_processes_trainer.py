@@ -112,7 +112,9 @@ def test_a_fit_with_one_process_per_stage_equals_plain_lightning(tmp_path, plain
 REPLICAS = ("--adam", *CLIP)  # AdamW: FSDP2 shards its moments too
 
 
-@pytest.mark.parametrize("how", ["ddp", pytest.param("fsdp", marks=SLOW)])  # FSDP2 also in the layout chain
+# slow (34 s each): the default suite trains a (dp=2, pp=2) layout as plain Lightning in
+# tests/test_process_habits.py, on replicas' unequal shares; FSDP2 also in the layout chain
+@pytest.mark.parametrize("how", [pytest.param("ddp", marks=SLOW), pytest.param("fsdp", marks=SLOW)])
 def test_replicas_of_a_pipeline_of_processes_train_as_plain_lightning_on_the_global_batch(tmp_path, plain_with, how):
     """4 processes, 2 per pipeline: a (dp=2, pp=2) mesh, each stage kept in step over "dp" by torch
     (DDP, or FSDP2 sharding it), each replica running half of every batch of 32. On every rank the

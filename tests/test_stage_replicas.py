@@ -63,7 +63,7 @@ def replica_process(rank: int, port: int, how: str, results: mp.Queue) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # 25 s each; the DDP replicas' Trainer test stays in the default suite
+@pytest.mark.slow  # 25 s each; tests/test_process_habits.py trains DDP replicas through the Trainer by default
 @pytest.mark.parametrize("how", ["ddp", "fsdp"])
 def test_each_stage_replicated_over_dp_by_torch_trains_as_the_plain_module(how):
     reports = reports_of(*started(replica_process, 4, how), 180, "a replica process")
