@@ -75,7 +75,7 @@ def test_one_pipeline_of_four_stages_spans_both_nodes_and_trains_as_plain_lightn
                                        rtol=1e-6, atol=1e-12)
 
 
-@pytest.mark.slow  # two torchrun launches; the replicas' Trainer test on one node stays in the default suite
+@pytest.mark.slow  # two torchrun launches; tests/test_process_habits.py trains replicas on one node by default
 def test_two_replicas_of_two_stages_over_two_nodes_train_as_plain_lightning_on_the_global_batch(
         tmp_path, plain_global):
     done = two_nodes(tmp_path / "out", "--stages", "2", "--batch-size", "32")
