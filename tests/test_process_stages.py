@@ -138,10 +138,19 @@ def reports_of(processes: list, results: mp.Queue, timeout: float, what: str) ->
     return reports
 
 
+def process_context():
+    """How the tests start their processes: forked from a server process that imported the package
+    once (``forkserver``), not each a fresh interpreter importing torch and Lightning again (8-10 s
+    on 2 shared cores). The server has run no operation, so each child starts as clean as a spawned one."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["lightning_antichain"])  # (no effect once the server runs)
+    return context
+
+
 def started(target, count: int, *args) -> tuple[list, mp.Queue]:
-    """``count`` spawned processes, each running ``target(rank, port, *args, results)``, meeting on
-    one free port; and the queue they report to."""
-    context = mp.get_context("spawn")
+    """``count`` processes, each running ``target(rank, port, *args, results)``, meeting on one free
+    port; and the queue they report to."""
+    context = process_context()
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=target, args=(r, port, *args, results)) for r in range(count)]
@@ -154,7 +163,7 @@ def started(target, count: int, *args) -> tuple[list, mp.Queue]:
 @pytest.mark.slow  # every schedule runs in the default suite, over 2 processes (below)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_stages_in_processes_pass_a_skip_through_and_match_plain_gradients(schedule):
-    context = mp.get_context("spawn")
+    context = process_context()
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=stage_process, args=(r, port, schedule, results)) for r in range(STAGES)]
@@ -185,7 +194,7 @@ def test_stages_in_processes_pass_a_skip_through_and_match_plain_gradients(sched
 def run_with_a_failing_rank(how: str) -> tuple[list, dict[int, str]]:
     """Three stage processes under 1F1B whose rank 1 fails as ``how`` says; the processes (ended)
     and the errors the others reported. Fails the test if any was still running 30 s later."""
-    context = mp.get_context("spawn")
+    context = process_context()
     results = context.Queue()
     port = free_port()
     processes = [context.Process(target=stage_process, args=(r, port, "1f1b", results, 1, how))

@@ -26,8 +26,8 @@ from queue import Empty
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.utils._pytree as pytree
+from test_process_stages import process_context
 from torch import nn
 from zoo import ZOO, ZooEntry
 
@@ -168,7 +168,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("names", [["gru", "timm_vit"], pytest.param(["nn_transformer", "hf_t5"],
                                                                      marks=pytest.mark.slow)])
 def test_values_of_any_kind_cross_process_cuts_and_train_as_the_plain_module(names):
-    context = mp.get_context("spawn")
+    context = process_context()
     queue = context.Queue()
     port = _free_port()
     processes = [context.Process(target=_worker, args=(rank, port, names, queue)) for rank in range(RANKS)]
