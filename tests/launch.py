@@ -1,4 +1,5 @@
-"""The command that starts a test script: its processes all at once, as torchrun starts them.
+"""How the tests start processes: a test script's all at once, as torchrun starts them, and a
+test's own worker functions forked from a server that imported the package once.
 
 Lightning's own launcher starts a run's other processes when the first reaches ``Trainer.fit``,
 after that one's imports (8-10 s on 2 shared cores), so each test would pay the imports twice over.
@@ -14,6 +15,8 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -39,3 +42,12 @@ def processes_of(args: Sequence[str], devices: int = 1) -> int:
     if "--plain" in args or value("--schedule", "1f1b") == "none":
         return 1
     return int(value("--devices", str(devices)))
+
+
+def process_context():
+    """Where the tests' worker functions start: forked from a server process that imported the package
+    once (``forkserver``), not each a fresh interpreter importing torch and Lightning again (8-10 s
+    on 2 shared cores). The server has run no operation, so each child starts as clean as a spawned one."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["lightning_antichain"])  # (no effect once the server runs)
+    return context

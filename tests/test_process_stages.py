@@ -7,12 +7,12 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from launch import free_port, process_context
 from torch import nn
 
 STAGES, CHUNKS = 3, 4
@@ -115,12 +115,6 @@ def stop(processes: list) -> list[int]:
     return late
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def reports_of(processes: list, results: mp.Queue, timeout: float, what: str) -> list:
     """One report from each process (a report ``(rank, "error", message, ...)`` fails the test),
     every process stopped after, each having exited cleanly."""
@@ -136,15 +130,6 @@ def reports_of(processes: list, results: mp.Queue, timeout: float, what: str) ->
         stop(processes)
     assert all(p.exitcode == 0 for p in processes)
     return reports
-
-
-def process_context():
-    """How the tests start their processes: forked from a server process that imported the package
-    once (``forkserver``), not each a fresh interpreter importing torch and Lightning again (8-10 s
-    on 2 shared cores). The server has run no operation, so each child starts as clean as a spawned one."""
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["lightning_antichain"])  # (no effect once the server runs)
-    return context
 
 
 def started(target, count: int, *args) -> tuple[list, mp.Queue]:

@@ -19,7 +19,6 @@ The values crossing each cut are found on fake tensors before the first step
 from __future__ import annotations
 
 import os
-import socket
 import time
 from queue import Empty
 
@@ -27,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from test_process_stages import process_context
+from launch import free_port, process_context
 from torch import nn
 from zoo import ZOO, ZooEntry
 
@@ -159,18 +158,12 @@ def _worker(rank: int, port: int, names: list[str], queue) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("names", [["gru", "timm_vit"], pytest.param(["nn_transformer", "hf_t5"],
                                                                      marks=pytest.mark.slow)])
 def test_values_of_any_kind_cross_process_cuts_and_train_as_the_plain_module(names):
     context = process_context()
     queue = context.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [context.Process(target=_worker, args=(rank, port, names, queue)) for rank in range(RANKS)]
     for process in processes:
         process.start()

@@ -6,7 +6,6 @@ rank failing on one node stops the ranks of the other with its error."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import free_port
 from test_stage_processes_trainer import SCRIPT, _running, f64, fit
 
 pytestmark = pytest.mark.processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_nodes(out: Path, *args: str, env: dict | None = None, timeout: float = 300
