@@ -5,8 +5,9 @@ every later one adds into it, a pass over the stage's parameters that a backward
 gradients does not make. The profile times backwards into empty gradients. This times both, one
 after the other, on the layouts' benchmark models at one micro-batch of 8 samples, with freed memory
 kept as the runtime keeps it (without it, the empty gradients' fresh pages cost more than the add),
-and prints the difference per byte of parameters: the rate a cost model would charge per
-micro-batch after the first.
+and prints the difference per byte of parameters, against what the planner charges for it: its
+rate (:func:`~lightning_antichain.planner.overhead.measure_accumulation_rate`, measured here in
+the same run) times the model's trainable bytes.
 
     python benchmarks/grad_accumulation_cpu.py --models mlp,mobilenetv3,decoder8k
 """
@@ -55,14 +56,20 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # as benchmarks/layouts_cpu.py
     keep_freed_memory()
-    print(f"Machine: {machine(1)}; {args.samples} samples; median of {args.repeats} interleaved pairs\n")
+    from lightning_antichain.planner.overhead import measure_accumulation_rate
+
+    rate = measure_accumulation_rate(torch.device("cpu"))
+    print(f"Machine: {machine(1)}; {args.samples} samples; median of {args.repeats} interleaved pairs; the "
+          f"planner's rate {rate * 1e9:.2f} ns a byte\n")
     print("| model | parameters MB | backward into empty gradients ms | adding into them ms | difference ms "
-          "| ns a parameter byte |")
-    print("|---|---|---|---|---|---|")
+          "| ns a parameter byte | the planner's charge ms | difference / charge |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         empty, adding, size = backwards(name, args.samples, args.repeats)
+        charge = rate * size
         print(f"| {name} | {size / 1e6:.1f} | {1e3 * empty:.1f} | {1e3 * adding:.1f} | {1e3 * (adding - empty):+.1f} "
-              f"| {(adding - empty) / size * 1e9:.2f} |", flush=True)
+              f"| {(adding - empty) / size * 1e9:.2f} | {1e3 * charge:.1f} | {(adding - empty) / charge:.2f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

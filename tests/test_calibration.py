@@ -86,7 +86,8 @@ def test_a_calibrated_plan_predicts_from_the_measured_stage_times_and_is_read_ba
     assert found is not None and len(list(tmp_path.glob("calibration-*.json"))) == 1
     for stage, f, b in zip(plan.stages, found["forward_s"], found["backward_s"]):
         assert stage.forward_s == pytest.approx(max(0.0, f - plan.task_overhead_s))
-        assert stage.backward_s == pytest.approx(max(0.0, b - plan.task_overhead_s))
+        # the micro-batches run alone add into the gradients of the runs before them
+        assert stage.backward_s == pytest.approx(max(0.0, b - plan.task_overhead_s - plan.accumulation_s(stage)))
     assert found["profiled_compute_s"] == [s.compute_s for s in
                                            planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4,
                                                                profile_cache=tmp_path, progress=False,
@@ -153,7 +154,7 @@ def test_a_calibrated_accelerator_plan_predicts_the_pipelined_step_it_measured(d
     the machine. (Planning only: nothing runs on the device.)"""
     model = SequentialCNN()
     cost = la.profile(model, torch.randn(4, 3, 16, 16), "cpu", repeats=1, warmup=0, progress=False)
-    cost.graph.update(task_overhead_s=1e-4, step_overhead_s=2e-3)
+    cost.graph.update(task_overhead_s=1e-4, step_overhead_s=2e-3, accumulate_s_per_byte=0.0)
     plan = la.partition(cost, stages=2, chunks=4, devices=[device, device])
     forward, backward = (0.010, 0.020), (0.015, 0.030)
     explained = replace(plan, stages=[replace(s, forward_s=f - 1e-4 - s.transfer_s / 2,
@@ -188,3 +189,26 @@ def test_on_accelerators_the_pipelined_steps_are_timed_back_to_back_once_they_st
     assert [elapsed for elapsed, _, _ in timed] == pytest.approx([0.129, 0.115, 0.116])
     assert [alone for _, alone, _ in timed] == [alone for _, alone, _ in rounds]
     assert all(steps == [["step"]] for _, _, steps in timed)
+
+
+@pytest.mark.parametrize(("name", "virtual"), [("1f1b", None), ("zb-h1", 2)])
+def test_action_costs_averaged_over_a_step_come_back_as_the_timeline_s_mean_task(name, virtual):
+    """A rank times each action as the mean over a step's micro-batches, whose backwards but the
+    first added into the stage's gradients: the calibrated stage times take that out, so the plan's
+    timeline, which adds it back to all but the first, gives each kind of task its measured mean."""
+    from lightning_antichain.planner.process_calibration import _timed_as
+    from lightning_antichain.plans.process_schedules import process_schedule
+
+    cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
+    cost.graph.update(task_overhead_s=1e-4, accumulate_s_per_byte=5e-8)
+    table = process_schedule(name, virtual).table(2, 4)
+    plan = la.partition(cost, table.stages, chunks=4)
+    assert sum(plan.accumulation_s(s) > 0 for s in plan.stages) >= 2
+    phases = {t.phase for tasks in table.order for t in tasks}
+    costs = {(phase, k): 0.01 * (1 + k) + 0.001 * i for k in range(plan.num_stages)
+             for i, phase in enumerate(sorted(phases))}
+    calibrated = _timed_as(plan, costs, {})
+    duration = calibrated.durations(table)
+    for (phase, k), measured in costs.items():
+        tasks = [t for order in table.order for t in order if t.phase == phase and t.stage == k]
+        assert sum(duration(t) for t in tasks) / len(tasks) == pytest.approx(measured), (phase, k)

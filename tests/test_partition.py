@@ -13,9 +13,10 @@ import lightning_antichain as la
 from lightning_antichain.planner.partition import METHODS
 
 
-def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunks=1, opt=2.0):
+def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunks=1, opt=2.0, accumulate=0.0):
     """Best bottleneck over every chain of down-sets and every order of the devices, by search; the
-    first stage's device also holds the joined output and its gradient (2 x chunks x the outputs)."""
+    first stage's device also holds the joined output and its gradient (2 x chunks x the outputs);
+    each backward after a stage's first adds ``accumulate`` a trainable parameter byte."""
     pinned = frozenset(v for v in graph.nodes if graph.nodes[v].get("pinned"))
     free = graph.subgraph(set(graph.nodes) - pinned)
     down_sets = [d | pinned for d in brute_force_down_sets(free)]
@@ -40,7 +41,8 @@ def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunk
                 need += 2 * chunks * sum(attr(v, "output_bytes") for v in outputs)
             if need > memory[device]:
                 return math.inf
-        return compute + transfer
+        trainable = sum(attr(v, "param_bytes") - attr(v, "frozen_bytes") for v in nodes)
+        return compute + transfer + accumulate * trainable * (chunks - 1) / chunks
 
     @cache
     def best(before, devices_left):
@@ -80,6 +82,22 @@ def test_dp_matches_exhaustive_search(seed):
     plan = la.partition(graph, stages, bandwidth_gbps=None if math.isinf(bandwidth) else bandwidth / 1e9)
     expected = brute_force_bottleneck(graph, [1.0] * stages, bandwidth)
     assert plan.bottleneck_s == pytest.approx(expected, rel=1e-9)
+    assert_valid(plan, graph)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_dp_weighs_each_stage_s_adding_into_its_gradients(seed):
+    """A stage's backwards after its first add into its gradients, a cost of its trainable
+    parameters rather than of its compute: the program cuts on it as the search does."""
+    graph = random_cost_graph(seed, max_nodes=9, with_input=True)
+    for v in graph.nodes:
+        graph.nodes[v]["frozen_bytes"] = graph.nodes[v].get("param_bytes", 0) // 2 if seed % 2 else 0
+    graph.graph["accumulate_s_per_byte"] = 2e-4  # comparable to the operations' seconds
+    stages = min(2 + seed % 3, sum(1 for v in graph.nodes if not graph.nodes[v].get("pinned")))
+    plan = la.partition(graph, stages, chunks=4)
+    assert plan.accumulate_s_per_byte == 2e-4
+    dp = max(s.time_s + 0.75 * plan.accumulation_s(s) for s in plan.stages)
+    assert dp == pytest.approx(brute_force_bottleneck(graph, [1.0] * stages, chunks=4, accumulate=2e-4), rel=1e-9)
     assert_valid(plan, graph)
 
 

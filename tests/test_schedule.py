@@ -95,8 +95,9 @@ def test_the_engine_runs_each_stage_in_the_order_the_schedule_lists(name, monkey
 def test_the_plan_predicts_its_step_from_the_schedule_it_names(monkeypatch):
     monkeypatch.setitem(schedule.SCHEDULES, "reversed", reversed_forwards)
     cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
-    # an overhead of its own, since a busy machine can measure the runtime's as zero
-    cost.graph.update(task_overhead_s=2e-4, step_overhead_s=1e-3)
+    # an overhead of its own, since a busy machine can measure the runtime's as zero; the adding
+    # into gradients left out (its own test below)
+    cost.graph.update(task_overhead_s=2e-4, step_overhead_s=1e-3, accumulate_s_per_byte=0.0)
     plan = la.partition(cost, 3, chunks=4)
     assert plan.parallel_capacity is not None and plan.task_overhead_s == 2e-4
     forward = [s.forward_s + s.transfer_s / 2 + plan.task_overhead_s for s in plan.stages]
@@ -107,6 +108,42 @@ def test_the_plan_predicts_its_step_from_the_schedule_it_names(monkeypatch):
     assert max(t.end for t in plan.timeline()) + plan.step_overhead_s == pytest.approx(plan.predicted_step_s)
     plan.schedule = "reversed"
     assert {t.task for t in plan.timeline()} == {t for tasks in reversed_forwards(3, 4).order for t in tasks}
+
+
+@pytest.mark.parametrize(("name", "virtual"), [("gpipe", None), ("1f1b", None), ("interleaved-1f1b", 2),
+                                              ("zb-h1", 2)])
+def test_every_weight_gradient_of_a_stage_but_its_first_adds_into_the_stage_s_trainable_gradients(name, virtual):
+    """The profile times backwards into empty gradients; in a step, a stage's first backward writes
+    its gradients and each later one adds into them: a pass over its trainable parameters, charged
+    at the plan's rate to every backward (or weight half) of a stage but the first its rank runs."""
+    from lightning_antichain.plans.process_schedules import process_schedule
+
+    model = LongSkip()
+    model.stem.requires_grad_(False)  # frozen: no gradient to add into
+    cost = la.profile(model, torch.randn(2, 12), repeats=1, warmup=0, progress=False)
+    cost.graph["parallel_capacity"] = None  # a task's span is its duration
+    runs = process_schedule(name, virtual)
+    table = runs.table(2, 4)
+    plan = la.partition(cost, table.stages, chunks=4)
+    rate = 1e-6
+    spans = {}
+    for charged in (0.0, rate):
+        plan.accumulate_s_per_byte = charged
+        spans[charged] = {t.task: t.end - t.start for t in plan.timeline(table)}
+    first = {}
+    for tasks in table.order:
+        for task in tasks:
+            if task.phase in ("backward", "backward_weight"):
+                first.setdefault(task.stage, task)
+    assert {t.phase for t in first.values()} == ({"backward_weight"} if name.startswith("zb") else {"backward"})
+    if name == "gpipe":  # GPipe runs a stage's backwards from the last micro-batch
+        assert all(t.micro_batch == 3 for t in first.values())
+    trainable = [s.param_bytes - s.frozen_bytes for s in plan.stages]
+    assert sum(trainable) == sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    for task, span in spans[rate].items():
+        adds = task.phase in ("backward", "backward_weight") and first[task.stage] != task
+        assert span == pytest.approx(spans[0.0][task] + (rate * trainable[task.stage] if adds else 0.0)), task
+    assert "adding into gradients" in plan.table()
 
 
 def test_cpu_stages_running_at_once_share_the_capacity_and_other_stages_do_not():

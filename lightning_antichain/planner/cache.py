@@ -25,9 +25,11 @@ T = TypeVar("T")
 
 #: the format version of each kind of entry
 FORMATS = {
-    # 6: op times scaled to the measured whole (CPU); 4: parallel capacity and overheads; 3: in-place dependencies
-    "profile": 6,
-    "overhead": 1,
+    # 7: gradient accumulation's rate; 6: op times scaled to the measured whole (CPU); 4: parallel capacity and
+    # overheads; 3: in-place dependencies
+    "profile": 7,
+    # 2: gradient accumulation's rate
+    "overhead": 2,
     "calibration": 3,
 }
 

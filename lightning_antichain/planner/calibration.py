@@ -124,6 +124,7 @@ def calibrate(
             Pipeline(module, plan, chunks=1, **options) as single:
 
         def pipelined_step() -> tuple[float, list[list[Timed]]]:
+            module.zero_grad(set_to_none=True)  # as a training step begins: its first backwards add into nothing
             synchronize(devices)
             started = time.perf_counter()
             backward_from(piped(*call_args, **call_kwargs))
@@ -253,9 +254,10 @@ def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) ->
     step predicted again from them (on accelerators, with the per-step cost that the measured
     pipelined step leaves unexplained); the profiled values, and the cache file the calibration was
     read from (``None``: measured now), are kept in ``plan.calibration``."""
+    # the micro-batches run alone add their gradients into those of the runs before them
     stages = [
         replace(s, forward_s=max(0.0, f - plan.task_overhead_s - s.transfer_s / 2),
-                backward_s=max(0.0, b - plan.task_overhead_s - s.transfer_s / 2))
+                backward_s=max(0.0, b - plan.task_overhead_s - s.transfer_s / 2 - plan.accumulation_s(s)))
         for s, f, b in zip(plan.stages, found.forward_s, found.backward_s)
     ]
     profiled = sum(s.compute_s for s in plan.stages)

@@ -51,6 +51,8 @@ class CostModel:
     ``loss_workspace_bytes``: what the loss's own computation holds there at its backward beyond
     that output and its gradient (a cross-entropy's log-softmax and its gradient, a squared
     error's square and its gradient), which meets whatever the stage keeps at that moment.
+    ``accumulate_s_per_byte``: what a backward adds per trainable parameter byte where it adds
+    into the gradients of the stage's earlier ones (:attr:`Plan.accumulate_s_per_byte`).
     """
 
     chunks: int = 1
@@ -60,12 +62,18 @@ class CostModel:
     held: tuple[int, ...] = ()
     joined_output_bytes: float = 0.0
     loss_workspace_bytes: float = 0.0
+    accumulate_s_per_byte: float = 0.0
 
     def held_by(self, index: int | None) -> int:
         """Micro-batches stage ``index`` holds at most (``None``: the most any stage holds)."""
         if not self.held:
             return self.chunks
         return max(self.held) if index is None else self.held[index]
+
+    def accumulation_s(self, trainable_bytes: float | np.ndarray) -> Any:
+        """What adding into gradients costs a stage of ``trainable_bytes`` per micro-batch, on
+        average over a step: every backward but the first of its ``chunks`` adds."""
+        return self.accumulate_s_per_byte * trainable_bytes * (self.chunks - 1) / self.chunks
 
     def transfer_s(self, nbytes: float | np.ndarray) -> Any:
         """Seconds to ship ``nbytes`` forward and its gradient back."""

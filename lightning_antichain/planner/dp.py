@@ -35,12 +35,15 @@ def stage_costs(space: StateSpace, spec: DeviceSpec, model: CostModel, index: in
 
 
 def stage_times(space: StateSpace, speed: float, model: CostModel) -> np.ndarray:
-    """``T[j, i]``: time of the stage ``D_j minus D_i`` on a device of ``speed``, memory aside;
-    ``inf`` where it is not a stage."""
+    """``T[j, i]``: time of the stage ``D_j minus D_i`` on a device of ``speed`` per micro-batch,
+    memory aside: its compute, its cuts' transfers and its adding into gradients; ``inf`` where it
+    is not a stage."""
     compute = (space.compute[:, None] - space.compute[None, :]) / speed
     transfer = model.transfer_s(space.cut_bytes[:, None] + space.cut_bytes[None, :])
+    trainable = space.param_bytes - space.frozen_bytes
+    adding = model.accumulation_s(trainable[:, None] - trainable[None, :]) if model.accumulate_s_per_byte else 0.0
     valid = space.contains() & ~space.forbidden[:, None] & ~space.forbidden[None, :]
-    return np.where(valid, compute + transfer, np.inf)
+    return np.where(valid, compute + transfer + adding, np.inf)
 
 
 def _stage_memory(space: StateSpace, model: CostModel, index: int | None = None, start: int | None = None

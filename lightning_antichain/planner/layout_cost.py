@@ -254,7 +254,8 @@ def _ddp_reductions(plan: Plan, schedule: ProcessSchedule, layout: Layout, links
 
 def _work_s(plan: Plan, table: Schedule) -> float:
     """The seconds of all of ``table``'s tasks, each as it takes alone: a pipeline's work."""
-    return sum(plan.task_seconds(plan.stages[t.stage], t.phase) for tasks in table.order for t in tasks)
+    duration = plan.durations(table)
+    return sum(duration(t) for tasks in table.order for t in tasks)
 
 
 def _optimizer_ends(plan: Plan, schedule: ProcessSchedule, layout: Layout, replication: Replication,

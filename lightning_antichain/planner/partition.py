@@ -75,7 +75,8 @@ def partition(
     if bandwidth <= 0:
         raise ValueError(f"bandwidth_gbps must be positive, got {bandwidth_gbps}")
     model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)),
-                      held_micro_batches(schedule, stages, chunks), *batch_loss_bytes(graph, chunks, schedule))
+                      held_micro_batches(schedule, stages, chunks), *batch_loss_bytes(graph, chunks, schedule),
+                      accumulate_s_per_byte=float(graph.graph.get("accumulate_s_per_byte") or 0.0))
     free = [v for v in ordered_nodes(graph) if not graph.nodes[v]["pinned"]]
     if len(free) < stages:
         raise InfeasiblePlanError(
@@ -165,7 +166,8 @@ def plan_from_balance(
     specs = device_specs(len(balance), devices, None, memory_gb)
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
     model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)),
-                      held_micro_batches(schedule, len(balance), chunks), *batch_loss_bytes(graph, chunks, schedule))
+                      held_micro_batches(schedule, len(balance), chunks), *batch_loss_bytes(graph, chunks, schedule),
+                      accumulate_s_per_byte=float(graph.graph.get("accumulate_s_per_byte") or 0.0))
     bounds = np.cumsum([0, *balance])
     stage_nodes = [free[bounds[k] : bounds[k + 1]] for k in range(len(balance))]
     stage_nodes[0] = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]] + stage_nodes[0]
@@ -242,6 +244,7 @@ def _make_plan(
         profiled_on=meta.get("device_name") or meta.get("device"),
         task_overhead_s=float(meta.get("task_overhead_s") or 0.0),
         step_overhead_s=float(meta.get("step_overhead_s") or 0.0),
+        accumulate_s_per_byte=float(meta.get("accumulate_s_per_byte") or 0.0),
         optimizer_step_s=float(meta.get("optimizer_step_s") or 0.0),
         parallel_capacity=meta.get("parallel_capacity"),
         cpu_cores=meta.get("cpu_cores"),

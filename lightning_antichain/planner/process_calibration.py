@@ -69,18 +69,22 @@ def _timed_as(plan: Plan, costs: Mapping[ActionKey, float], record: dict[str, An
     if missing:
         raise ValueError(f"no forward was timed on stage(s) {missing}: gather every rank's action costs")
     again = 1.0 if recomputed_micro_batches(plan.recompute, plan.chunks) >= plan.chunks else 0.0
+    # a cost is the mean over a step's micro-batches, whose backwards but the first add their
+    # gradients into those already there (Plan.durations)
+    adding = (plan.chunks - 1) / plan.chunks
     stages = []
     for stage in plan.stages:
         k, overhead, half = stage.index, plan.task_overhead_s, stage.transfer_s / 2
         forward = max(0.0, costs["forward", k] - overhead - half)
         recomputed = again * forward  # a recomputing stage's backward runs its forward again
+        accumulated = adding * plan.accumulation_s(stage)
         if ("backward", k) in costs:
-            backward = max(0.0, costs["backward", k] - overhead - half - recomputed)
+            backward = max(0.0, costs["backward", k] - overhead - half - recomputed - accumulated)
             stages.append(replace(stage, forward_s=forward, backward_s=backward, backward_input_s=None,
                                   backward_weight_s=None))
             continue
         input_s = max(0.0, costs.get(("backward_input", k), 0.0) - overhead - half - recomputed)
-        weight_s = max(0.0, costs.get(("backward_weight", k), 0.0) - overhead)
+        weight_s = max(0.0, costs.get(("backward_weight", k), 0.0) - overhead - accumulated)
         stages.append(replace(stage, forward_s=forward, backward_s=input_s + weight_s, backward_input_s=input_s,
                               backward_weight_s=weight_s))
     return replace(plan, stages=stages, bottleneck_s=max(s.time_s for s in stages),

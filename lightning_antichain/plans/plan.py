@@ -9,13 +9,23 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..device import shares_host
 from .plan_table import plan_table
-from .schedule import GRADIENT_OUT, INPUT_SHARE, Phase, Schedule, Task, Timed, make_schedule, timeline
+from .schedule import (
+    GRADIENT_OUT,
+    INPUT_SHARE,
+    WEIGHT_GRADIENT,
+    Phase,
+    Schedule,
+    Task,
+    Timed,
+    make_schedule,
+    timeline,
+)
 
 PLAN_FORMAT = "lightning-antichain/plan/1"
 RECOMPUTE_MODES = ("never", "except_last", "always")
@@ -125,7 +135,8 @@ class Plan:
     ``max(total compute / total device speed, slowest single operation)``, which no split can beat;
     ``predicted_step_s`` is one step of ``chunks`` micro-batches under ``schedule`` (see
     :mod:`lightning_antichain.plans.schedule`), fill and drain included, with what the runtime adds: each
-    task's ``task_overhead_s``, each step's ``step_overhead_s`` and ``optimizer_step_s``, and, for
+    task's ``task_overhead_s``, each backward after a stage's first its ``accumulate_s_per_byte``
+    over the stage's trainable bytes, each step's ``step_overhead_s`` and ``optimizer_step_s``, and, for
     CPU stages that run at once, the slowdown that the profile's ``parallel_capacity`` (two at once
     against one alone) implies on a machine of ``cpu_cores`` cores. ``compression`` says what the
     planner simplified to stay fast.
@@ -185,6 +196,11 @@ class Plan:
     #: ``"micro_batch"`` or ``"step"`` (:data:`~lightning_antichain.processes.replication.Regather`),
     #: as the layout search or the planner for a given layout chose it; ``None``: nothing sharded
     regather: str | None = None
+    #: seconds a backward adds per byte of its stage's trainable parameters where it adds its
+    #: gradients into those already there (every backward of a step on a stage but the first), a
+    #: pass over them that the profile's backwards, into empty gradients, leave out
+    #: (:func:`~lightning_antichain.planner.overhead.measure_accumulation_rate`); 0: not charged
+    accumulate_s_per_byte: float = 0.0
 
     @property
     def num_stages(self) -> int:
@@ -252,28 +268,20 @@ class Plan:
                  others: Sequence[tuple[float, float]] = (), held: Mapping[Task, float] | None = None
                  ) -> list[Timed]:
         """The predicted start and end of every task of one step (:func:`schedule.timeline`), each
-        stage's transfer split evenly between its forward and its backward, and the backward of a
-        micro-batch that ``recompute`` recomputes charged its forward again. ``schedule``: the
+        task as long as :meth:`durations` says. ``schedule``: the
         tasks as run (torch's table for a rank's virtual stages,
         :meth:`~lightning_antichain.plans.process_schedules.ProcessSchedule.table`); default,
         the plan's own schedule over one worker per stage. ``replicas``: pipelines running the
         same step at once, whose CPU stages share the machine with these; ``others``: spans of
         other work sharing it meanwhile (a rank's reduction and optimizer step); ``held``: seconds
         a task keeps its stage after its work, sharing nothing (a replicated stage's reduction)."""
-        recomputed = recomputed_micro_batches(self.recompute, self.chunks)
-
-        def duration(task: Task) -> float:
-            stage = self.stages[task.stage]
-            again = task.phase in GRADIENT_OUT and task.micro_batch < recomputed
-            return self.task_seconds(stage, task.phase) + (stage.forward_s if again else 0.0)
-
         schedule = schedule or make_schedule(self.schedule, self.num_stages, self.chunks)
         if schedule.stages != self.num_stages or schedule.chunks != self.chunks:
             raise ValueError(f"a schedule of {schedule.stages} stages and {schedule.chunks} micro-batches does not "
                              f"run this plan of {self.num_stages} stages and {self.chunks}")
         return timeline(
             schedule,
-            duration,
+            self.durations(schedule),
             capacity=self.capacity(replicas),
             shared=[shares_host(self.stages[tasks[0].stage].device) and not self.measured_together if tasks else False
                     for tasks in schedule.order],
@@ -281,6 +289,33 @@ class Plan:
             others=others,
             held=held,
         )
+
+    def durations(self, schedule: Schedule) -> Callable[[Task], float]:
+        """Each task's seconds alone in ``schedule`` (:meth:`task_seconds`), with the forward again
+        in the backward of a micro-batch that ``recompute`` recomputes, and the adding of its
+        gradients into its stage's (:meth:`accumulation_s`) in every backward of the weights but
+        the stage's first of the step."""
+        recomputed = recomputed_micro_batches(self.recompute, self.chunks)
+        first: dict[int, Task] = {}
+        for tasks in schedule.order:
+            for task in tasks:
+                if task.phase in WEIGHT_GRADIENT:
+                    first.setdefault(task.stage, task)
+
+        def duration(task: Task) -> float:
+            stage = self.stages[task.stage]
+            seconds = self.task_seconds(stage, task.phase)
+            if task.phase in GRADIENT_OUT and task.micro_batch < recomputed:
+                seconds += stage.forward_s
+            if task.phase in WEIGHT_GRADIENT and first.get(task.stage) != task:
+                seconds += self.accumulation_s(stage)
+            return seconds
+
+        return duration
+
+    def accumulation_s(self, stage: Stage) -> float:
+        """What a backward on ``stage`` adds where it adds into the gradients of an earlier one."""
+        return self.accumulate_s_per_byte * max(0, stage.param_bytes - stage.frozen_bytes)
 
     def task_seconds(self, stage: Stage, phase: Phase) -> float:
         """What one task of ``phase`` on ``stage`` takes alone: its compute, half the stage's transfer

@@ -22,6 +22,8 @@ from typing import Literal
 Phase = Literal["forward", "backward", "backward_input", "backward_weight"]
 GRADIENT_OUT: tuple[Phase, ...] = ("backward", "backward_input")
 """The phases that make a stage's input gradient: the stage before waits for one of them."""
+WEIGHT_GRADIENT: tuple[Phase, ...] = ("backward", "backward_weight")
+"""The phases that make the gradients of a stage's parameters."""
 
 
 @dataclass(frozen=True)
