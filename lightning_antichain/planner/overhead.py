@@ -29,7 +29,7 @@ from torch.func import functional_call
 
 from ..capture import OpGraph, capture
 from ..capture.pytrees import iter_tensors, map_tensors
-from ..device import device_name, synchronize
+from ..device import device_name, is_accelerator, synchronize
 from ..in_process.pipeline import Pipeline
 from .cache import DamagedEntry, default_cache_dir, entry_key, read_entry, write_entry
 from .contention import copied_buffers
@@ -125,7 +125,7 @@ def measure_accumulation_rate(device: torch.device, repeats: int = 15) -> float:
     the size that glibc maps afresh even where the runtime keeps freed memory
     (:mod:`~lightning_antichain.cpu_allocator`: 0.15-0.18 ns a byte here at 16 and 32 MiB, 0.46-0.52 at
     64, against 0.18-0.19 in three models' backwards), and 256 MiB on an accelerator."""
-    megabytes = 16 if device.type == "cpu" else 256
+    megabytes = 256 if is_accelerator(device) else 16
     side = math.isqrt(megabytes * 2**20 // 4)
     layer = nn.Linear(side, side, bias=False, device=device)
     x = torch.randn(1, side, device=device)
