@@ -38,12 +38,12 @@ def stage_times(space: StateSpace, speed: float, model: CostModel) -> np.ndarray
     """``T[j, i]``: time of the stage ``D_j minus D_i`` on a device of ``speed`` per micro-batch,
     memory aside: its compute, its cuts' transfers and its adding into gradients; ``inf`` where it
     is not a stage."""
-    compute = (space.compute[:, None] - space.compute[None, :]) / speed
+    # both are sums over a down-set, so a stage's is the difference of two states' totals
+    work = space.compute / speed + model.accumulation_s(space.param_bytes - space.frozen_bytes)
+    compute = work[:, None] - work[None, :]
     transfer = model.transfer_s(space.cut_bytes[:, None] + space.cut_bytes[None, :])
-    trainable = space.param_bytes - space.frozen_bytes
-    adding = model.accumulation_s(trainable[:, None] - trainable[None, :]) if model.accumulate_s_per_byte else 0.0
     valid = space.contains() & ~space.forbidden[:, None] & ~space.forbidden[None, :]
-    return np.where(valid, compute + transfer + adding, np.inf)
+    return np.where(valid, compute + transfer, np.inf)
 
 
 def _stage_memory(space: StateSpace, model: CostModel, index: int | None = None, start: int | None = None
