@@ -152,6 +152,23 @@ def test_gathering_per_micro_batch_costs_collectives_per_task_and_once_per_step_
     assert quick.step_s < per_micro_batch.step_s and quick.step_s - alone.step_s < 0.01
 
 
+
+@pytest.mark.parametrize(("dp", "how", "regather", "share"), [(1, "ddp", "step", 1), (2, "ddp", "step", 1),
+                                                              (2, "fsdp", "step", 1), (2, "fsdp", "micro_batch", 2)])
+def test_each_later_backward_adds_into_the_stage_s_gradients_whole_or_into_its_shard_where_fsdp2_scatters_them(
+        dp, how, regather, share):
+    """A stage's backwards after its first add their gradients into those already there: DDP and
+    FSDP2 gathering once per step keep them whole until the last micro-batch; FSDP2 gathering per
+    micro-batch reduce-scatters each backward's, which adds into the rank's shard."""
+    plan = dataclasses.replace(two_stage_plan(chunks=4), stages=[
+        dataclasses.replace(s, largest_block_bytes=20 * MB, unblocked_param_bytes=0) for s in two_stage_plan().stages])
+    rate, links = 1e-10, Links(4, 100.0, 100.0)
+    plain, adding = (layout_cost(dataclasses.replace(plan, accumulate_s_per_byte=r), ONE_F_ONE_B, Layout(dp, 2), links,
+                                 how, regather) for r in (0.0, rate))
+    added = [b - a for a, b in zip(plain.rank_busy_s, adding.rank_busy_s)]
+    assert added == pytest.approx([3 * rate * 100 * MB / share] * 2)  # three of four backwards add, on each rank
+
+
 class Blocks(nn.Module):
     def __init__(self, width: int = 64, depth: int = 4):
         super().__init__()

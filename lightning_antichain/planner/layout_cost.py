@@ -21,12 +21,14 @@ block (a decoder layer) on its own (:mod:`~lightning_antichain.stages.block_unit
 micro-batch (``regather="micro_batch"``), every forward all-gathers the stage's parameters a block
 at a time and every backward gathers the blocks again and reduce-scatters their gradients: a rank
 holds its shards, the parameters outside blocks and two blocks (the one running, the next
-prefetched), and a block's gradients before they are scattered. On an accelerator the gathers of
+prefetched), and a block's gradients before they are scattered, each backward's added into its
+shard of them. On an accelerator the gathers of
 the next block overlap the current one's compute, so a task lasts as long as the longer of the
 two, plus the first block's gather; on a CPU they add. Gathered once per step
 (``regather="step"``, torch's pipelining default), the whole stage is gathered for the first
 forward and its gradients, kept whole, are reduce-scattered once after the last backward: the
-fewest collectives, and the most memory (the stage whole besides its shards). Each rank steps the
+fewest collectives, and the most memory (the stage whole besides its shards), each backward's
+gradients added into the whole ones. Each rank steps the
 optimizer on its own parameters (its share of them, with FSDP2) once its own step is done: on a
 shared CPU, as slowly as the sharing of its cores with the ranks stepping at the same time makes it.
 """
@@ -163,6 +165,8 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     gathers = _Gathers(linked, schedule, layout, links, regather) if replication == "fsdp" and dp > 1 else None
     if gathers is not None:
         linked = gathers.in_tasks()
+        if regather == "micro_batch":  # each backward's gradients reduce-scattered: it adds into its shard
+            linked = dataclasses.replace(linked, accumulate_s_per_byte=linked.accumulate_s_per_byte / dp)
     table = schedule.table(pp, plan.chunks)
     holder = {s: schedule.rank_of(s, pp) for s in range(plan.num_stages)}
     reduced = _ddp_reductions(linked, schedule, layout, links, table) if gathers is None and dp > 1 else {}
