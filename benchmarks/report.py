@@ -6,7 +6,8 @@ import os
 import platform
 from pathlib import Path
 
-BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+RUNS_MD = Path(__file__).resolve().parent.parent / "docs" / "benchmark-runs.md"
+"""Where the benchmarks write their runs; docs/benchmarks.md summarises them."""
 BENCHMARK_CACHE = Path.home() / ".cache" / "lightning-antichain-benchmarks"
 """The benchmarks' own profile cache: profiles are kept between runs, calibrations are not."""
 
@@ -40,12 +41,12 @@ def machine(threads: int | None = None) -> str:
 
 def write_section(text: str, start: str, end: str, heading: str) -> None:
     """Replace the text between the ``start`` and ``end`` markers, or append it under ``heading``."""
-    old = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
+    old = RUNS_MD.read_text() if RUNS_MD.exists() else "# Benchmark runs\n"
     if start in old:
         new = old[: old.index(start)] + text + old[old.index(end) + len(end) :]
     else:
         new = old.rstrip("\n") + f"\n\n{heading}\n\n" + text + "\n"
-    BENCHMARKS_MD.write_text(new)
+    RUNS_MD.write_text(new)
 
 
 def section(start: str, end: str, lines: list[str]) -> str:

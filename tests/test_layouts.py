@@ -204,6 +204,8 @@ def test_with_fsdp_the_search_weighs_both_ways_to_gather_and_per_micro_batch_fit
     assert lost and all("over its" in r["lost"] for r in lost)
     assert any("over its" not in r.get("lost", "") for r in tight.layouts if r.get("regather") == "micro_batch")
     assert "FSDP2 gathering" in tight.table()
+    for plan in (free, tight):  # the plan chosen adds each backward into its rank's share where FSDP2 scatters it
+        assert plan.gradient_shards == (plan.layout["dp"] if plan.regather == "micro_batch" else 1)
 
 
 def test_auto_weighs_every_layout_schedule_and_count_and_takes_the_fastest_that_fits():

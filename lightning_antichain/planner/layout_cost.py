@@ -165,8 +165,7 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     gathers = _Gathers(linked, schedule, layout, links, regather) if replication == "fsdp" and dp > 1 else None
     if gathers is not None:
         linked = gathers.in_tasks()
-        if regather == "micro_batch":  # each backward's gradients reduce-scattered: it adds into its shard
-            linked = dataclasses.replace(linked, accumulate_s_per_byte=linked.accumulate_s_per_byte / dp)
+    linked = dataclasses.replace(linked, gradient_shards=gradient_shards(replication, regather, dp))
     table = schedule.table(pp, plan.chunks)
     holder = {s: schedule.rank_of(s, pp) for s in range(plan.num_stages)}
     reduced = _ddp_reductions(linked, schedule, layout, links, table) if gathers is None and dp > 1 else {}
@@ -223,6 +222,13 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         busy[holder[t.task.stage]] += t.end - t.start
     return LayoutCost(step, reduction, rank_bytes, max(optimizers), optimizers,
                       tuple(e + linked.step_overhead_s for e in stepped), tuple(busy))
+
+
+def gradient_shards(replication: Replication, regather: Regather | None, dp: int) -> int:
+    """Over how many ranks a stage's gradients are spread as each backward adds into them: FSDP2
+    gathering per micro-batch reduce-scatters every backward's over the ``dp`` replicas; DDP, and
+    FSDP2 gathering once per step, keep them whole until the last micro-batch."""
+    return dp if replication == "fsdp" and regather == "micro_batch" else 1
 
 
 def _ddp_reductions(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links, table: Schedule

@@ -33,7 +33,7 @@ from ..plans.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_s
 from ..processes.replication import REGATHERS, Regather, Replication
 from .contention import capacity_of_two
 from .cost_graph import total_compute, with_loss, with_times_scaled
-from .layout_cost import LayoutCost, Links, layout_cost
+from .layout_cost import LayoutCost, Links, gradient_shards, layout_cost
 from .overhead import loss_seconds
 from .partition import InfeasiblePlanError
 from .planning import (
@@ -279,6 +279,7 @@ def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiG
                    if k in chosen}
     plan.predicted_step_s = chosen["predicted_step_s"]  # in its layout
     plan.regather = chosen.get("regather")
+    plan.gradient_shards = gradient_shards(chosen.get("replication", "ddp"), plan.regather, chosen["dp"])
     plan.layouts = rows
     plan.batch_size = size
     return Planned(plan, graph, cost)

@@ -201,6 +201,9 @@ class Plan:
     #: pass over them that the profile's backwards, into empty gradients, leave out
     #: (:func:`~lightning_antichain.planner.overhead.measure_accumulation_rate`); 0: not charged
     accumulate_s_per_byte: float = 0.0
+    #: how many ranks each stage's gradients are spread over as a backward adds into them: the
+    #: replicas where FSDP2 reduce-scatters every backward's (``regather="micro_batch"``), else 1
+    gradient_shards: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -314,8 +317,9 @@ class Plan:
         return duration
 
     def accumulation_s(self, stage: Stage) -> float:
-        """What a backward on ``stage`` adds where it adds into the gradients of an earlier one."""
-        return self.accumulate_s_per_byte * max(0, stage.param_bytes - stage.frozen_bytes)
+        """What a backward on ``stage`` adds where it adds into the gradients of an earlier one (its
+        rank's share of them, :attr:`gradient_shards`)."""
+        return self.accumulate_s_per_byte * max(0, stage.param_bytes - stage.frozen_bytes) / self.gradient_shards
 
     def task_seconds(self, stage: Stage, phase: Phase) -> float:
         """What one task of ``phase`` on ``stage`` takes alone: its compute, half the stage's transfer

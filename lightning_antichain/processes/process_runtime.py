@@ -43,7 +43,7 @@ from ..device import is_accelerator, shares_host
 from ..lightning.forward_patch import ForwardPatch
 from ..lightning.runtime import GivenOptions, Host, Runtime, rank_zeros_plan
 from ..measure.link_speed import CollectiveSpeed, Kind, measured_collectives
-from ..planner.layout_cost import Links, measured_links
+from ..planner.layout_cost import Links, gradient_shards, measured_links
 from ..planner.layout_search import chosen_regather, layout_search, plan_layouts
 from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
 from ..planner.process_calibration import StepCalibration, from_records
@@ -552,6 +552,7 @@ class ProcessRuntime(RankHoldings, Runtime):
         replication = None if layout.dp == 1 else (self.replication, self.device_mesh["dp"])
         if plan.regather is None:  # a plan given, for this layout: the same choice on every rank
             plan.regather = self._regather(plan, None)
+        plan.gradient_shards = gradient_shards(self.replication, plan.regather, layout.dp)
         self.pipeline = ProcessPipeline(graph, plan, self.schedule, layout.position(strategy.global_rank), layout.pp,
                                         strategy.root_device, group=self._pipeline_group(), replication=replication,
                                         initializer=Initializer(target, self.options.param_init_fn),
