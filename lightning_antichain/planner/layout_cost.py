@@ -45,7 +45,7 @@ from ..measure.link_speed import CollectiveSpeed, Kind
 from ..plans.layout import Layout
 from ..plans.plan import Plan, Stage
 from ..plans.process_schedules import ProcessSchedule
-from ..plans.schedule import Schedule, Task, Timed
+from ..plans.schedule import WEIGHT_GRADIENT, Schedule, Task, Timed
 from ..processes.replication import Regather, Replication
 from .contention import capacity_of_two
 
@@ -244,7 +244,7 @@ def _ddp_reductions(plan: Plan, schedule: ProcessSchedule, layout: Layout, links
     last: dict[int, Task] = {}
     for tasks in table.order:
         for task in tasks:
-            if task.phase in ("backward", "backward_weight"):
+            if task.phase in WEIGHT_GRADIENT:
                 last[task.stage] = task
     found = {}
     for index, task in last.items():
