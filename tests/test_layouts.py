@@ -21,7 +21,14 @@ from lightning_antichain.planner.layout_cost import (
     ring_all_reduce_s,
     shared_ends,
 )
-from lightning_antichain.planner.layout_search import LayoutSearch, layout_search, optimizer_slowdown, plan_layouts
+from lightning_antichain.planner.layout_search import (
+    LayoutSearch,
+    layout_search,
+    optimizer_slowdown,
+    plan_layouts,
+    same_layout,
+    with_verdicts,
+)
 from lightning_antichain.planner.overhead import loss_seconds
 from lightning_antichain.planner.robust_choice import CAPACITY_SPREAD, least_regret, regrets, with_cores_shared
 from lightning_antichain.planner.shared_cores import SharedCores, share_of
@@ -178,7 +185,8 @@ class Blocks(nn.Module):
         return self.blocks(x)
 
 
-def search(world: int, *, stages="auto", schedule="auto", replication="ddp", shared_cores=None, **settings):
+def search(world: int, *, stages="auto", schedule="auto", replication="ddp", shared_cores=None, alternatives=0,
+           **settings):
     torch.manual_seed(0)
     model = Blocks()
     options = PipelineOptions(use_profile_cache=False, progress=False, **settings)
@@ -186,7 +194,7 @@ def search(world: int, *, stages="auto", schedule="auto", replication="ddp", sha
                         lambda layout, s: [torch.device("cpu")] * s.num_stages(layout.pp),
                         layout_search(stages, schedule, None), Links(per_node=world), options,
                         optimizers=[torch.optim.Adam(model.parameters())], replication=replication,
-                        shared_cores=shared_cores)
+                        shared_cores=shared_cores, alternatives=alternatives)
 
 
 def test_with_fsdp_the_search_weighs_both_ways_to_gather_and_per_micro_batch_fits_where_once_per_step_does_not():
@@ -225,6 +233,43 @@ def test_auto_weighs_every_layout_schedule_and_count_and_takes_the_fastest_that_
     assert again.layout == plan.layout and again.layouts == plan.layouts
 
 
+def test_the_layouts_to_time_are_the_next_fastest_predicted_each_a_plan_of_its_own_and_never_sharded():
+    planned = search(4, alternatives=3)
+    plan, others = planned.plan, planned.alternatives
+    rows = [r for r in plan.layouts if "lost" not in r or r.get("outrun")]
+    ranked = sorted(rows, key=lambda r: r["predicted_step_s"])
+    assert len(others) == 3 and ranked[0] is _chosen(plan)
+    runs = [(o.layout["dp"], o.layout["pp"], o.chunks, o.layout["schedule"] if o.layout["pp"] > 1 else None)
+            for o in [plan, *others]]
+    assert len(set(runs)) == 4  # one stage a rank runs alike under every schedule: timed once
+    assert [o.predicted_step_s for o in others] == sorted(o.predicted_step_s for o in others)
+    assert others[0].predicted_step_s >= plan.predicted_step_s
+    for other in others:  # each with its own layout and cut, as the ranks would build it
+        (row,) = [r for r in plan.layouts if same_layout(r, other)]
+        assert other.predicted_step_s == row["predicted_step_s"] and other.num_stages == row["pp"] * row[
+            "virtual_stages"] and other.batch_size == 32 and not other.layouts
+        assert Plan.from_dict(other.to_dict()).layout == other.layout
+    assert search(4).alternatives == ()
+    sharded = search(4, schedule="1f1b", replication="fsdp", alternatives=3)
+    assert all(o.regather is None for o in sharded.alternatives)
+    assert sharded.alternatives == () or sharded.plan.regather is None
+
+
+def test_after_the_trials_the_rows_say_what_each_timed_layout_measured_and_the_faster_is_chosen():
+    plan = search(4, schedule="1f1b").plan
+    rows = plan.layouts
+    first, second = sorted((r for r in rows if "predicted_step_s" in r and (r.get("outrun") or "lost" not in r)),
+                           key=lambda r: r["predicted_step_s"])[:2]
+    first["measured_step_s"], second["measured_step_s"] = 0.020, 0.010
+    with_verdicts(rows, second)
+    assert "lost" not in second and first["lost"] == "timed slower: 20.0 ms against 10.0 ms (predicted " + (
+        f"{1e3 * first['predicted_step_s']:.1f} against {1e3 * second['predicted_step_s']:.1f})")
+    untimed = [r for r in rows if r.get("outrun") and "measured_step_s" not in r]
+    assert untimed and all(r["lost"].startswith(("slower", "faster", "no faster")) for r in untimed)
+    unfit = [r for r in rows if "lost" in r and not r.get("outrun")]
+    assert all(not r["lost"].startswith(("slower", "faster", "timed")) for r in unfit)
+
+
 def test_a_memory_budget_rules_out_the_layouts_that_hold_the_whole_model_on_a_rank():
     free = search(4, schedule="1f1b").plan
     whole = max(r["peak_memory_bytes"] for r in free.layouts if r["pp"] == 1 and "peak_memory_bytes" in r)
@@ -252,6 +297,14 @@ def test_auto_options_are_checked_when_given():
         la.AntichainPipelineStrategy(pipeline_parallel_size="auto", schedule="1f1b", balance=[2, 2])
     with pytest.raises(ValueError, match='or "auto", got 0'):
         la.AntichainPipelineStrategy(pipeline_parallel_size=0, schedule="1f1b")
+    with pytest.raises(ValueError, match="layout_trials=2 times the layouts the planner weighs: give pipeline_"):
+        la.AntichainPipelineStrategy(pipeline_parallel_size=2, schedule="1f1b", layout_trials=2)
+    with pytest.raises(ValueError, match="layout_trials=2 times the layouts of stages as processes"):
+        la.AntichainPipelineStrategy(layout_trials=2)
+    with pytest.raises(ValueError, match="a whole number of at least 1"):
+        la.AntichainPipelineStrategy(pipeline_parallel_size="auto", schedule="auto", layout_trials=0)
+    assert la.AntichainPipelineStrategy(pipeline_parallel_size="auto", schedule="1f1b", layout_trials=3
+                                        )._runtime.layout_trials == 3
     strategy = la.AntichainPipelineStrategy(pipeline_parallel_size="auto", schedule="auto")
     search = strategy._runtime.layout_search
     assert len(search.schedules) == 5 and search.pipeline_ranks is None

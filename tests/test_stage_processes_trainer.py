@@ -167,6 +167,32 @@ def test_stages_and_schedule_chosen_by_the_planner_train_as_plain_lightning(tmp_
     assert set().union(*(r["trained"] for r in ranks)) == set(plain["parameters"])
 
 
+@SLOW  # 26 s; which layouts are timed and how the rows tell it: test_layouts.py
+def test_layouts_timed_on_the_ranks_before_training_leave_the_fit_as_plain_lightning_s(tmp_path, plain_with):
+    """layout_trials=2: the ranks build the two layouts predicted fastest on the first batch and
+    time their training steps, optimizer included, in turns; every rank trains the one measured
+    faster (the plan's rows say both times), and the fit still equals plain Lightning: the trial
+    steps' gradients, optimizer state, parameter updates and metric updates were put back."""
+    settings = ("--batch-size", "32", "--adam", "--max-epochs", "1")  # the epoch's accuracy counts every update
+    ranks = fit(tmp_path / "out", "--devices", "2", "--stages", "auto", "--schedule", "1f1b", "--layout-trials", "2",
+                *settings)
+    rows = ranks[0]["plan"]["layouts"]
+    timed = [row for row in rows if "measured_step_s" in row]
+    assert len(timed) == 2 and {(row["dp"], row["pp"]) for row in timed} <= {(1, 2), (2, 1)}
+    (chosen,) = [row for row in rows if "lost" not in row]
+    assert chosen in timed and all(chosen["measured_step_s"] <= row["measured_step_s"] for row in timed)
+    assert all(r["plan"]["layout"] == ranks[0]["plan"]["layout"] for r in ranks)
+    plain = plain_with(*settings)
+    for report in ranks:
+        torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(f64(report["logged"]), f64(plain["logged"]), rtol=1e-6, atol=0)
+        assert report["train_acc"] == pytest.approx(plain["train_acc"], rel=1e-9)
+        assert report["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-6)
+        for name in report["trained"]:
+            torch.testing.assert_close(f64(report["parameters"][name]), f64(plain["parameters"][name]),
+                                       rtol=1e-6, atol=1e-12)
+
+
 def losses_after(reports: list[dict]) -> torch.Tensor:
     return f64(reports[0]["losses"])
 

@@ -41,6 +41,9 @@ class InProcessRuntime(Runtime):
         "replication": "keeps the stages of processes in step (schedule=); without schedule=, replicas of a "
                        "pipeline are processes kept in step by DDP: leave it out, or give schedule=",
         "virtual_stages": "is for schedule='interleaved-1f1b', 'zb-h1' or 'zbv'",
+        "layout_trials": "times the layouts of stages as processes that pipeline_parallel_size='auto' or "
+                         "schedule='auto' weighs (schedule=); without schedule= the devices form one pipeline: "
+                         "leave it out, or give schedule=",
         "internode_gbps": "is the link between stages as processes on two nodes (schedule=); without schedule= "
                           "every stage of a pipeline is on one node: leave it out, or give schedule=",
     }

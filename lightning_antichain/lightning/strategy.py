@@ -75,6 +75,9 @@ class AntichainPipelineStrategy(ProcessesStrategy):
             pipeline per node in process, one over every rank with ``schedule=``). ``"auto"``
             (with ``schedule=``): the planner weighs every layout on the first batch.
         replication: with ``schedule=`` and replicas: ``"ddp"`` (default) or ``"fsdp"`` (FSDP2).
+        layout_trials: where the planner weighs the layouts (``"auto"``): time this many of those
+            predicted fastest on the first batch, a few steps each, and train the fastest measured
+            (default: the prediction's choice). The trial steps change nothing that training computes.
         start_method: how processes start: ``"popen"`` (as Lightning's DDP), ``"spawn"``, ``"fork"``.
         process_group_backend: override the torch.distributed backend.
         batch_dim: the inputs' dim holding the samples, or a dict of them by argument name.
@@ -115,6 +118,7 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         log_stage_times: bool = False,
         pipeline_parallel_size: int | Literal["auto"] | None = None,
         replication: Replication = "ddp",
+        layout_trials: int | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         process_group_backend: str | None = None,
         batch_dim: int | dict[str, int] = 0,

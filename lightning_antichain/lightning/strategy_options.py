@@ -55,6 +55,10 @@ def check_arguments(arguments: dict[str, Any]) -> None:
         raise ValueError("give either plan= or balance=, not both")
     if size is not None and size != AUTO and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ValueError(f'pipeline_parallel_size must be a whole number of at least 1, or "auto", got {size!r}')
+    trials = arguments["layout_trials"]
+    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
+        raise ValueError(f"layout_trials is how many of the layouts predicted fastest to time on the first batch: a "
+                         f"whole number of at least 1 (1: the prediction's choice), got {trials!r}")
     if arguments["schedule"] is None and size == AUTO:
         raise ValueError('pipeline_parallel_size="auto" chooses the layout of stages as processes: give schedule= too '
                          '(a name, or "auto" to choose it as well)')

@@ -66,7 +66,7 @@ def plan_layouts(module: nn.Module, args: tuple, kwargs: dict, world_size: int, 
                  search: LayoutSearch, links: Links, options: PipelineOptions, *,
                  optimizers: Sequence[torch.optim.Optimizer] = (), replication: Replication = "ddp",
                  profile_device: torch.device | None = None, shared_cores: SharedCores | None = None,
-                 loss: Callable[[Any], torch.Tensor] | None = None) -> Planned:
+                 loss: Callable[[Any], torch.Tensor] | None = None, alternatives: int = 0) -> Planned:
     """The plan of the fastest layout that fits for batches like the whole batch ``args, kwargs``
     on ``world_size`` ranks (see the module's docstring), with ``plan.layout`` its layout and
     ``plan.layouts`` every candidate. ``profile_device``: where the model is profiled (default:
@@ -75,11 +75,15 @@ def plan_layouts(module: nn.Module, args: tuple, kwargs: dict, world_size: int, 
     units of one alone (:class:`~lightning_antichain.planner.contention.SharedCores`), in place of
     what the profile's two threads suggest. ``loss``: the loss the last stage computes
     from the module's output (a micro-batch's), timed and charged to the output that reads it.
-    Where none fits, the :class:`InfeasiblePlanError` holds every candidate (``layouts``)."""
+    ``alternatives``: how many of the next layouts predicted fastest come with the plan, each as a
+    plan of its own (``Planned.alternatives``), for the ranks to time against it
+    (:func:`timeable`). Where none fits, the :class:`InfeasiblePlanError` holds every candidate
+    (``layouts``)."""
     devices = devices_of(Layout(1, world_size), search.schedules[0])
     with planned_in_training(module), intra_op_threads(stage_threads(devices, options.cpu_threads)):
-        return _search(module, args, kwargs, world_size, devices_of, search, links, options, optimizers,
-                       replication, profile_device or devices[0], shared_cores, loss)
+        planned = _search(module, args, kwargs, world_size, devices_of, search, links, options, optimizers,
+                          replication, profile_device or devices[0], shared_cores, loss)
+    return dataclasses.replace(planned, alternatives=planned.alternatives[:alternatives])
 
 
 def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devices_of: DevicesOf,
@@ -174,7 +178,7 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
             best = min(candidates, key=lambda c: c[1]["predicted_step_s"])
     for row in rows if speed() != 1.0 else ():
         row["profile_scaled_by"] = speed()
-    return _chosen(rows, best, world_size, size, graph)
+    return _chosen(rows, best, world_size, size, graph, candidates)
 
 
 def probe_over_profile(shared: SharedCores | None, found: tuple[nx.DiGraph, str] | Exception | None,
@@ -258,31 +262,93 @@ def _weighed(layout: Layout, schedule: ProcessSchedule, size: int, replication: 
 
 
 def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiGraph] | None, world_size: int,
-            size: int, graph: Any) -> Planned:
-    """The best layout's plan, with every row weighed and why each other lost; a clear error where none fits."""
+            size: int, graph: Any, candidates: Sequence[tuple[Plan, dict[str, Any], nx.DiGraph]] = ()) -> Planned:
+    """The best layout's plan, with every row weighed and why each other lost, and the other
+    layouts the ranks may time against it (:func:`timeable`), fastest predicted first; a clear
+    error where none fits."""
     if best is None:
         reasons = "; ".join(f"dp={r['dp']} x pp={r['pp']} {r['schedule']}: {r['lost']}" for r in rows[:4])
         error = InfeasiblePlanError(f"no layout of {world_size} ranks fits: {reasons}")
         error.layouts = rows
         raise error
     plan, chosen, cost = best
-    for row in rows:
-        if row is not chosen and "lost" not in row:
-            ours, theirs = row["predicted_step_s"], chosen["predicted_step_s"]
-            verdict = "faster" if ours < theirs else "slower" if ours > theirs else "no faster"
-            row["lost"] = f"{verdict}: {1e3 * ours:.1f} ms against {1e3 * theirs:.1f} ms"
-            if "regret_s" in row and ours <= theirs:
-                row["lost"] += (f", but up to {1e3 * row['regret_s']:.1f} ms behind the best where the ranks share the "
-                                f"cores {CAPACITY_SPREAD:.0%} worse or better (the chosen: "
-                                f"{1e3 * chosen['regret_s']:.1f} ms)")
-    plan.layout = {k: chosen[k] for k in ("dp", "pp", "schedule", "virtual_stages", "replication", "regather")
-                   if k in chosen}
-    plan.predicted_step_s = chosen["predicted_step_s"]  # in its layout
-    plan.regather = chosen.get("regather")
-    plan.gradient_shards = gradient_shards(chosen.get("replication", "ddp"), plan.regather, chosen["dp"])
+    others = []
+    for other, row, _ in timeable(candidates, chosen):
+        other = dataclasses.replace(other, layouts=[])  # a copy: candidates of one stage count share their cut
+        in_layout(other, row, size)
+        others.append(other)
+    with_verdicts(rows, chosen)
+    in_layout(plan, chosen, size)
     plan.layouts = rows
+    return Planned(plan, graph, cost, alternatives=tuple(others))
+
+
+LAYOUT_KEYS = ("dp", "pp", "schedule", "virtual_stages", "replication", "regather")
+
+
+def in_layout(plan: Plan, row: dict[str, Any], size: int) -> None:
+    """Make ``plan`` the plan of the layout of ``row`` (a candidate the search weighed) for batches of ``size``."""
+    plan.layout = {k: row[k] for k in LAYOUT_KEYS if k in row}
+    plan.predicted_step_s = row["predicted_step_s"]  # in its layout
+    plan.regather = row.get("regather")
+    plan.gradient_shards = gradient_shards(row.get("replication", "ddp"), plan.regather, row["dp"])
     plan.batch_size = size
-    return Planned(plan, graph, cost)
+
+
+def same_layout(row: dict[str, Any], plan: Plan) -> bool:
+    """Whether ``row`` weighed the layout and micro-batch count ``plan`` runs."""
+    return row.get("chunks") == plan.chunks and all(row.get(k) == (plan.layout or {}).get(k) for k in LAYOUT_KEYS)
+
+
+def with_verdicts(rows: list[dict[str, Any]], chosen: dict[str, Any]) -> None:
+    """Say in each row that runs and fits why it lost to ``chosen``: its predicted step against
+    the chosen's, or, where the ranks timed both, their measured steps. A row that does not run or
+    fit keeps its reason."""
+    for row in rows:
+        if row is chosen:
+            row.pop("lost", None)
+            row.pop("outrun", None)
+            continue
+        if "lost" in row and not row.get("outrun"):
+            continue
+        row["outrun"] = True
+        if "measured_step_s" in row and "measured_step_s" in chosen:
+            ours, theirs = row["measured_step_s"], chosen["measured_step_s"]
+            row["lost"] = (f"timed {'faster' if ours < theirs else 'slower'}: {1e3 * ours:.1f} ms against "
+                           f"{1e3 * theirs:.1f} ms (predicted {1e3 * row['predicted_step_s']:.1f} against "
+                           f"{1e3 * chosen['predicted_step_s']:.1f})")
+            continue
+        ours, theirs = row["predicted_step_s"], chosen["predicted_step_s"]
+        verdict = "faster" if ours < theirs else "slower" if ours > theirs else "no faster"
+        row["lost"] = f"{verdict}: {1e3 * ours:.1f} ms against {1e3 * theirs:.1f} ms"
+        if "regret_s" in row and "regret_s" in chosen and ours <= theirs:
+            row["lost"] += (f", but up to {1e3 * row['regret_s']:.1f} ms behind the best where the ranks share the "
+                            f"cores {CAPACITY_SPREAD:.0%} worse or better (the chosen: "
+                            f"{1e3 * chosen['regret_s']:.1f} ms)")
+
+
+def timeable(candidates: Sequence[tuple[Plan, dict[str, Any], nx.DiGraph]], chosen: dict[str, Any]
+             ) -> list[tuple[Plan, dict[str, Any], nx.DiGraph]]:
+    """The candidates other than ``chosen`` that the ranks may time against it, fastest predicted
+    first, one per layout and micro-batch count: none where ``chosen`` is sharded by FSDP2, and
+    none sharded (``fully_shard`` shards the user's modules in place, which only the layout kept
+    may do)."""
+    if chosen.get("regather") is not None:
+        return []
+    seen = {_key(chosen)}
+    found = []
+    for candidate in sorted(candidates, key=lambda c: c[1]["predicted_step_s"]):
+        row = candidate[1]
+        if row.get("regather") is None and _key(row) not in seen:
+            seen.add(_key(row))
+            found.append(candidate)
+    return found
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    """What a layout runs: one stage per rank runs its micro-batches in the same order under any schedule."""
+    alone = row.get("pp") == 1 and row.get("virtual_stages", 1) == 1
+    return tuple(None if alone and k == "schedule" else row.get(k) for k in (*LAYOUT_KEYS, "chunks"))
 
 
 def optimizer_slowdown(shared: SharedCores | None, layout: Layout, replication: Replication, world_size: int

@@ -53,12 +53,14 @@ INTERNODE_GPU_GBPS = 25.0
 @dataclass
 class Planned:
     """A plan with the captured graph it cuts (``None`` for a profile loaded from a file), the cost
-    graph it was made from, and the cache file that cost graph was read from, if it was."""
+    graph it was made from, the cache file that cost graph was read from, if it was, and, from a
+    layout search, the plans of the layouts predicted next fastest, to time against it."""
 
     plan: Plan
     graph: OpGraph | None
     cost: nx.DiGraph
     cached_from: Path | None = None
+    alternatives: tuple[Plan, ...] = ()
 
 
 def default_bandwidth_gbps(devices: Sequence[torch.device]) -> float | None:

@@ -21,6 +21,7 @@ come.)
 
 from __future__ import annotations
 
+import gc
 import traceback
 import warnings
 from collections.abc import Callable, Generator, Mapping
@@ -36,6 +37,7 @@ from torch import nn
 from ..batches import microbatch
 from ..batches.batch_dims import first_micro_batch
 from ..batches.model_loss import counted_items
+from ..capture import OpGraph
 from ..capture.isolation import keeps_random_state, planned_in_training
 from ..capture.pytrees import flatten, map_tensors
 from ..cpu_allocator import keep_freed_memory
@@ -44,8 +46,8 @@ from ..lightning.forward_patch import ForwardPatch
 from ..lightning.runtime import GivenOptions, Host, Runtime, rank_zeros_plan
 from ..measure.link_speed import CollectiveSpeed, Kind, measured_collectives
 from ..planner.layout_cost import Links, gradient_shards, measured_links
-from ..planner.layout_search import chosen_regather, layout_search, plan_layouts
-from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, default_bandwidth_gbps
+from ..planner.layout_search import chosen_regather, layout_search, plan_layouts, same_layout, with_verdicts
+from ..planner.planning import AUTO, INTERNODE_GPU_GBPS, Planned, default_bandwidth_gbps
 from ..planner.process_calibration import StepCalibration, from_records
 from ..planner.public import planned_for_call, planning_call
 from ..planner.shared_cores import SharedCores, share_of, shared_cores
@@ -57,6 +59,7 @@ from ..stages.plan_capture import graph_for_plan
 from ..weights.initialization import Initializer
 from ..weights.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
 from .global_norm import clip_by_global_norm
+from .layout_trials import is_on_meta, meta_refusal, timed_in_turns, trial_report, untouched
 from .micro_batch_steps import MicroBatchSteps
 from .process_pipeline import ProcessPipeline, equal_runs
 from .rank_faults import explained
@@ -101,7 +104,8 @@ class ProcessRuntime(RankHoldings, Runtime):
     pipeline: ProcessPipeline | None = None  # type: ignore[assignment]
 
     def __init__(self, strategy: Host, schedule: str, virtual_stages: int | None,
-                 pipeline_ranks: int | str | None, calibrate: bool, replication: Replication) -> None:
+                 pipeline_ranks: int | str | None, calibrate: bool, replication: Replication,
+                 layout_trials: int | None = None) -> None:
         super().__init__(strategy)
         if replication not in REPLICATIONS:
             raise ValueError(f"replication={replication!r} is not one of {', '.join(map(repr, REPLICATIONS))}")
@@ -114,6 +118,8 @@ class ProcessRuntime(RankHoldings, Runtime):
         self._pipeline_ranks = None if pipeline_ranks == AUTO else pipeline_ranks
         #: how each stage is kept in step with its replicas' where there are several
         self.replication = replication
+        #: how many of the layouts predicted fastest the ranks time on the first batch (:mod:`.layout_trials`)
+        self.layout_trials = layout_trials or 1
         self.plan = None
         #: times the actions of the first training steps, until the plan takes its stage times from them
         self.calibration: StepCalibration | None = StepCalibration() if calibrate else None
@@ -131,7 +137,7 @@ class ProcessRuntime(RankHoldings, Runtime):
     @classmethod
     def from_arguments(cls, strategy: Host, arguments: Mapping[str, Any]) -> ProcessRuntime:
         return cls(strategy, arguments["schedule"], arguments["virtual_stages"], arguments["pipeline_parallel_size"],
-                   arguments["calibrate"], arguments["replication"])
+                   arguments["calibrate"], arguments["replication"], arguments["layout_trials"])
 
     @classmethod
     def refuse_foreign(cls, given: GivenOptions) -> None:
@@ -139,6 +145,10 @@ class ProcessRuntime(RankHoldings, Runtime):
         if given.get("recompute") == "except_last":
             raise ValueError("recompute='except_last' is the in-process runtime's; with schedule= use 'always' (every "
                              "stage keeps only its inputs) or 'never'")
+        if given.get("layout_trials") not in (None, 1) and AUTO not in (given.get("schedule"),
+                                                                       given.get("pipeline_parallel_size")):
+            raise ValueError(f"layout_trials={given['layout_trials']!r} times the layouts the planner weighs: give "
+                             'pipeline_parallel_size="auto" or schedule="auto" too, or leave it out')
         if (given.get("plan") is not None or given.get("balance") is not None) and (
                 AUTO in (given.get("schedule"), given.get("pipeline_parallel_size"))):
             raise ValueError('pipeline_parallel_size="auto" and schedule="auto" plan the layout: leave out plan= and '
@@ -523,19 +533,23 @@ class ProcessRuntime(RankHoldings, Runtime):
             if self.layout_search is not None and not is_accelerator(strategy.root_device):
                 measured = measured_collectives(strategy.root_device)
                 capacity = self._shared_cores(target, hook, batch, rest)
-            captured: list[Any] = []  # the graph rank 0 planned on
+            captured: list[Planned] = []  # what rank 0 planned, with the graph it planned on
 
             def make() -> Plan:
                 planned = self._make_plan(target, hook, batch, rest, measured, capacity)
-                captured.append(planned.graph)
+                captured.append(planned)
                 return planned.plan
 
             self.plan = rank_zeros_plan(make, strategy, shared=True)
-            graph = captured[0] if captured else None
+            graph = captured[0].graph if captured else None
+            others = self._alternatives(captured[0] if captured else None)
+            if others:
+                self.plan, graph = self._timed_choice(hook, target, batch, rest, [self.plan, *others], graph)
             chosen = self.plan.layout
             if chosen is not None and self.layout_search is not None:
-                self.schedule = process_schedule(chosen["schedule"], chosen["virtual_stages"])
-                self.use_layout(Layout(chosen["dp"], chosen["pp"]))
+                if not others:  # else the trials left the kept layout's mesh in place
+                    self.schedule = process_schedule(chosen["schedule"], chosen["virtual_stages"])
+                    self.use_layout(Layout(chosen["dp"], chosen["pp"]))
                 unsynced(self.steps.module, self._replicas_group())
             ranks = self.layout.pp
             table = self.schedule.table(ranks, self.plan.chunks)
@@ -545,6 +559,19 @@ class ProcessRuntime(RankHoldings, Runtime):
         plan = self.plan
         if plan.measured_together and (plan.calibration or {}).get("schedule") == self.schedule.name:
             self.calibration = None  # a plan timed under this schedule (a resumed one) is kept as it is
+        self.pipeline, _ = self._pipeline_for(plan, target, hook, batch, rest, graph)
+        with_replaced_parameters(strategy.optimizers, self.pipeline.replaced)
+        strategy.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
+        state_sharded_like_parameters(strategy.optimizers)
+        self._hold_own_only()
+        return True
+
+    def _pipeline_for(self, plan: Plan, target: nn.Module, hook: str, batch: Any, rest: tuple,
+                      graph: OpGraph | None) -> tuple[ProcessPipeline, OpGraph]:
+        """This rank's part of ``plan`` in the layout and schedule set now, and the graph it is cut
+        from (``graph`` where it holds for the plan's micro-batches)."""
+        assert self.steps is not None
+        strategy = self.strategy
         whole = self.steps.call_of(hook, self._replica_share(batch), rest)
         first = first_micro_batch(target, *whole, plan.chunks, self.options.batch_dim)
         graph = graph_for_plan(target, first, plan, self.options.leaf_modules, self.options.batch_dim, reuse=graph)
@@ -553,18 +580,93 @@ class ProcessRuntime(RankHoldings, Runtime):
         if plan.regather is None:  # a plan given, for this layout: the same choice on every rank
             plan.regather = self._regather(plan, None)
         plan.gradient_shards = gradient_shards(self.replication, plan.regather, layout.dp)
-        self.pipeline = ProcessPipeline(graph, plan, self.schedule, layout.position(strategy.global_rank), layout.pp,
-                                        strategy.root_device, group=self._pipeline_group(), replication=replication,
-                                        initializer=Initializer(target, self.options.param_init_fn),
-                                        recompute=self.options.recompute == "always",
-                                        deferred_batch_norm=self.options.deferred_batch_norm,
-                                        compile_arguments=compile_arguments(self.options.compile_stages),
-                                        regather=plan.regather or "step")
-        with_replaced_parameters(strategy.optimizers, self.pipeline.replaced)
-        strategy.stages_placed()  # optimizer state waiting for its parameters to be real and known goes in
-        state_sharded_like_parameters(strategy.optimizers)
-        self._hold_own_only()
-        return True
+        pipeline = ProcessPipeline(graph, plan, self.schedule, layout.position(strategy.global_rank), layout.pp,
+                                   strategy.root_device, group=self._pipeline_group(), replication=replication,
+                                   initializer=Initializer(target, self.options.param_init_fn),
+                                   recompute=self.options.recompute == "always",
+                                   deferred_batch_norm=self.options.deferred_batch_norm,
+                                   compile_arguments=compile_arguments(self.options.compile_stages),
+                                   regather=plan.regather or "step")
+        return pipeline, graph
+
+    def _alternatives(self, planned: Planned | None) -> list[Plan]:
+        """The plans of the layouts to time against rank 0's choice (:mod:`.layout_trials`), on every rank."""
+        if self.layout_search is None or self.layout_trials < 2:
+            return []
+        sent = None if planned is None else [plan.to_dict() for plan in planned.alternatives]
+        return [Plan.from_dict(data) for data in self.strategy.broadcast(sent)]
+
+    @keeps_random_state
+    def _timed_choice(self, hook: str, target: nn.Module, batch: Any, rest: tuple, plans: list[Plan],
+                      graph: OpGraph | None) -> tuple[Plan, OpGraph | None]:
+        """Of ``plans`` (the prediction's choice first), the one whose layout trained the first
+        batch fastest on the ranks, with the graph it is cut from: each built on every rank and
+        stepped in turns (:mod:`.layout_trials`), leaving the module as it was."""
+        assert self.steps is not None
+        if is_on_meta(target):
+            rank_zero_info(meta_refusal())
+            return plans[0], graph
+        strategy, module = self.strategy, self.steps.module
+        built: list[tuple[ProcessSchedule, Layout, Any, ProcessPipeline]] = []
+        graphs: list[OpGraph] = []
+
+        def enter(schedule: ProcessSchedule, layout: Layout, mesh: Any) -> None:
+            self.schedule, self._layout, self._device_mesh = schedule, layout, mesh
+            module._device_mesh = mesh
+
+        def step(index: int) -> Callable[[], None]:
+            def run() -> None:
+                schedule, layout, mesh, pipeline = built[index]
+                enter(schedule, layout, mesh)
+                self._trial_step(pipeline, plans[index], hook, target, batch, rest)
+            return run
+
+        with untouched(module, strategy.optimizers):
+            for plan in plans:
+                assert plan.layout is not None
+                self.schedule = process_schedule(plan.layout["schedule"], plan.layout["virtual_stages"])
+                self.use_layout(Layout(plan.layout["dp"], plan.layout["pp"]))
+                pipeline, found = self._pipeline_for(plan, target, hook, batch, rest, graph)
+                built.append((self.schedule, self.layout, self._device_mesh, pipeline))
+                graphs.append(found)
+            measured = timed_in_turns([step(i) for i in range(len(plans))], strategy.root_device)
+        kept = min(range(len(plans)), key=measured.__getitem__)
+        enter(*built[kept][:3])
+        built.clear()
+        gc.collect()  # the other layouts' DDP wrappers let go of the parameters' hooks
+        rows = plans[0].layouts
+        for plan, seconds in zip(plans, measured):
+            for row in rows:
+                if same_layout(row, plan):
+                    row["measured_step_s"] = seconds
+        with_verdicts(rows, next(row for row in rows if same_layout(row, plans[kept])))
+        chosen = plans[kept]
+        chosen.layouts = rows
+        rank_zero_info(trial_report(plans, measured, kept))
+        return chosen, graphs[kept]
+
+    def _trial_step(self, pipeline: ProcessPipeline, plan: Plan, hook: str, target: nn.Module, batch: Any,
+                    rest: tuple) -> None:
+        """A training step of ``batch`` through ``pipeline`` and the optimizers' step, its logs dropped."""
+        assert self.steps is not None
+        steps, device = self.steps, self.strategy.root_device
+        micro = microbatch.scatter(self._replica_share(batch), plan.chunks, lists=True)
+        calls = [steps.call_of(hook, m, rest) for m in micro] if pipeline.holds_first else None
+        logs = StepLogs()
+
+        def loss(output: Any, m: int) -> torch.Tensor:
+            result = steps.result_of(hook, micro[m], rest, output, logs, 1.0)
+            return _zero_loss(output, device) if result is None else _loss_of(result, hook) / len(micro)
+
+        with torch.enable_grad():
+            for run in equal_runs([microbatch.batch_size(m) or 0 for m in micro]):
+                pipeline.run(_shape_of(micro[run.start:run.stop]), None if calls is None else calls[run.start:run.stop],
+                             lambda output, m, start=run.start: loss(output, start + m), len(run), True)
+            pipeline.tied.sum_gradients()
+        for optimizer in self.strategy.optimizers:
+            optimizer.step()
+        for p in pipeline.parameters():
+            p.grad = None
 
     @keeps_random_state
     def _shared_cores(self, target: nn.Module, hook: str, batch: Any, rest: tuple) -> SharedCores | None:
@@ -591,7 +693,8 @@ class ProcessRuntime(RankHoldings, Runtime):
             with torch.enable_grad():
                 return plan_layouts(target, args, kwargs, strategy.world_size, self.stage_devices_of, search,
                                     self.links(measured), options, optimizers=strategy.optimizers,
-                                    replication=self.replication, shared_cores=capacity)
+                                    replication=self.replication, shared_cores=capacity,
+                                    alternatives=self.layout_trials - 1)
         whole = self.steps.call_of(hook, self._replica_share(batch), rest)
         devices = self.stage_devices_of(self.layout, self.schedule)
         with torch.enable_grad():

@@ -256,6 +256,7 @@ def main() -> None:
     parser.add_argument("--stages", type=lambda v: v if v == "auto" else int(v), default=None,
                         help="processes per pipeline (replicas: the rest), or auto")
     parser.add_argument("--replication", default="ddp", help="how a stage's replicas keep in step")
+    parser.add_argument("--layout-trials", type=int, default=None, help="layout_trials")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch of each replica")
     parser.add_argument("--compile", action="store_true", help="compile_stages with AOTAutograd's eager backend")
     args = parser.parse_args()
@@ -266,6 +267,7 @@ def main() -> None:
         leaf_modules=["fault"], recompute=args.recompute, empty_init=args.meta,
         save_distributed_checkpoint=False if args.one_file else None, balance=args.balance,
         deferred_batch_norm=args.deferred_bn, pipeline_parallel_size=args.stages, replication=args.replication,
+        layout_trials=args.layout_trials,
         compile_stages={"backend": "aot_eager"} if args.compile else False)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,

@@ -1,0 +1,103 @@
+"""``layout_trials=``: the layouts predicted fastest, timed on the ranks before training starts.
+
+Where the cost model predicts two layouts close together, its own error (a few percent on a
+machine whose speed moves from minute to minute) decides between them. The ranks therefore build
+each of the few layouts predicted fastest on the first batch, run its steps in turns with the
+others (so that a machine getting busier or quieter weighs on all alike) and train the one whose
+median step was quickest on its slowest rank. A trial step is a training step: the schedule's
+forward and backward through the step's loss, the replicas' reduction and the optimizers' step.
+What it changes is put back afterwards (:func:`untouched`), so training computes what it would
+have without the trials.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..capture.pytrees import map_tensors
+from ..device import synchronize
+from ..plans.plan import Plan
+from .rank_holdings import everyone
+from .step_logs import metric_states, set_metric_states
+
+#: timed steps of each layout, after one untimed (a pipeline's first step learns its shapes)
+TRIAL_STEPS = 5
+
+
+@contextmanager
+def untouched(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Generator[None, None, None]:
+    """Inside, steps may train ``module`` with ``optimizers``; on leaving, its parameters and their
+    gradients, its buffers (BatchNorm's running statistics), its torchmetrics' states and the
+    optimizers' states are as they were."""
+    params = [p for p in module.parameters() if not p.is_meta]
+    values = [p.detach().clone() if p.requires_grad else None for p in params]
+    grads = [p.grad for p in params]
+    buffers = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
+    metrics = map_tensors(lambda t: t.clone(), metric_states(module))
+    states = [optimizer.state_dict() for optimizer in optimizers]
+    states = map_tensors(lambda t: t.clone(), states)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value, grad in zip(params, values, grads):
+                if value is not None:
+                    p.copy_(value)
+                p.grad = grad
+            for b, value in buffers:
+                b.copy_(value)
+        set_metric_states(module, metrics)
+        for optimizer, state in zip(optimizers, states):
+            optimizer.load_state_dict(state)
+
+
+def timed_in_turns(steps: Sequence[Callable[[], None]], device: torch.device, rounds: int = TRIAL_STEPS
+                   ) -> list[float]:
+    """Each of ``steps`` (one per layout, every rank calling them in the same order) timed in
+    ``rounds`` turns after one untimed run: each one's median seconds on the slowest rank."""
+    for step in steps:
+        step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for step, taken in zip(steps, times):
+            synchronize(device)
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            dist.barrier()
+            taken.append(time.perf_counter() - start)
+    mine = [statistics.median(taken) for taken in times]
+    return [max(column) for column in zip(*everyone(mine))]
+
+
+def describe(plan: Plan) -> str:
+    layout = plan.layout or {}
+    return (f"dp={layout.get('dp')} x pp={layout.get('pp')} {layout.get('schedule')} in {plan.chunks} "
+            f"micro-batch{'es' if plan.chunks != 1 else ''}")
+
+
+def trial_report(plans: Sequence[Plan], measured: Sequence[float], kept: int) -> str:
+    """What the ranks timed and what they kept, for the log."""
+    each = "; ".join(f"{describe(plan)}: predicted {1e3 * plan.predicted_step_s:.1f} ms, measured "
+                     f"{1e3 * seconds:.1f} ms" for plan, seconds in zip(plans, measured))
+    whose = "the prediction's choice" if kept == 0 else "not the prediction's choice"
+    return (f"layout_trials: timed the {len(plans)} layouts predicted fastest, {TRIAL_STEPS} steps each in turns on "
+            f"the first batch: {each}. Training {describe(plans[kept])}, {whose}.")
+
+
+def meta_refusal() -> str:
+    return ("layout_trials: the module's parameters are on the meta device (empty_init), made real stage by stage as "
+            "the layout places them, so the layouts cannot be built side by side: training the prediction's choice")
+
+
+def is_on_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
