@@ -80,6 +80,7 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
     from lightning_antichain.plans.options import PipelineOptions
     from lightning_antichain.plans.plan import Plan
     from lightning_antichain.plans.process_schedules import process_schedule
+    from lightning_antichain.processes.layout_trials import timed_in_turns, trial_report
     from lightning_antichain.processes.process_pipeline import ProcessPipeline
 
     cpu = torch.device("cpu")
@@ -90,10 +91,13 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         searches = [free, *(LayoutSearch(pp, free.schedules) for pp in counts)]
         # the first profiles every micro-batch size once; the others read the profiles back
         links = measured_links(ranks, link[0])
-        chosen, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, links, options,
-                                            optimizers=optimizers, replication=how, shared_cores=link[1],
-                                            loss=lambda out: loss_fn(out, y[:len(out)])).plan
-                               for search in searches]
+        free_planned, *per_layout = [plan_layouts(model, (x,), {}, ranks, on_cpu, search, links, options,
+                                                  optimizers=optimizers, replication=how, shared_cores=link[1],
+                                                  loss=lambda out: loss_fn(out, y[:len(out)]),
+                                                  alternatives=args.trials - 1 if search is free else 0)
+                                     for search in searches]
+        chosen, per_layout = free_planned.plan, [planned.plan for planned in per_layout]
+        trial_plans = [chosen, *free_planned.alternatives]
         # the free choice's layout runs the free choice itself (the per-layout search, timing the
         # optimizer again, may break a near tie between schedules the other way)
         runs = {pp: (chosen if pp == chosen.layout["pp"] else plan) for pp, plan in zip(counts, per_layout)}
@@ -113,12 +117,13 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                 print(f"layouts_cpu: {model_name} {how}: auto took dp={chosen.layout['dp']} x pp={chosen.layout['pp']} "
                       f"{chosen.layout['schedule']} over dp={row['dp']} x pp={row['pp']} {row['schedule']} "
                       f"{row['chunks']} chunks: {row['lost']}", flush=True)
-        sent = [({pp: plan.to_dict() for pp, plan in runs.items()}, chosen.layout, chosen.predicted_step_s)]
+        sent = [({pp: plan.to_dict() for pp, plan in runs.items()}, chosen.layout, [p.to_dict() for p in trial_plans])]
     dist.broadcast_object_list(sent, src=0)
-    plans, auto, _ = sent[0]
-    runs = {}
-    for pp in counts:
-        plan = Plan.from_dict(plans[pp])
+    plans, auto, trial_plans = sent[0]
+    trial_plans = [Plan.from_dict(p) for p in trial_plans]
+
+    def built(plan: Plan):
+        """This rank's training step of ``plan`` in its layout, on a copy of the model of its own."""
         chosen_layout = plan.layout
         layout = Layout(chosen_layout["dp"], chosen_layout["pp"])
         schedule = process_schedule(chosen_layout["schedule"], chosen_layout["virtual_stages"])
@@ -136,8 +141,18 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
         micro_x, micro_y = xs.chunk(plan.chunks), ys.chunk(plan.chunks)
         calls = [((m,), {}) for m in micro_x] if pipeline.holds_first else None
 
-        runs[pp] = (functools.partial(train_step, pipeline, optimizer, calls, micro_y, loss_fn, plan.chunks),
-                    plan, chosen_layout)
+        return functools.partial(train_step, pipeline, optimizer, calls, micro_y, loss_fn, plan.chunks)
+
+    timed = auto
+    if len(trial_plans) > 1:  # as the strategy does with layout_trials: each built, stepped in turns
+        steps = [built(plan) for plan in trial_plans]
+        measured = timed_in_turns(steps, cpu)
+        kept = min(range(len(trial_plans)), key=measured.__getitem__)
+        timed = trial_plans[kept].layout
+        del steps
+        if rank == 0:
+            print(f"layouts_cpu: {model_name} {how}: {trial_report(trial_plans, measured, kept)}", flush=True)
+    runs = {pp: (built(plan := Plan.from_dict(plans[pp])), plan, plan.layout) for pp in counts}
     times: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}
     per_rank: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}  # each round: [rank, (step, optimizer, busy)]
     # each round's measured / predicted from the probes taken just before it
@@ -194,12 +209,15 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
             results.put((model_name, link, chosen_layout, plan.chunks, best["predicted_step_s"],
                          (best.get("reduction_s", 0.0), best.get("optimizer_s", 0.0)),
                          statistics.median(float(t[0]) for t in times[pp]),
-                         chosen_layout["dp"] == auto["dp"] and chosen_layout["schedule"] == auto["schedule"]
-                         and chosen_layout.get("regather") == auto.get("regather"), how,
+                         (_same(chosen_layout, auto), chosen_layout["dp"] == timed["dp"]), how,
                          statistics.median(float(t[1]) for t in times[pp]), statistics.median(again[pp]),
                          _by_position(torch.stack(per_rank[pp]).median(0).values, chosen_layout),
                          best.get("rank_optimizer_s") or [], best.get("rank_end_s") or [],
                          best.get("rank_busy_s") or []))
+
+
+def _same(layout: dict, other: dict) -> bool:
+    return all(layout.get(k) == other.get(k) for k in ("dp", "schedule", "regather"))
 
 
 def _by_position(medians: torch.Tensor, chosen_layout: dict) -> list[tuple[float, ...]]:
@@ -290,6 +308,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="gpt,resnet50")
     parser.add_argument("--replication", default="ddp", help="ddp, fsdp, or both: ddp,fsdp")
+    parser.add_argument("--trials", type=int, default=2,
+                        help="layout_trials: time this many of the layouts predicted fastest, as the strategy does")
     parser.add_argument("--keep-denormals", action="store_true",
                         help="compute with denormal floats as they come (see the module's docstring)")
     args = parser.parse_args()
@@ -312,17 +332,18 @@ def main() -> None:
           f"{args.repeats} interleaved steps\n")
     print("| model | replicas | layout | schedule | chunks | predicted ms | of it, replicas ms | measured ms "
           "| of it, optimizer ms (predicted, measured) | measured / predicted | over the model's median "
-          "| the same, probes each round | measured / best measured | auto "
+          "| the same, probes each round | measured / best measured | auto | auto, timed "
           "| link GB/s "
           "| a collective ms | ranks' capacity | each position: step end, optimizer, actions ms (predicted) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    within, relative, picks = [], [], []
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    within, relative, picks, timed_picks = [], [], [], []
     for model_name in args.models.split(","):
         for how in args.replication.split(","):
             mine = [r for r in rows if r[0] == model_name and r[8] == how]
             best = min(r[6] for r in mine)
             typical = statistics.median(r[6] / r[4] for r in mine)  # the machine's speed since planning, as one
-            for _, (link, capacity), layout, chunks, predicted, (reduction, planned_optimizer), measured, auto, _, \
+            for _, (link, capacity), layout, chunks, predicted, (reduction, planned_optimizer), measured, \
+                    (auto, timed), _, \
                     optimizer_s, per_round, positions, planned_positions, planned_ends, planned_busy in sorted(
                     mine, key=lambda r: r[2]["pp"]):
                 schedule = layout["schedule"] + (
@@ -333,7 +354,7 @@ def main() -> None:
                       f"| {1e3 * planned_optimizer:.1f}, {1e3 * optimizer_s:.1f} "
                       f"| {measured / predicted:.2f} | {measured / predicted / typical:.2f} "
                       f"| {per_round:.2f} | {measured / best:.2f} "
-                      f"| {'chosen' if auto else ''} "
+                      f"| {'chosen' if auto else ''} | {'chosen' if timed else ''} "
                       f"| {_speeds(link, 'gbps', 1.0)} | {_speeds(link, 'latency_s', 1e3)} "
                       f"| {_capacity(capacity.model)}, {_capacity(capacity.optimizer)} "
                       f"| {_positions(positions, planned_positions, planned_ends, planned_busy, predicted)} |")
@@ -341,9 +362,13 @@ def main() -> None:
                 relative.append(BAND[0] <= measured / predicted / typical <= BAND[1])
                 if auto:
                     picks.append(measured / best)
+                if timed:
+                    timed_picks.append(measured / best)
     print(f"\nWithin {BAND[0]}-{BAND[1]} of the prediction before planning: {sum(within)} of {len(within)} rows; "
           f"over their model's median: {sum(relative)} of {len(relative)}. `auto` against the best measured: "
-          + ", ".join(f"{p:.2f}" for p in picks))
+          + ", ".join(f"{p:.2f}" for p in picks) + f"; with layout_trials={args.trials} (the {args.trials} layouts "
+          "predicted fastest timed in turns before the rounds, as the strategy times them before training): "
+          + ", ".join(f"{p:.2f}" for p in timed_picks))
     print("\nLink GB/s and a collective's ms: all-reduce, all-gather, reduce-scatter, each fitted to back-to-back runs "
           "at two sizes; the ranks' capacity: the work all ranks get through at once in units of one alone, "
           "running the model and stepping AdamW. \"The same, probes each round\": the median over the measured "

@@ -329,20 +329,30 @@ def with_verdicts(rows: list[dict[str, Any]], chosen: dict[str, Any]) -> None:
 
 def timeable(candidates: Sequence[tuple[Plan, dict[str, Any], nx.DiGraph]], chosen: dict[str, Any]
              ) -> list[tuple[Plan, dict[str, Any], nx.DiGraph]]:
-    """The candidates other than ``chosen`` that the ranks may time against it, fastest predicted
-    first, one per layout and micro-batch count: none where ``chosen`` is sharded by FSDP2, and
-    none sharded (``fully_shard`` shards the user's modules in place, which only the layout kept
-    may do)."""
+    """The candidates other than ``chosen`` that the ranks may time against it: first each other
+    layout of replicas x stages at its fastest predicted (what a trial tells most about), fastest
+    first, then the other schedules and micro-batch counts, each once; none where ``chosen`` is
+    sharded by FSDP2, and none sharded (``fully_shard`` shards the user's modules in place, which
+    only the layout kept may do)."""
     if chosen.get("regather") is not None:
         return []
-    seen = {_key(chosen)}
+    ranked = [c for c in sorted(candidates, key=lambda c: c[1]["predicted_step_s"]) if c[1].get("regather") is None]
+    runs, layouts = {_key(chosen)}, {_layout_of(chosen)}
     found = []
-    for candidate in sorted(candidates, key=lambda c: c[1]["predicted_step_s"]):
-        row = candidate[1]
-        if row.get("regather") is None and _key(row) not in seen:
-            seen.add(_key(row))
+    for candidate in ranked:  # each other layout at its best
+        if _layout_of(candidate[1]) not in layouts:
+            layouts.add(_layout_of(candidate[1]))
+            runs.add(_key(candidate[1]))
+            found.append(candidate)
+    for candidate in ranked:  # then the rest, each run once
+        if _key(candidate[1]) not in runs:
+            runs.add(_key(candidate[1]))
             found.append(candidate)
     return found
+
+
+def _layout_of(row: dict[str, Any]) -> tuple:
+    return row.get("dp"), row.get("pp")
 
 
 def _key(row: dict[str, Any]) -> tuple:

@@ -593,6 +593,8 @@ class ProcessRuntime(RankHoldings, Runtime):
         """The plans of the layouts to time against rank 0's choice (:mod:`.layout_trials`), on every rank."""
         if self.layout_search is None or self.layout_trials < 2:
             return []
+        if self.strategy.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return []  # trials time training steps; validating, testing or predicting alone trains nothing
         sent = None if planned is None else [plan.to_dict() for plan in planned.alternatives]
         return [Plan.from_dict(data) for data in self.strategy.broadcast(sent)]
 
@@ -655,6 +657,8 @@ class ProcessRuntime(RankHoldings, Runtime):
         logs = StepLogs()
 
         def loss(output: Any, m: int) -> torch.Tensor:
+            if hook != TRAINING:  # the sanity check's validation batch came first: a training step without its loss
+                return _zero_loss(output, device)
             result = steps.result_of(hook, micro[m], rest, output, logs, 1.0)
             return _zero_loss(output, device) if result is None else _loss_of(result, hook) / len(micro)
 
