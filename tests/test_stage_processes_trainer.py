@@ -169,11 +169,13 @@ def test_stages_and_schedule_chosen_by_the_planner_train_as_plain_lightning(tmp_
 
 @SLOW  # 26 s; which layouts are timed and how the rows tell it: test_layouts.py
 def test_layouts_timed_on_the_ranks_before_training_leave_the_fit_as_plain_lightning_s(tmp_path, plain_with):
-    """layout_trials=2: the ranks build the two layouts predicted fastest on the first batch and
-    time their training steps, optimizer included, in turns; every rank trains the one measured
-    faster (the plan's rows say both times), and the fit still equals plain Lightning: the trial
-    steps' gradients, optimizer state, parameter updates and metric updates were put back."""
-    settings = ("--batch-size", "32", "--adam", "--max-epochs", "1")  # the epoch's accuracy counts every update
+    """layout_trials=2: the ranks build the two layouts predicted fastest on the first batch (the
+    sanity check's) and time their training steps, optimizer included, in turns; every rank trains
+    the one measured faster (the plan's rows say both times), and the fit still equals plain
+    Lightning: the trial steps' gradients, optimizer state, parameter updates and metric updates
+    were put back."""
+    # the epoch's accuracy counts every update; the sanity check's validation batch comes first and plans
+    settings = ("--batch-size", "32", "--adam", "--max-epochs", "1", "--sanity-steps", "2")
     ranks = fit(tmp_path / "out", "--devices", "2", "--stages", "auto", "--schedule", "1f1b", "--layout-trials", "2",
                 *settings)
     rows = ranks[0]["plan"]["layouts"]

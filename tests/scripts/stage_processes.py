@@ -257,6 +257,7 @@ def main() -> None:
                         help="processes per pipeline (replicas: the rest), or auto")
     parser.add_argument("--replication", default="ddp", help="how a stage's replicas keep in step")
     parser.add_argument("--layout-trials", type=int, default=None, help="layout_trials")
+    parser.add_argument("--sanity-steps", type=int, default=0, help="num_sanity_val_steps")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch of each replica")
     parser.add_argument("--compile", action="store_true", help="compile_stages with AOTAutograd's eager backend")
     args = parser.parse_args()
@@ -273,7 +274,7 @@ def main() -> None:
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
         precision="64-true", max_epochs=args.max_epochs, accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip,
-        limit_val_batches=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+        limit_val_batches=2, num_sanity_val_steps=args.sanity_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=args.every is not None, callbacks=[Record(Path(args.out)), *(
             [L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.every, save_top_k=-1)]
             if args.every else [])],
