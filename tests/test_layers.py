@@ -23,7 +23,7 @@ FOLDER_LAYERS = {"device": "device", "cpu_allocator": "device", "capture": "capt
                  "in_process": "execution", "processes": "execution", "planner": "planner", "lightning": "runtimes"}
 MODULE_LAYERS = {"in_process.in_process_runtime": "runtimes", "in_process.planned_pipeline": "runtimes",
                  "processes.process_runtime": "runtimes", "processes.rank_holdings": "runtimes",
-                 "lightning.strategy": "strategy"}
+                 "processes.layout_trials": "runtimes", "lightning.strategy": "strategy"}
 DEVICE_LAYER = "device"
 # Device-type tests allowed outside the device layer: the CLI checks what a user typed.
 DEVICE_BRANCH_ALLOWED = {"device.py", "cli.py"}
