@@ -41,6 +41,7 @@ def tokens() -> DataLoader:
     return DataLoader(TensorDataset(ids, ids.roll(-1, 1)), batch_size=8)
 
 
+@pytest.mark.slow  # 12 s; transformers train through the Trainer in tests/test_zoo_trainer.py
 def test_lightnings_demo_transformer_trains_through_the_strategy_like_plain_lightning():
     torch.manual_seed(0)
     model = DemoTransformer()

@@ -73,7 +73,9 @@ def assert_as_plain(ranks: list[dict], plain: dict) -> None:
         torch.testing.assert_close(torch.tensor(whole[name]), torch.tensor(values), rtol=1e-6, atol=1e-12)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=pytest.mark.slow), "none"])
+# the in-process runtime ("none", 13 s) keeps these habits in its own tests of the default suite
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zbv", marks=pytest.mark.slow),
+                                      pytest.param("none", marks=pytest.mark.slow)])
 def test_every_habit_behaves_as_plain_lightning_on_every_rank(tmp_path, plain, schedule):
     result, ranks = run(tmp_path / "out", "--schedule", schedule, "--devices", "2")
     assert result.returncode == 0, result.stderr[-3000:]
