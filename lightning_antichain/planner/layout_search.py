@@ -81,16 +81,15 @@ def plan_layouts(module: nn.Module, args: tuple, kwargs: dict, world_size: int, 
     (``layouts``)."""
     devices = devices_of(Layout(1, world_size), search.schedules[0])
     with planned_in_training(module), intra_op_threads(stage_threads(devices, options.cpu_threads)):
-        planned = _search(module, args, kwargs, world_size, devices_of, search, links, options, optimizers,
-                          replication, profile_device or devices[0], shared_cores, loss)
-    return dataclasses.replace(planned, alternatives=planned.alternatives[:alternatives])
+        return _search(module, args, kwargs, world_size, devices_of, search, links, options, optimizers,
+                       replication, profile_device or devices[0], shared_cores, loss, alternatives)
 
 
 def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devices_of: DevicesOf,
             search: LayoutSearch, links: Links, options: PipelineOptions,
             optimizers: Sequence[torch.optim.Optimizer], replication: Replication,
             profile_device: torch.device, shared_cores: SharedCores | None,
-            loss: Callable[[Any], torch.Tensor] | None) -> Planned:
+            loss: Callable[[Any], torch.Tensor] | None, alternatives: int) -> Planned:
     schedules = search.schedules
     batch_dim = options.batch_dim
     size = batch_size_of(module, args, kwargs, batch_dim)
@@ -178,7 +177,7 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
             best = min(candidates, key=lambda c: c[1]["predicted_step_s"])
     for row in rows if speed() != 1.0 else ():
         row["profile_scaled_by"] = speed()
-    return _chosen(rows, best, world_size, size, graph, candidates)
+    return _chosen(rows, best, world_size, size, graph, candidates, alternatives)
 
 
 def probe_over_profile(shared: SharedCores | None, found: tuple[nx.DiGraph, str] | Exception | None,
@@ -262,9 +261,10 @@ def _weighed(layout: Layout, schedule: ProcessSchedule, size: int, replication: 
 
 
 def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiGraph] | None, world_size: int,
-            size: int, graph: Any, candidates: Sequence[tuple[Plan, dict[str, Any], nx.DiGraph]] = ()) -> Planned:
-    """The best layout's plan, with every row weighed and why each other lost, and the other
-    layouts the ranks may time against it (:func:`timeable`), fastest predicted first; a clear
+            size: int, graph: Any, candidates: Sequence[tuple[Plan, dict[str, Any], nx.DiGraph]] = (),
+            alternatives: int = 0) -> Planned:
+    """The best layout's plan, with every row weighed and why each other lost, and the plans of
+    the first ``alternatives`` layouts the ranks may time against it (:func:`timeable`); a clear
     error where none fits."""
     if best is None:
         reasons = "; ".join(f"dp={r['dp']} x pp={r['pp']} {r['schedule']}: {r['lost']}" for r in rows[:4])
@@ -273,7 +273,7 @@ def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiG
         raise error
     plan, chosen, cost = best
     others = []
-    for other, row, _ in timeable(candidates, chosen):
+    for other, row, _ in timeable(candidates, chosen)[:alternatives]:
         other = dataclasses.replace(other, layouts=[])  # a copy: candidates of one stage count share their cut
         in_layout(other, row, size)
         others.append(other)

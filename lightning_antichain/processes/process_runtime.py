@@ -209,10 +209,10 @@ class ProcessRuntime(RankHoldings, Runtime):
             self._layout = Layout.of(self.strategy.world_size, self._pipeline_ranks)
         return self._layout
 
-    def use_layout(self, layout: Layout) -> None:
-        """Run ``layout``: make its mesh (every rank calls it)."""
+    def use_layout(self, layout: Layout, mesh: Any = None) -> None:
+        """Run ``layout`` on ``mesh``, its mesh made before, or else made now (every rank calls it)."""
         self._layout = layout
-        self._device_mesh = layout.mesh(self.strategy.root_device.type)
+        self._device_mesh = layout.mesh(self.strategy.root_device.type) if mesh is None else mesh
         self.strategy.lightning_module._device_mesh = self._device_mesh
 
     @property
@@ -613,8 +613,8 @@ class ProcessRuntime(RankHoldings, Runtime):
         graphs: list[OpGraph] = []
 
         def enter(schedule: ProcessSchedule, layout: Layout, mesh: Any) -> None:
-            self.schedule, self._layout, self._device_mesh = schedule, layout, mesh
-            module._device_mesh = mesh
+            self.schedule = schedule
+            self.use_layout(layout, mesh)
 
         def step(index: int) -> Callable[[], None]:
             def run() -> None:
