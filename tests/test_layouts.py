@@ -275,6 +275,25 @@ def test_after_the_trials_the_rows_say_what_each_timed_layout_measured_and_the_f
     assert all(not r["lost"].startswith(("slower", "faster", "timed")) for r in unfit)
 
 
+def test_the_table_names_the_layouts_predicted_within_the_model_s_error_and_the_trials_that_would_settle_it():
+    plan = search(4, alternatives=0).plan
+    chosen = _chosen(plan)
+    others = {(r["dp"], r["pp"]) for r in plan.layouts} - {(chosen["dp"], chosen["pp"])}
+    near, far = sorted(others)
+    for row in plan.layouts:  # the other layouts' rows as the search might have predicted them
+        if (row["dp"], row["pp"]) in others and row.get("outrun"):
+            row["predicted_step_s"] = chosen["predicted_step_s"] * (1.03 if (row["dp"], row["pp"]) == near else 1.25)
+    table = plan.table()
+    assert f"note: dp={near[0]} x pp={near[1]} (+3%) predicted within 15% of the choice" in table
+    assert f"dp={far[0]} x pp={far[1]} (+25%)" not in table and "layout_trials=2 times both" in table
+    for row in plan.layouts:
+        if (row["dp"], row["pp"]) == far and row.get("outrun"):
+            row["predicted_step_s"] = chosen["predicted_step_s"] * 0.99  # a layout the choice of least regret passed
+    assert "layout_trials=3 times them" in plan.table() and "(-1%)" in plan.table()
+    chosen["measured_step_s"] = 0.1  # timed already: nothing to suggest
+    assert "note: dp=" not in plan.table()
+
+
 def test_a_memory_budget_rules_out_the_layouts_that_hold_the_whole_model_on_a_rank():
     free = search(4, schedule="1f1b").plan
     whole = max(r["peak_memory_bytes"] for r in free.layouts if r["pp"] == 1 and "peak_memory_bytes" in r)

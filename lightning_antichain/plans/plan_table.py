@@ -117,10 +117,39 @@ def _choice_lines(plan: Any) -> list[str]:
                      f"{plan.chunks} micro-batches")
         lines += [f"  {_layout_name(row)}{_chunks_of(row, count)}: " + _weighed(row)
                   for row, count in _best_per_layout(plan.layouts)]
+        lines += _near_ties(plan.layouts)
     if plan.frontend is None:  # no frontend captured the operations: why each could not
         lines += [f"capture: {reason}" for reason in plan.refused]
     lines += [f"note: {c}" for c in plan.compression]
     return lines
+
+
+#: how close two layouts' predicted steps are where the prediction cannot be trusted to order them:
+#: the band a layout's prediction is held to (0.85-1.15 of its measured step, docs/planner.md)
+NEAR_TIE = 0.15
+
+
+def _near_ties(rows: list[dict[str, Any]]) -> list[str]:
+    """A note where other layouts of replicas x stages are predicted within :data:`NEAR_TIE` of
+    the chosen and none was timed: the choice between them is the cost model's error, which
+    ``layout_trials`` settles by timing them."""
+    chosen = next((row for row in rows if "lost" not in row and row.get("predicted_step_s")), None)
+    if chosen is None or chosen.get("regather") or any("measured_step_s" in row for row in rows):
+        return []  # timed already, or sharded in place by FSDP2, which only the layout kept may be
+    best: dict[tuple, float] = {}
+    for row in rows:
+        step, shape = row.get("predicted_step_s"), (row["dp"], row["pp"])
+        if step is None or not row.get("outrun") or row.get("regather") or shape == (chosen["dp"], chosen["pp"]):
+            continue  # does not run or fit, is not timed (sharded), or is the chosen layout otherwise run
+        if step <= (1.0 + NEAR_TIE) * chosen["predicted_step_s"]:
+            best[shape] = min(step, best.get(shape, step))
+    if not best:
+        return []
+    close = ", ".join(f"dp={dp} x pp={pp} ({step / chosen['predicted_step_s'] - 1:+.0%})"
+                      for (dp, pp), step in sorted(best.items(), key=lambda item: item[1]))
+    return [f"note: {close} predicted within {NEAR_TIE:.0%} of the choice, inside the layout model's error: "
+            f"layout_trials={len(best) + 1} times {'them' if len(best) > 1 else 'both'} on the ranks before "
+            "training and keeps the quickest"]
 
 
 def _layout_name(row: dict[str, Any]) -> str:
