@@ -19,6 +19,8 @@ def test_options_are_checked_when_made_and_when_changed():
         PipelineOptions().replace(recompute="sometimes")
     with pytest.raises(ValueError, match="balance lists how many operations"):
         PipelineOptions(balance=[2, 0])
+    with pytest.raises(ValueError, match="accumulate_grad_batches must be a whole number of at least 1"):
+        PipelineOptions(accumulate_grad_batches=0)
     with pytest.raises(TypeError, match=r"unknown pipeline option\(s\) \['chunk'\]"):
         PipelineOptions().replace(chunk=4)
     assert PipelineOptions(balance=[2, 3], leaf_modules=["a"]) == PipelineOptions(balance=(2, 3), leaf_modules=("a",))

@@ -13,10 +13,12 @@ import lightning_antichain as la
 from lightning_antichain.planner.partition import METHODS
 
 
-def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunks=1, opt=2.0, accumulate=0.0):
+def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunks=1, opt=2.0, accumulate=0.0,
+                           window=1):
     """Best bottleneck over every chain of down-sets and every order of the devices, by search; the
     first stage's device also holds the joined output and its gradient (2 x chunks x the outputs);
-    each backward after a stage's first adds ``accumulate`` a trainable parameter byte."""
+    each backward after a stage's first adds ``accumulate`` a trainable parameter byte, and the
+    first too in each of a ``window`` of accumulated batches but one."""
     pinned = frozenset(v for v in graph.nodes if graph.nodes[v].get("pinned"))
     free = graph.subgraph(set(graph.nodes) - pinned)
     down_sets = [d | pinned for d in brute_force_down_sets(free)]
@@ -42,7 +44,8 @@ def brute_force_bottleneck(graph, speeds, bandwidth=math.inf, memory=None, chunk
             if need > memory[device]:
                 return math.inf
         trainable = sum(attr(v, "param_bytes") - attr(v, "frozen_bytes") for v in nodes)
-        return compute + transfer + accumulate * trainable * (chunks - 1) / chunks
+        adding = (chunks - 1) + (window - 1) / window  # backwards adding per step, on average over the window
+        return compute + transfer + accumulate * trainable * adding / chunks
 
     @cache
     def best(before, devices_left):
@@ -99,6 +102,12 @@ def test_dp_weighs_each_stage_s_adding_into_its_gradients(seed):
     dp = max(s.time_s + 0.75 * plan.accumulation_s(s) for s in plan.stages)
     assert dp == pytest.approx(brute_force_bottleneck(graph, [1.0] * stages, chunks=4, accumulate=2e-4), rel=1e-9)
     assert_valid(plan, graph)
+    window = 2 + seed % 3  # Lightning accumulating over batches: a batch's first backward adds too, but the first's
+    plan = la.partition(graph, stages, chunks=4, accumulate_grad_batches=window)
+    assert plan.accumulate_grad_batches == window
+    dp = max(s.time_s + (4 - 1 / window) / 4 * plan.accumulation_s(s) for s in plan.stages)
+    assert dp == pytest.approx(brute_force_bottleneck(graph, [1.0] * stages, chunks=4, accumulate=2e-4,
+                                                      window=window), rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(20))

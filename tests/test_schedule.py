@@ -144,6 +144,13 @@ def test_every_weight_gradient_of_a_stage_but_its_first_adds_into_the_stage_s_tr
         adds = task.phase in ("backward", "backward_weight") and first[task.stage] != task
         assert span == pytest.approx(spans[0.0][task] + (rate * trainable[task.stage] if adds else 0.0)), task
     assert "adding into gradients" in plan.table()
+    plan.accumulate_grad_batches = 4  # accumulating over batches: the first adds into the earlier batches' in 3 of 4
+    for task in plan.timeline(table):
+        before = spans[rate][task.task]
+        if first.get(task.task.stage) == task.task:
+            assert task.end - task.start == pytest.approx(before + 0.75 * rate * trainable[task.task.stage])
+        else:
+            assert task.end - task.start == pytest.approx(before)
 
 
 def test_cpu_stages_running_at_once_share_the_capacity_and_other_stages_do_not():

@@ -436,6 +436,7 @@ def test_gradient_accumulation_and_recomputation_under_stage_processes_equal_pla
                       "--recompute", "always"):
         torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
         assert report["val_loss"] == pytest.approx(plain["val_loss"], rel=1e-6)
+        assert report["plan"]["accumulate_grad_batches"] == 2  # its prediction charges the window's adding
 
 
 @SLOW  # 24 s; in process, models built on meta train in the default suite (test_hf_meta.py, the zoo)

@@ -125,6 +125,7 @@ def test_optimization_features_match_plain(make, flags):
         runs.append(model.losses)
     torch.testing.assert_close(torch.tensor(runs[1]), torch.tensor(runs[0]), rtol=1e-5, atol=0)
     assert_pipelined(t)
+    assert t.strategy.plan.accumulate_grad_batches == flags.get("accumulate_grad_batches", 1)
 
 
 def test_bf16_mixed_on_cpu_trains_like_plain_bf16():

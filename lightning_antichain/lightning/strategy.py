@@ -271,6 +271,8 @@ class AntichainPipelineStrategy(ProcessesStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
+        # the plan charges what adding into the gradients of the window's earlier batches costs
+        self.options = self.options.replace(accumulate_grad_batches=trainer.accumulate_grad_batches)
         self._runtime.setup(trainer)
 
     def target(self) -> nn.Module:

@@ -291,7 +291,8 @@ def _fitted_to_pipelined_step(plan: Plan, pipelined_s: float) -> Plan:
     1.11-1.27 on an H200, docs/benchmark-runs.md, "On a GPU"). The stage times are then scaled to
     the pipelined step, the state training runs in; their ratios, which the cut balances, stand."""
     def explained(p: Plan) -> float:
-        return replace(p, step_overhead_s=0.0, optimizer_step_s=0.0).predict_step()
+        # the pipelined steps timed start from empty gradients, as the window's first batch does
+        return replace(p, step_overhead_s=0.0, optimizer_step_s=0.0, accumulate_grad_batches=1).predict_step()
 
     for _ in range(3):  # the step is not quite proportional to the stage times (transfers, task overheads)
         now = explained(plan)

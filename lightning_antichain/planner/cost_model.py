@@ -52,7 +52,8 @@ class CostModel:
     that output and its gradient (a cross-entropy's log-softmax and its gradient, a squared
     error's square and its gradient), which meets whatever the stage keeps at that moment.
     ``accumulate_s_per_byte``: what a backward adds per trainable parameter byte where it adds
-    into the gradients of the stage's earlier ones (:attr:`Plan.accumulate_s_per_byte`).
+    into the gradients of the stage's earlier ones (:attr:`Plan.accumulate_s_per_byte`), and
+    ``accumulate_grad_batches`` the batches Lightning accumulates them over (:attr:`Plan.accumulate_grad_batches`).
     """
 
     chunks: int = 1
@@ -63,6 +64,7 @@ class CostModel:
     joined_output_bytes: float = 0.0
     loss_workspace_bytes: float = 0.0
     accumulate_s_per_byte: float = 0.0
+    accumulate_grad_batches: int = 1
 
     def held_by(self, index: int | None) -> int:
         """Micro-batches stage ``index`` holds at most (``None``: the most any stage holds)."""
@@ -72,8 +74,10 @@ class CostModel:
 
     def accumulation_s(self, trainable_bytes: float | np.ndarray) -> Any:
         """What adding into gradients costs a stage of ``trainable_bytes`` per micro-batch, on
-        average over a step: every backward but the first of its ``chunks`` adds."""
-        return self.accumulate_s_per_byte * trainable_bytes * (self.chunks - 1) / self.chunks
+        average over a step: every backward but the first of its ``chunks`` adds, and the first too
+        in every batch of Lightning's ``accumulate_grad_batches`` but the window's first."""
+        adding = self.chunks - 1 / self.accumulate_grad_batches
+        return self.accumulate_s_per_byte * trainable_bytes * adding / self.chunks
 
     def transfer_s(self, nbytes: float | np.ndarray) -> Any:
         """Seconds to ship ``nbytes`` forward and its gradient back."""

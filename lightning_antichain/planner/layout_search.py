@@ -391,7 +391,7 @@ def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chun
         if key not in cuts:
             try:
                 cuts[key] = _cut(cost, devices, chunks, options.recompute, None, options.method, links.within_gbps,
-                                 limits, multiplier, family)
+                                 limits, multiplier, family, options.accumulate_grad_batches)
             except InfeasiblePlanError as exc:
                 cuts[key] = InfeasiblePlanError(*exc.args)  # without its traceback: the DP's tables stay freed
         found = cuts[key]

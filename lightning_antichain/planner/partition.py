@@ -47,6 +47,7 @@ def partition(
     recompute: str = "never",
     checkpoint: str | None = None,
     schedule: str = "gpipe",
+    accumulate_grad_batches: int = 1,
 ) -> Plan:
     """Split the profiled model into ``stages`` pipeline stages and predict what it will cost.
 
@@ -76,7 +77,8 @@ def partition(
         raise ValueError(f"bandwidth_gbps must be positive, got {bandwidth_gbps}")
     model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)),
                       held_micro_batches(schedule, stages, chunks), *batch_loss_bytes(graph, chunks, schedule),
-                      accumulate_s_per_byte=float(graph.graph.get("accumulate_s_per_byte") or 0.0))
+                      accumulate_s_per_byte=float(graph.graph.get("accumulate_s_per_byte") or 0.0),
+                      accumulate_grad_batches=accumulate_grad_batches)
     free = [v for v in ordered_nodes(graph) if not graph.nodes[v]["pinned"]]
     if len(free) < stages:
         raise InfeasiblePlanError(
@@ -144,6 +146,7 @@ def plan_from_balance(
     checkpoint: str | None = None,
     memory_gb: float | Sequence[float | None] | None = None,
     schedule: str = "gpipe",
+    accumulate_grad_batches: int = 1,
 ) -> Plan:
     """A plan that puts ``balance[k]`` consecutive operations (in execution order) on stage k.
 
@@ -167,7 +170,8 @@ def plan_from_balance(
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
     model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)),
                       held_micro_batches(schedule, len(balance), chunks), *batch_loss_bytes(graph, chunks, schedule),
-                      accumulate_s_per_byte=float(graph.graph.get("accumulate_s_per_byte") or 0.0))
+                      accumulate_s_per_byte=float(graph.graph.get("accumulate_s_per_byte") or 0.0),
+                      accumulate_grad_batches=accumulate_grad_batches)
     bounds = np.cumsum([0, *balance])
     stage_nodes = [free[bounds[k] : bounds[k + 1]] for k in range(len(balance))]
     stage_nodes[0] = [v for v in ordered_nodes(graph) if graph.nodes[v]["pinned"]] + stage_nodes[0]
@@ -245,6 +249,7 @@ def _make_plan(
         task_overhead_s=float(meta.get("task_overhead_s") or 0.0),
         step_overhead_s=float(meta.get("step_overhead_s") or 0.0),
         accumulate_s_per_byte=float(meta.get("accumulate_s_per_byte") or 0.0),
+        accumulate_grad_batches=model.accumulate_grad_batches,
         optimizer_step_s=float(meta.get("optimizer_step_s") or 0.0),
         parallel_capacity=meta.get("parallel_capacity"),
         cpu_cores=meta.get("cpu_cores"),

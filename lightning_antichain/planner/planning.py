@@ -224,7 +224,7 @@ class _ModelPlanning:
     def cut(self, cost: nx.DiGraph, count: int) -> Plan:
         o = self.options
         return _cut(cost, self.devices, count, o.recompute, o.balance, o.method, o.bandwidth_gbps, o.memory_gb,
-                    self.multiplier, o.schedule)
+                    self.multiplier, o.schedule, o.accumulate_grad_batches)
 
     def profiled(self, args: tuple, kwargs: dict, label: str | None) -> tuple[nx.DiGraph, Path | None, str]:
         assert self.module is not None and self.graph is not None
@@ -314,17 +314,17 @@ def _profiled(module: nn.Module, graph: OpGraph, args: tuple, kwargs: dict, devi
 def _cut(cost: nx.DiGraph, devices: list[torch.device], chunks: int, recompute: str,
          balance: Sequence[int] | None, method: str, bandwidth_gbps: float | None,
          memory_gb: float | Sequence[float | None] | None, optimizer_multiplier: float,
-         schedule: str = "gpipe") -> Plan:
+         schedule: str = "gpipe", accumulate_grad_batches: int = 1) -> Plan:
     names = [str(d) for d in devices]
     bandwidth = bandwidth_gbps if bandwidth_gbps is not None else default_bandwidth_gbps(devices)
     memory = memory_gb if memory_gb is not None else default_memory_gb(devices)
     if balance is not None:  # the budgets are recorded for the run-time check, not enforced
         return plan_from_balance(cost, list(balance), chunks=chunks, devices=names, bandwidth_gbps=bandwidth,
                                  optimizer_multiplier=optimizer_multiplier, recompute=recompute, memory_gb=memory,
-                                 schedule=schedule)
+                                 schedule=schedule, accumulate_grad_batches=accumulate_grad_batches)
     return partition(cost, len(devices), chunks=chunks, method=method, devices=names, bandwidth_gbps=bandwidth,
                      memory_gb=memory, optimizer_multiplier=optimizer_multiplier, recompute=recompute,
-                     schedule=schedule)
+                     schedule=schedule, accumulate_grad_batches=accumulate_grad_batches)
 
 
 def _choose_chunks(

@@ -56,6 +56,8 @@ class PipelineOptions:
     else 2), ``profile_cache`` and ``use_profile_cache``, ``calibrate`` (time a few steps of CPU
     stages), ``rebalance_rounds`` (after calibration, cut again on the measured stage times for at
     most this many rounds, keeping the best split measured; 0: keep the profile's split),
+    ``accumulate_grad_batches`` (the batches Lightning accumulates gradients over, which the
+    predicted step charges their adding for; the strategy takes it from the Trainer),
     ``fallback`` (``"children"`` plans a model no frontend captures, for a look only) and
     ``progress`` (progress on stderr).
     """
@@ -84,6 +86,7 @@ class PipelineOptions:
     use_profile_cache: bool = True
     calibrate: bool = True
     rebalance_rounds: int = 3
+    accumulate_grad_batches: int = 1
     fallback: str | None = None
     progress: bool = True
 
@@ -99,6 +102,10 @@ class PipelineOptions:
         if isinstance(self.rebalance_rounds, bool) or not isinstance(self.rebalance_rounds, int) or (
                 self.rebalance_rounds < 0):
             raise ValueError(f"rebalance_rounds must be a whole number of at least 0, got {self.rebalance_rounds!r}")
+        if isinstance(self.accumulate_grad_batches, bool) or not isinstance(self.accumulate_grad_batches, int) or (
+                self.accumulate_grad_batches < 1):
+            raise ValueError(f"accumulate_grad_batches must be a whole number of at least 1 (as the Trainer's), got "
+                             f"{self.accumulate_grad_batches!r}")
         if self.cpu_threads is not None and (
                 isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads is the intra-op threads of each CPU stage: a whole number of at least 1, "

@@ -204,6 +204,10 @@ class Plan:
     #: how many ranks each stage's gradients are spread over as a backward adds into them: the
     #: replicas where FSDP2 reduce-scatters every backward's (``regather="micro_batch"``), else 1
     gradient_shards: int = 1
+    #: the batches whose gradients Lightning accumulates before the optimizers step
+    #: (``Trainer(accumulate_grad_batches=)``): a stage's first backward of a batch adds into the
+    #: gradients too, in every batch of the window but its first
+    accumulate_grad_batches: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -297,7 +301,8 @@ class Plan:
         """Each task's seconds alone in ``schedule`` (:meth:`task_seconds`), with the forward again
         in the backward of a micro-batch that ``recompute`` recomputes, and the adding of its
         gradients into its stage's (:meth:`accumulation_s`) in every backward of the weights but
-        the stage's first of the step."""
+        the stage's first of the step, and in that one on average over the batches of
+        ``accumulate_grad_batches`` (all but the window's first add)."""
         recomputed = recomputed_micro_batches(self.recompute, self.chunks)
         first: dict[int, Task] = {}
         for tasks in schedule.order:
@@ -310,8 +315,9 @@ class Plan:
             seconds = self.task_seconds(stage, task.phase)
             if task.phase in GRADIENT_OUT and task.micro_batch < recomputed:
                 seconds += stage.forward_s
-            if task.phase in WEIGHT_GRADIENT and first.get(task.stage) != task:
-                seconds += self.accumulation_s(stage)
+            if task.phase in WEIGHT_GRADIENT:
+                later = first.get(task.stage) != task
+                seconds += self.accumulation_s(stage) * (1.0 if later else 1.0 - 1.0 / self.accumulate_grad_batches)
             return seconds
 
         return duration
