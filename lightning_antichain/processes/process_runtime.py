@@ -631,6 +631,7 @@ class ProcessRuntime(RankHoldings, Runtime):
                 pipeline, found = self._pipeline_for(plan, target, hook, batch, rest, graph)
                 built.append((self.schedule, self.layout, self._device_mesh, pipeline))
                 graphs.append(found)
+            del pipeline  # else the last layout built outlives the collection below, holding the parameters
             measured = timed_in_turns([step(i) for i in range(len(plans))], strategy.root_device)
         kept = min(range(len(plans)), key=measured.__getitem__)
         enter(*built[kept][:3])
