@@ -62,7 +62,7 @@ from .global_norm import clip_by_global_norm
 from .layout_trials import is_on_meta, meta_refusal, timed_in_turns, trial_report, untouched
 from .micro_batch_steps import MicroBatchSteps
 from .process_pipeline import ProcessPipeline, equal_runs
-from .rank_faults import explained
+from .rank_faults import FaultWatch, explained
 from .rank_holdings import RankHoldings, everyone
 from .replica_batches import replica_loader
 from .replication import REPLICATIONS, Regather, Replication
@@ -126,6 +126,8 @@ class ProcessRuntime(RankHoldings, Runtime):
         self.pipeline = None
         self.steps: MicroBatchSteps | None = None
         self._forward_patch = ForwardPatch()
+        #: reads a failing rank's error while this rank waits on it (:mod:`.rank_faults`)
+        self._fault_watch = FaultWatch()
         self._stashed: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         #: each metric's value for the whole batch of a step (what Lightning logs on_step)
         self._step_values = StepValues()
@@ -267,6 +269,7 @@ class ProcessRuntime(RankHoldings, Runtime):
         if trainer.state.fn == TrainerFn.FITTING:
             state_with_parameters(strategy.optimizers)
         self._forward_patch.install(strategy.target(), self.steps.forward)
+        self._fault_watch.start()
 
     def step(self, hook: str, args: tuple, kwargs: dict, plain: Callable[..., Any]) -> Any:
         """Run the step ``hook`` (``training_step``, ...) on the batch ``args[0]`` through the
@@ -282,7 +285,7 @@ class ProcessRuntime(RankHoldings, Runtime):
                 if strategy.global_rank == 0:  # its store outlives its process groups: let go of them (rank_faults)
                     self.pipeline = None
                     traceback.clear_frames(error.__traceback__)
-                cause = explained(error, strategy.global_rank)
+                cause = explained(error, strategy.global_rank, self._fault_watch)
                 if cause is error:
                     raise
                 raise cause from error
@@ -300,6 +303,7 @@ class ProcessRuntime(RankHoldings, Runtime):
         return closure_loss
 
     def teardown(self) -> None:
+        self._fault_watch.stop()
         self._forward_patch.uninstall()
         vars(self.strategy.precision_plugin).pop("clip_grad_by_norm", None)
 

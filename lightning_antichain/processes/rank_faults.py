@@ -7,14 +7,18 @@ rank that loses a connection looks there for a few seconds and raises the failin
 instead (:func:`explained`). The store lives in rank 0's process: where rank 0 fails, it first
 closes its connections (the others' waits on it end), and stays until every other rank has read
 its error or a few seconds have passed; another rank that fails gives rank 0 a moment to fail too
-before it ends, since a launcher may end every process once one has. A rank that dies without
-raising (killed, out of memory) leaves nothing: the others raise the lost connection, as torch
-reports it.
+before it ends, since a launcher may end every process once one has. A rank waiting on rank 0 in
+a transfer may only see the connection go when rank 0's process ends (a transfer rank 0 left
+pending holds its connections open past ``destroy_process_group``), and the store with it: so
+every other rank watches the store while it trains (:class:`FaultWatch`) and has read rank 0's
+error by then. A rank that dies without raising (killed, out of memory) leaves nothing: the others
+raise the lost connection, as torch reports it.
 """
 
 from __future__ import annotations
 
 import gc
+import threading
 import time
 
 import torch.distributed as dist
@@ -30,10 +34,48 @@ class StageProcessError(RuntimeError):
     """Another stage's process failed; its error, as that process raised it."""
 
 
-def explained(error: Exception, rank: int) -> Exception:
+class FaultWatch:
+    """A thread that reads a failing rank's error from the store as soon as it is left there, on
+    a rank other than 0, and says it read it (rank 0 waits for that before it ends)."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        #: the failing rank's error, as it left it; ``None`` until one has
+        self.found: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        store = _store()
+        if store is None or dist.get_rank() == 0 or self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._watch, args=(store,), name="rank-fault-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self, store: dist.Store) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                if store.check([KEY]):
+                    self.found = store.get(KEY).decode()
+                    store.add(READ, 1)
+                    return
+            except Exception:  # noqa: BLE001 - the store's host is gone: nothing more to read
+                return
+
+
+def explained(error: Exception, rank: int, watch: FaultWatch | None = None) -> Exception:
     """The error this rank should raise for ``error``: its own where it is the step's own failure
-    (left in the store for the others), else the failing rank's, where one left it in time. The
-    caller must hold no process group of its own then (rank 0 ends them all)."""
+    (left in the store for the others), else the failing rank's, where one left it in time (or
+    ``watch`` read it). The caller must hold no process group of its own then (rank 0 ends them all)."""
+    if watch is not None and watch.found is not None and _lost_connection(error):
+        return StageProcessError(f"the process of another stage failed, {watch.found}")
     store = _store()
     if store is None:
         return error
