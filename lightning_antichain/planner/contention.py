@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from ..capture.isolation import own_forward
 from ..capture.pytrees import iter_tensors
 from ..cpu_allocator import keep_freed_memory
 from ..in_process.worker import WorkerPool
@@ -169,14 +170,15 @@ def training_step(module: nn.Module, args: tuple, kwargs: dict) -> Callable[[], 
 
 
 def copied_training_step(module: nn.Module, args: tuple, kwargs: dict,
-                         loss: Callable[[Any], torch.Tensor] | None = None) -> Callable[[], None]:
+                         loss: Callable[[Any], torch.Tensor | None] | None = None) -> Callable[[], None]:
     """:func:`training_step` of ``module`` on copies of its buffers (a BatchNorm's running
     statistics stay as they were), sharing its parameters, whose values it does not change;
     with ``loss``, from that loss of its output."""
     state = copied_buffers(module)
 
     def forward() -> Any:
-        output = functional_call(module, state, args, kwargs)
+        with own_forward(module):  # the loss may call the forward a strategy installed
+            output = functional_call(module, state, args, kwargs)
         return output if loss is None else loss(output)
 
     return _gradients_of(module, forward)

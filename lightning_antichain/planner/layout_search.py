@@ -66,7 +66,7 @@ def plan_layouts(module: nn.Module, args: tuple, kwargs: dict, world_size: int, 
                  search: LayoutSearch, links: Links, options: PipelineOptions, *,
                  optimizers: Sequence[torch.optim.Optimizer] = (), replication: Replication = "ddp",
                  profile_device: torch.device | None = None, shared_cores: SharedCores | None = None,
-                 loss: Callable[[Any], torch.Tensor] | None = None, alternatives: int = 0) -> Planned:
+                 loss: Callable[[Any], torch.Tensor | None] | None = None, alternatives: int = 0) -> Planned:
     """The plan of the fastest layout that fits for batches like the whole batch ``args, kwargs``
     on ``world_size`` ranks (see the module's docstring), with ``plan.layout`` its layout and
     ``plan.layouts`` every candidate. ``profile_device``: where the model is profiled (default:
@@ -89,7 +89,7 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
             search: LayoutSearch, links: Links, options: PipelineOptions,
             optimizers: Sequence[torch.optim.Optimizer], replication: Replication,
             profile_device: torch.device, shared_cores: SharedCores | None,
-            loss: Callable[[Any], torch.Tensor] | None, alternatives: int) -> Planned:
+            loss: Callable[[Any], torch.Tensor | None] | None, alternatives: int) -> Planned:
     schedules = search.schedules
     batch_dim = options.batch_dim
     size = batch_size_of(module, args, kwargs, batch_dim)

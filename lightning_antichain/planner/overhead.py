@@ -28,6 +28,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..capture import OpGraph, capture
+from ..capture.isolation import own_forward
 from ..capture.pytrees import iter_tensors, map_tensors
 from ..device import device_name, is_accelerator, synchronize
 from ..in_process.pipeline import Pipeline
@@ -188,16 +189,17 @@ def optimizer_step_s(optimizers: list[torch.optim.Optimizer], budget_bytes: int 
     return total
 
 
-def loss_seconds(module: nn.Module, args: tuple, kwargs: dict, loss: Callable[[Any], torch.Tensor]
+def loss_seconds(module: nn.Module, args: tuple, kwargs: dict, loss: Callable[[Any], torch.Tensor | None]
                  ) -> tuple[float, float] | None:
     """Seconds of ``loss`` on the module's output for the call ``args, kwargs`` (where the module
     is): its forward and its backward to the output, what the last stage's rank adds to each
-    micro-batch beyond the model; ``None`` for a module without values (on meta)."""
+    micro-batch beyond the model; ``None`` for a module without values (on meta), or where
+    ``loss`` gives none for the output."""
     state = [*module.parameters(), *module.buffers()]
     if any(t.is_meta for t in state):
         return None
     device = state[0].device if state else torch.device("cpu")
-    with torch.no_grad():
+    with torch.no_grad(), own_forward(module):  # the loss may call the forward a strategy installed
         output = functional_call(module, copied_buffers(module), args, kwargs)
     leaves = map_tensors(lambda t: t.detach().requires_grad_(t.is_floating_point()), output)
     # the gradients handed back, as to the model's last operation: none gathered in a leaf's
@@ -208,6 +210,8 @@ def loss_seconds(module: nn.Module, args: tuple, kwargs: dict, loss: Callable[[A
         synchronize(device)
         started = time.perf_counter()
         value = loss(leaves)
+        if value is None:
+            return None
         synchronize(device)
         middle = time.perf_counter()
         if inputs and value.requires_grad:

@@ -35,9 +35,10 @@ from ..plans.plan import Plan
 from ..weights.materialize import has_meta_state
 from . import calibration
 from .cache import default_cache_dir, usable_cache_dir
+from .cost_graph import with_loss
 from .optimizer_memory import UNKNOWN_OPTIMIZER_MULTIPLIER
 from .optimizer_memory import optimizer_multiplier as multiplier_of
-from .overhead import optimizer_step_s
+from .overhead import loss_seconds, optimizer_step_s
 from .partition import InfeasiblePlanError, partition, plan_from_balance
 from .profile_store import load_profile, profile_file, profile_key, store_profile
 from .profiler import profile
@@ -107,13 +108,14 @@ def _as_cpu_stages_run(fn: Callable[..., Planned]) -> Callable[..., Planned]:
     @functools.wraps(fn)
     def planned(module: nn.Module | None, args: tuple, kwargs: dict, devices: Sequence[str | torch.device],
                 options: PipelineOptions | None = None, *, optimizers: Sequence[torch.optim.Optimizer] = (),
-                name: str | None = None, cost: nx.DiGraph | None = None, **settings: Any) -> Planned:
+                name: str | None = None, cost: nx.DiGraph | None = None,
+                loss: Callable[[Any], torch.Tensor | None] | None = None, **settings: Any) -> Planned:
         options = (options or PipelineOptions()).replace(**settings)
         threads = stage_threads(devices, options.cpu_threads)
         if threads is not None and options.share_cpu_allocator:
             keep_freed_memory()
         with intra_op_threads(threads):
-            return fn(module, args, kwargs, devices, options, optimizers=optimizers, name=name, cost=cost)
+            return fn(module, args, kwargs, devices, options, optimizers=optimizers, name=name, cost=cost, loss=loss)
 
     return planned
 
@@ -131,6 +133,7 @@ def plan_model(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     name: str | None = None,
     cost: nx.DiGraph | None = None,
+    loss: Callable[[Any], torch.Tensor | None] | None = None,
     **settings: Any,
 ) -> Planned:
     """Plan ``module`` over ``devices`` (one stage each) for micro-batches like ``args, kwargs``.
@@ -143,7 +146,9 @@ def plan_model(
     a model no frontend can capture at its top-level children (for a look at the plan only: such a
     plan cannot run). ``bandwidth_gbps`` and ``memory_gb`` default to
     :func:`default_bandwidth_gbps` and :func:`default_memory_gb`. ``optimizers`` are timed (on
-    copies of their parameters) so that the predicted step includes their ``step()``.
+    copies of their parameters) so that the predicted step includes their ``step()``. ``loss``
+    (of the module's output, as stages as processes compute it on the last stage) is timed on each
+    profile and charged to the output it reads (:func:`~.cost_graph.with_loss`).
     Plans are made for training: a module entirely in eval mode is planned as in training mode,
     and left in its mode. ``calibrate`` runs a plan whose stages share the CPU, or are all on GPUs, for a few
     steps and takes its stage times
@@ -161,7 +166,7 @@ def plan_model(
     if auto and (module is None or cost is not None):
         raise ValueError('chunks="auto" profiles the model at each candidate micro-batch size; give the '
                          "module and a whole batch, not a saved cost graph, or give chunks as a number")
-    run = _ModelPlanning(module, devices, options, optimizers)
+    run = _ModelPlanning(module, devices, options, optimizers, loss)
     cached_from, key = None, ""
     if cost is None:
         if module is None:
@@ -215,8 +220,10 @@ class _ModelPlanning:
     cache), calibrate, and cut again on what calibration measured."""
 
     def __init__(self, module: nn.Module | None, devices: list[torch.device], options: PipelineOptions,
-                 optimizers: Sequence[torch.optim.Optimizer]) -> None:
+                 optimizers: Sequence[torch.optim.Optimizer],
+                 loss: Callable[[Any], torch.Tensor | None] | None = None) -> None:
         self.module, self.devices, self.options, self.optimizers = module, devices, options, optimizers
+        self.loss = loss
         self.multiplier = optimizer_multiplier_for(options, optimizers)
         self.directory, self.use_cache = profile_cache_dir(options)
         self.graph: OpGraph | None = None
@@ -228,8 +235,14 @@ class _ModelPlanning:
 
     def profiled(self, args: tuple, kwargs: dict, label: str | None) -> tuple[nx.DiGraph, Path | None, str]:
         assert self.module is not None and self.graph is not None
-        return _profiled(self.module, self.graph, args, kwargs, self.devices[0], self.options.batch_dim,
-                         self.directory, self.use_cache, self.options.progress, label)
+        cost, cached_from, key = _profiled(self.module, self.graph, args, kwargs, self.devices[0],
+                                           self.options.batch_dim, self.directory, self.use_cache,
+                                           self.options.progress, label)
+        timed = None if self.loss is None else loss_seconds(self.module, args, kwargs, self.loss)
+        if timed is not None:  # the loss the last stage computes beyond the model
+            cost = cost.copy()
+            with_loss(cost, *timed)
+        return cost, cached_from, key
 
     def measured(self, plan: Plan, key: str, args: tuple, kwargs: dict) -> Plan:
         """``plan`` calibrated on the batch ``args, kwargs``, where calibration applies."""

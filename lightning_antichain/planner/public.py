@@ -10,7 +10,7 @@ a plan whose stages share the CPU or are all on GPUs, and cut again on what they
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -62,12 +62,13 @@ def planning_call(module: nn.Module, args: tuple, kwargs: dict, options: Pipelin
 
 
 def planned_for_call(module: nn.Module, args: tuple, kwargs: dict, devices: Sequence[str | torch.device],
-                     options: PipelineOptions, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Planned:
+                     options: PipelineOptions, optimizers: Sequence[torch.optim.Optimizer] = (),
+                     loss: Callable[[Any], torch.Tensor | None] | None = None) -> Planned:
     """:func:`~.planning.plan_model` on ``args, kwargs`` as :func:`planning_call` gives them, with
     positional arguments named where keywords are given too."""
     if kwargs and args:  # keyword form: name the positional arguments too
         args, kwargs = FlatSignature.canonical(original_forward(module), args, kwargs)
-    return plan_model(module, args, kwargs, devices, options, optimizers=optimizers)
+    return plan_model(module, args, kwargs, devices, options, optimizers=optimizers, loss=loss)
 
 
 def plan_layout(

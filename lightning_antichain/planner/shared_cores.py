@@ -71,7 +71,7 @@ class SharedCores:
 
 def shared_cores(module: nn.Module, args: tuple, kwargs: dict, optimizers: Sequence[torch.optim.Optimizer],
                  group: Any = None, shares: Sequence[int] = (),
-                 loss: Callable[[Any], torch.Tensor] | None = None) -> SharedCores | None:
+                 loss: Callable[[Any], torch.Tensor | None] | None = None) -> SharedCores | None:
     """What the ranks of ``group`` get through at once (:func:`processes_timing`), each running
     ``module``'s forward and backward on its call ``args, kwargs`` (its share of a batch), and
     each stepping copies of ``optimizers`` on the gradients of that call's backward, as planning

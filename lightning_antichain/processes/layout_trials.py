@@ -25,7 +25,7 @@ from ..capture.pytrees import map_tensors
 from ..device import synchronize
 from ..plans.plan import Plan
 from .rank_holdings import everyone
-from .step_logs import metric_states, set_metric_states
+from .step_logs import metrics_kept
 
 #: timed steps of each layout, after one untimed (a pipeline's first step learns its shapes)
 TRIAL_STEPS = 5
@@ -40,11 +40,11 @@ def untouched(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) ->
     values = [p.detach().clone() if p.requires_grad else None for p in params]
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
-    metrics = map_tensors(lambda t: t.clone(), metric_states(module))
     states = [optimizer.state_dict() for optimizer in optimizers]
     states = map_tensors(lambda t: t.clone(), states)
     try:
-        yield
+        with metrics_kept(module):
+            yield
     finally:
         with torch.no_grad():
             for p, value, grad in zip(params, values, grads):
@@ -53,7 +53,6 @@ def untouched(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) ->
                 p.grad = grad
             for b, value in buffers:
                 b.copy_(value)
-        set_metric_states(module, metrics)
         for optimizer, state in zip(optimizers, states):
             optimizer.load_state_dict(state)
 

@@ -73,11 +73,13 @@ from .step_logs import (
     StepValues,
     averaged_logs,
     metric_states,
+    metrics_kept,
     replay,
     set_metric_states,
     set_step_values,
     unsynced,
 )
+from .step_loss import step_loss
 
 TRAINING = "training_step"
 PREDICTING = "predict_step"
@@ -687,8 +689,16 @@ class ProcessRuntime(RankHoldings, Runtime):
         assert self.layout_search is not None
         counts = self.layout_search.pipeline_counts(world)
         shares = [share_of(Layout(world // pp, pp), self.replication) for pp in counts]
-        with planned_in_training(target):
-            return shared_cores(target, *share, self.strategy.optimizers, shares=shares)
+        with planned_in_training(target), metrics_kept(self.steps.module):
+            return shared_cores(target, *share, self.strategy.optimizers, shares=shares,
+                                loss=self._step_loss(hook, batch, rest))
+
+    def _step_loss(self, hook: str, batch: Any, rest: tuple) -> Callable[[Any], torch.Tensor | None] | None:
+        """What the last stage's rank computes beyond the model, for the planner to charge
+        (:mod:`.step_loss`): the training step's loss; ``None`` for other steps (a sanity check's
+        validation batch planning first), whose loss trains nothing."""
+        assert self.steps is not None
+        return step_loss(self.steps, hook, batch, rest) if hook == TRAINING else None
 
     def _make_plan(self, target: nn.Module, hook: str, batch: Any, rest: tuple,
                    measured: Mapping[Kind, CollectiveSpeed] | None, capacity: SharedCores | None) -> Any:
@@ -697,18 +707,19 @@ class ProcessRuntime(RankHoldings, Runtime):
         assert self.steps is not None
         strategy, options = self.strategy, self.options
         search = self.layout_search
+        loss = self._step_loss(hook, batch, rest)
         if search is not None:  # the module as the step calls it: once per micro-batch, as it is
             args, kwargs = self.steps.call_of(hook, batch, rest)  # type: ignore[misc]
-            with torch.enable_grad():
+            with torch.enable_grad(), metrics_kept(self.steps.module):
                 return plan_layouts(target, args, kwargs, strategy.world_size, self.stage_devices_of, search,
                                     self.links(measured), options, optimizers=strategy.optimizers,
-                                    replication=self.replication, shared_cores=capacity,
+                                    replication=self.replication, shared_cores=capacity, loss=loss,
                                     alternatives=self.layout_trials - 1)
         whole = self.steps.call_of(hook, self._replica_share(batch), rest)
         devices = self.stage_devices_of(self.layout, self.schedule)
-        with torch.enable_grad():
+        with torch.enable_grad(), metrics_kept(self.steps.module):
             args, kwargs = planning_call(target, *whole, options, count_items=False)
-            planned = planned_for_call(target, args, kwargs, devices, options, self.strategy.optimizers)
+            planned = planned_for_call(target, args, kwargs, devices, options, self.strategy.optimizers, loss)
         planned.plan.regather = self._regather(planned.plan, measured)
         return planned
 

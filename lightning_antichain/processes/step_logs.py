@@ -26,6 +26,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics import Metric
 
+from ..capture.pytrees import map_tensors
+
 
 @dataclass(frozen=True)
 class MetricLogged:
@@ -178,6 +180,16 @@ def set_metric_states(module: LightningModule, states: dict[str, dict[str, Any]]
         metric._computed = None
         for name, value in state.items():
             setattr(metric, name, _to(value, metric.device))
+
+
+@contextmanager
+def metrics_kept(module: LightningModule) -> Generator[None, None, None]:
+    """Inside, steps may update ``module``'s torchmetrics; on leaving, their states are as they were."""
+    states = map_tensors(lambda t: t.clone(), metric_states(module))
+    try:
+        yield
+    finally:
+        set_metric_states(module, states)
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -1,0 +1,62 @@
+"""The user's training step as a loss of the pipelined module's output, for the planner to time.
+
+With one process per stage, the last stage's rank runs the rest of ``training_step`` (the loss,
+what it logs) on every micro-batch's output, work beyond the model's last operations that the
+model's profile does not hold: an 8k-vocabulary decoder's cross-entropy took 23% of the model's
+forward and backward on the 2-core test machine. The planner charges a loss given to it to the
+output it reads (:func:`~lightning_antichain.planner.cost_graph.with_loss`), so that the cut gives
+that stage less of the model; :func:`step_loss` makes that loss from the step itself, on the
+micro-batch whose samples the output holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..batches import microbatch
+from .micro_batch_steps import MicroBatchSteps
+from .step_logs import StepLogs
+
+
+def step_loss(steps: MicroBatchSteps, hook: str, batch: Any, rest: tuple) -> Callable[[Any], torch.Tensor | None]:
+    """The loss the step ``hook`` returns when the module answers an output, for the first samples
+    of ``batch``, as many as the output holds; ``None`` where the step returns none (it skips the
+    batch, or fails: training then says why) or the output's samples cannot be matched to the
+    batch's. What the step logs is dropped; its torchmetrics change (keep them with
+    :func:`~.step_logs.metrics_kept`)."""
+    try:
+        size = microbatch.batch_size(batch)
+    except (RuntimeError, ValueError):
+        size = None
+
+    def loss(output: Any) -> torch.Tensor | None:
+        micro = _first_samples(batch, size, output)
+        if micro is None:
+            return None
+        try:
+            result = steps.result_of(hook, micro, rest, output, StepLogs(), 1.0)
+        except Exception:  # noqa: BLE001 - the first training step runs it again and reports what it raises
+            return None
+        value = result.get("loss") if isinstance(result, dict) else result
+        return value if isinstance(value, torch.Tensor) and value.ndim == 0 and value.requires_grad else None
+
+    return loss
+
+
+def _first_samples(batch: Any, size: int | None, output: Any) -> Any:
+    """The micro-batch of ``batch``'s first samples that ``output`` answers (split as the
+    pipeline splits it), or ``None`` where the output's samples are not on its dim 0."""
+    try:
+        samples = microbatch.batch_size(output)
+    except (RuntimeError, ValueError):
+        return None
+    if not size or not samples:
+        return None
+    for chunks in range(1, size + 1):
+        if microbatch.split_sizes(size, chunks)[0] == samples:
+            return microbatch.scatter(batch, chunks, lists=True)[0]
+    return None
+
