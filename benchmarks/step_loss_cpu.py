@@ -3,9 +3,11 @@
 With one process per stage the last stage's rank computes the loss of every micro-batch's output,
 beyond the model. The strategy times it from ``training_step`` and charges it to the output it
 reads (``lightning_antichain/processes/step_loss.py``), so the cut gives that stage less. Here rank
-0 cuts the model for a pipeline of ``--ranks`` processes under 1F1B twice, from the same profile:
-without the loss (as the strategy did before) and with it; every rank builds both and trains AdamW
-steps with each in turns. Printed: each cut's predicted and measured step, each rank's actions
+0 plans a pipeline of ``--ranks`` processes under 1F1B twice, as the strategy's layout search does
+(its micro-batch count chosen too), from the same profiles: without the loss (as the strategy did
+before) and with it; every rank builds both and trains AdamW steps with each in turns.
+Printed: the loss's share of the model's forward and backward on a micro-batch of ``--share-samples``
+(timed as the planner times it), each cut's predicted and measured step, each rank's actions
 (what it computes, its waits left out) against the cut's prediction, and the measured steps'
 ratio, the median of interleaved rounds.
 
@@ -39,6 +41,7 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
     from lightning_antichain.cpu_allocator import keep_freed_memory
     from lightning_antichain.planner.layout_cost import measured_links
     from lightning_antichain.planner.layout_search import LayoutSearch, plan_layouts
+    from lightning_antichain.planner.overhead import loss_seconds
     from lightning_antichain.plans.options import PipelineOptions
     from lightning_antichain.plans.plan import Plan
     from lightning_antichain.plans.process_schedules import process_schedule
@@ -57,7 +60,19 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
         probes = _probes(model, x, y, loss_fn, ranks, [ranks])
         sent: list = [None]
         if rank == 0:
-            options = PipelineOptions(profile_cache=Path(cache), progress=False, chunks=args.chunks)
+            share = (x[:args.share_samples],), y[:args.share_samples]
+            forward_s, backward_s = loss_seconds(model, share[0], {}, lambda out: loss_fn(out, share[1][:len(out)]))
+            whole = []
+            for _ in range(5):
+                started = time.perf_counter()
+                loss_fn(model(*share[0]), share[1]).backward()
+                whole.append(time.perf_counter() - started)
+                model.zero_grad(set_to_none=True)
+            alone = statistics.median(whole[1:])
+            print(f"step_loss_cpu: {args.model}, {args.share_samples} samples: the loss {1e3 * forward_s:.1f} ms "
+                  f"forward, {1e3 * backward_s:.1f} ms backward; the model with it {1e3 * alone:.1f} ms forward and "
+                  f"backward: the loss {(forward_s + backward_s) / alone:.2f} of it", flush=True)
+            options = PipelineOptions(profile_cache=Path(cache), progress=False)
             search = LayoutSearch(ranks, (schedule,))
             links = measured_links(ranks, probes[0])
 
@@ -97,7 +112,8 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
         if rank == 0:
             for name, plan, taken, actions in zip(("without the loss", "with the loss"), plans, times, busy):
                 predicted = plan.layouts and next(r for r in plan.layouts if "lost" not in r)
-                results.put((name, plan.balance, plan.predicted_step_s, statistics.median(taken),
+                results.put((name, f"{plan.balance}, {plan.chunks} micro-batches", plan.predicted_step_s,
+                             statistics.median(taken),
                              torch.stack(actions).median(0).values.tolist(),
                              predicted.get("rank_busy_s") if predicted else None, taken))
     finally:
@@ -108,8 +124,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="decoder8k")
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--share-samples", type=int, default=8, help="the micro-batch the loss's share is timed on")
     args = parser.parse_args()
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -123,9 +139,9 @@ def main() -> None:
         for process in processes:
             process.join()
     print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, {args.model}, pp="
-          f"{args.ranks} under 1F1B in {args.chunks} micro-batches, AdamW, the batch of 32; median of {args.repeats} "
+          f"{args.ranks} under 1F1B, AdamW, the batch of 32; median of {args.repeats} "
           "interleaved steps\n")
-    print("| cut | operations per stage | predicted ms | measured ms | measured / predicted "
+    print("| cut | operations per stage, micro-batches | predicted ms | measured ms | measured / predicted "
           "| each rank's actions ms (predicted) |")
     print("|---|---|---|---|---|---|")
     for name, balance, predicted, measured, actions, predicted_busy, _ in rows:
