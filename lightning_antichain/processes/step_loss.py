@@ -3,10 +3,11 @@
 With one process per stage, the last stage's rank runs the rest of ``training_step`` (the loss,
 what it logs) on every micro-batch's output, work beyond the model's last operations that the
 model's profile does not hold: an 8k-vocabulary decoder's cross-entropy took 8-9% of the model's
-forward and backward on the 2-core test machine (``benchmarks/step_loss_cpu.py``). The planner charges a loss given to it to the
-output it reads (:func:`~lightning_antichain.planner.cost_graph.with_loss`), so that the cut gives
-that stage less of the model; :func:`step_loss` makes that loss from the step itself, on the
-micro-batch whose samples the output holds.
+forward and backward on the 2-core test machine (``benchmarks/step_loss_cpu.py``). The planner
+charges a loss given to it to the output it reads
+(:func:`~lightning_antichain.planner.cost_graph.with_loss`), so that the cut gives that stage
+less of the model; :func:`step_loss` makes that loss from the step itself, on the micro-batch
+whose samples the output holds.
 """
 
 from __future__ import annotations
