@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--cpu-threads", type=int, default=DEFAULTS.cpu_threads,
                       help="intra-op threads of each CPU stage, which profiling uses too (default: the cores shared "
                            "evenly among the CPU stages)")
+    plan.add_argument("--accumulate-grad-batches", type=int, default=DEFAULTS.accumulate_grad_batches,
+                      help="the Trainer's accumulate_grad_batches, whose adding into gradients the step is charged "
+                           "(default %(default)s)")
     plan.add_argument("--save-profile", help="save the cost graph as JSON for later --load-profile")
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     plan.add_argument("--output", help="save the plan as JSON to this file")
@@ -155,7 +158,7 @@ def _plan_layout(args: argparse.Namespace) -> int:
         method=args.method, bandwidth_gbps=args.bandwidth, memory_gb=args.memory,
         optimizer_multiplier=_optimizer_multiplier(args, hf), profile_cache=args.profile_cache,
         use_profile_cache=not args.no_profile_cache, calibrate=False, cpu_threads=args.cpu_threads,
-        progress=not args.quiet)
+        accumulate_grad_batches=args.accumulate_grad_batches, progress=not args.quiet)
     model, example = _model_and_batch(args, args.batch_size)
     plan = plan_layout(model, example, args.ranks, options, device=rank_device, per_node=args.per_node,
                        stages=args.stages, schedule=args.schedule, replication=args.replication,
@@ -351,6 +354,7 @@ def _plan(args: argparse.Namespace) -> int:
         calibrate=not args.no_calibrate,
         rebalance_rounds=args.rebalance_rounds,
         cpu_threads=args.cpu_threads,
+        accumulate_grad_batches=args.accumulate_grad_batches,
         progress=not args.quiet,
     )
     call = ((), example) if isinstance(example, dict) else ((example,), {})

@@ -231,9 +231,14 @@ def test_the_cli_and_the_library_take_one_planning_path_with_the_same_defaults(t
     from_cli = json.loads(result.stdout)
     planned = planning.plan_model(None, (), {}, ["cpu"] * 3, chunks=4, cost=load_cost_graph(profile))
     from_library = json.loads(planned.plan.to_json())
-    for plan in (from_cli, from_library):
+    window = json.loads(run_main("plan", "torchvision.models.resnet18", "--stages", "3", "--chunks", "4",
+                                 "--load-profile", str(profile), "--json", "--accumulate-grad-batches", "4").stdout)
+    accumulating = json.loads(planning.plan_model(None, (), {}, ["cpu"] * 3, chunks=4, cost=load_cost_graph(profile),
+                                                  accumulate_grad_batches=4).plan.to_json())
+    for plan in (from_cli, from_library, window, accumulating):
         plan.pop("solve_s")
     assert from_cli == from_library
+    assert window == accumulating and window["accumulate_grad_batches"] == 4  # the Trainer's window, as the strategy
     assert planning.default_bandwidth_gbps([torch.device("cpu")]) is None
     assert planning.default_memory_gb([torch.device("cpu")] * 2) == [None, None]
     # the profile the CLI cached is the one the library finds for the same module and micro-batch
@@ -255,7 +260,7 @@ def test_the_cli_starts_from_the_strategys_defaults():
     parsed = _parser().parse_args(["plan", "torch.nn.Linear", "--stages", "2"])
     strategy = la.AntichainPipelineStrategy()
     assert strategy.options == PipelineOptions()
-    for name in ("chunks", "method", "optimizer_multiplier"):
+    for name in ("chunks", "method", "optimizer_multiplier", "accumulate_grad_batches"):
         assert getattr(parsed, name) == getattr(strategy.options, name), name
     assert parsed.no_calibrate is not strategy.options.calibrate
     assert parsed.no_profile_cache is not strategy.options.use_profile_cache
