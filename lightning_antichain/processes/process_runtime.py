@@ -79,7 +79,7 @@ from .step_logs import (
     set_step_values,
     unsynced,
 )
-from .step_loss import step_loss
+from .step_loss import loss_of, step_loss
 
 TRAINING = "training_step"
 PREDICTING = "predict_step"
@@ -366,7 +366,7 @@ class ProcessRuntime(RankHoldings, Runtime):
             if not train:
                 results[m] = map_tensors(lambda t: t.detach().cpu(), result)
                 return torch.zeros((), device=self.strategy.root_device)
-            value = _loss_of(result, hook)
+            value = loss_of(result, hook)
             weighted = value * share(value)
             losses.append(weighted.detach())
             if isinstance(result, dict) and len(result) > 1:  # what else it returns goes to the batch-end hooks
@@ -667,7 +667,7 @@ class ProcessRuntime(RankHoldings, Runtime):
             if hook != TRAINING:  # the sanity check's validation batch came first: a training step without its loss
                 return _zero_loss(output, device)
             result = steps.result_of(hook, micro[m], rest, output, logs, 1.0)
-            return _zero_loss(output, device) if result is None else _loss_of(result, hook) / len(micro)
+            return _zero_loss(output, device) if result is None else loss_of(result, hook) / len(micro)
 
         with torch.enable_grad():
             for run in equal_runs([microbatch.batch_size(m) or 0 for m in micro]):
@@ -757,10 +757,3 @@ def _skipped(hook: str, called: int, count: int) -> str:
             "process drives the stages and skips as plain Lightning does), or train on every batch: filter the data "
             "in the DataLoader instead, or return a loss of 0 (an optimizer with momentum still moves the weights).")
 
-
-def _loss_of(result: Any, hook: str) -> torch.Tensor:
-    loss = result.get("loss") if isinstance(result, dict) else result
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        raise ValueError(f"{hook} returned {type(result).__name__}; with one process per stage it must return the "
-                         "micro-batch's loss, a scalar tensor (or a dict with one under 'loss')")
-    return loss

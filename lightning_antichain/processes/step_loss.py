@@ -38,12 +38,20 @@ def step_loss(steps: MicroBatchSteps, hook: str, batch: Any, rest: tuple) -> Cal
         if micro is None:
             return None
         try:
-            result = steps.result_of(hook, micro, rest, output, StepLogs(), 1.0)
+            value = loss_of(steps.result_of(hook, micro, rest, output, StepLogs(), 1.0), hook)
         except Exception:  # noqa: BLE001 - the first training step runs it again and reports what it raises
             return None
-        value = result.get("loss") if isinstance(result, dict) else result
-        return value if isinstance(value, torch.Tensor) and value.ndim == 0 and value.requires_grad else None
+        return value if value.requires_grad else None
 
+    return loss
+
+
+def loss_of(result: Any, hook: str) -> torch.Tensor:
+    """The micro-batch's loss in what the step ``hook`` returned; a clear error where there is none."""
+    loss = result.get("loss") if isinstance(result, dict) else result
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise ValueError(f"{hook} returned {type(result).__name__}; with one process per stage it must return the "
+                         "micro-batch's loss, a scalar tensor (or a dict with one under 'loss')")
     return loss
 
 
