@@ -32,9 +32,16 @@ def step_loss(steps: MicroBatchSteps, hook: str, batch: Any, rest: tuple) -> Cal
         size = microbatch.batch_size(batch)
     except (RuntimeError, ValueError):
         size = None
+    split: dict[int | None, Any] = {}  # by the output's samples: the timed calls split the batch once
 
     def loss(output: Any) -> torch.Tensor | None:
-        micro = _first_samples(batch, size, output)
+        try:
+            samples = microbatch.batch_size(output)
+        except (RuntimeError, ValueError):
+            return None
+        if samples not in split:
+            split[samples] = _first_samples(batch, size, samples)
+        micro = split[samples]
         if micro is None:
             return None
         try:
@@ -55,13 +62,9 @@ def loss_of(result: Any, hook: str) -> torch.Tensor:
     return loss
 
 
-def _first_samples(batch: Any, size: int | None, output: Any) -> Any:
-    """The micro-batch of ``batch``'s first samples that ``output`` answers (split as the
-    pipeline splits it), or ``None`` where the output's samples are not on its dim 0."""
-    try:
-        samples = microbatch.batch_size(output)
-    except (RuntimeError, ValueError):
-        return None
+def _first_samples(batch: Any, size: int | None, samples: int | None) -> Any:
+    """The micro-batch of ``batch``'s (of ``size`` samples) first ``samples``, split as the
+    pipeline splits it, or ``None`` where no split starts with that many."""
     if not size or not samples:
         return None
     for chunks in range(1, size + 1):
