@@ -146,12 +146,14 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
     timed = auto
     if len(trial_plans) > 1:  # as the strategy does with layout_trials: each built, stepped in turns
         steps = [built(plan) for plan in trial_plans]
-        measured = timed_in_turns(steps, cpu)
-        kept = min(range(len(trial_plans)), key=measured.__getitem__)
+        turns = timed_in_turns(steps, cpu)
+        kept = turns.quickest
         timed = trial_plans[kept].layout
         del steps
         if rank == 0:
-            print(f"layouts_cpu: {model_name} {how}: {trial_report(trial_plans, measured, kept)}", flush=True)
+            print(f"layouts_cpu: {model_name} {how}: {trial_report(trial_plans, turns)}", flush=True)
+            print(f"layouts_cpu: {model_name} {how}: the turns' steps, ms: " + "; ".join(
+                ", ".join(f"{1e3 * t:.0f}" for t in taken) for taken in turns.seconds), flush=True)
     runs = {pp: (built(plan := Plan.from_dict(plans[pp])), plan, plan.layout) for pp in counts}
     times: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}
     per_rank: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}  # each round: [rank, (step, optimizer, busy)]

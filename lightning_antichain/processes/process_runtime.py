@@ -638,20 +638,20 @@ class ProcessRuntime(RankHoldings, Runtime):
                 built.append((self.schedule, self.layout, self._device_mesh, pipeline))
                 graphs.append(found)
             del pipeline  # else the last layout built outlives the collection below, holding the parameters
-            measured = timed_in_turns([step(i) for i in range(len(plans))], strategy.root_device)
-        kept = min(range(len(plans)), key=measured.__getitem__)
+            turns = timed_in_turns([step(i) for i in range(len(plans))], strategy.root_device)
+        kept = turns.quickest
         enter(*built[kept][:3])
         built.clear()
         gc.collect()  # the other layouts' DDP wrappers let go of the parameters' hooks
         rows = plans[0].layouts
-        for plan, seconds in zip(plans, measured):
+        for plan, seconds in zip(plans, turns.medians):
             for row in rows:
                 if same_layout(row, plan):
                     row["measured_step_s"] = seconds
         with_verdicts(rows, next(row for row in rows if same_layout(row, plans[kept])))
         chosen = plans[kept]
         chosen.layouts = rows
-        rank_zero_info(trial_report(plans, measured, kept))
+        rank_zero_info(trial_report(plans, turns))
         return chosen, graphs[kept]
 
     def _trial_step(self, pipeline: ProcessPipeline, plan: Plan, hook: str, target: nn.Module, batch: Any,
