@@ -14,6 +14,7 @@ batch in every layout.
     python benchmarks/layouts_cpu.py --ranks 4 --models gpt,resnet50 --repeats 5
     python benchmarks/layouts_cpu.py --ranks 4 --models gpt --replication ddp,fsdp
     python benchmarks/layouts_cpu.py --ranks 4 --models mlp,mobilenetv3,decoder8k   # models it was not tuned on
+    python benchmarks/layouts_cpu.py --ranks 4 --models gpt --blocks 4   # turns against steps back to back
 
 Every rank flushes denormal floats to zero (``torch.set_flush_denormal``) unless ``--keep-denormals``:
 each layout trains its copy of the model on the same batch again and again, so within a few steps
@@ -155,6 +156,8 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
             print(f"layouts_cpu: {model_name} {how}: the turns' steps, ms: " + "; ".join(
                 ", ".join(f"{1e3 * t:.0f}" for t in taken) for taken in turns.seconds), flush=True)
     runs = {pp: (built(plan := Plan.from_dict(plans[pp])), plan, plan.layout) for pp in counts}
+    if args.blocks > 1:
+        _back_to_back(model_name, how, {pp: step for pp, (step, _, _) in runs.items()}, args.blocks, rank)
     times: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}
     per_rank: dict[int, list[torch.Tensor]] = {pp: [] for pp in runs}  # each round: [rank, (step, optimizer, busy)]
     # each round's measured / predicted from the probes taken just before it
@@ -216,6 +219,42 @@ def _measure(rank: int, ranks: int, model_name: str, model, x, y, loss_fn, how: 
                          _by_position(torch.stack(per_rank[pp]).median(0).values, chosen_layout),
                          best.get("rank_optimizer_s") or [], best.get("rank_end_s") or [],
                          best.get("rank_busy_s") or []))
+
+
+def _back_to_back(model_name: str, how: str, steps: dict, block: int, rank: int, blocks: int = 4) -> None:
+    """Whether timing the layouts in turns (as the trials and the rounds do) measures what training
+    one layout step after step gets: each layout's steps in blocks of ``block`` back to back (the
+    first of each untimed), the blocks taking turns, against as many steps taking turns one by one."""
+    def timed(step) -> float:
+        dist.barrier()
+        started = time.perf_counter()
+        step()
+        dist.barrier()
+        return time.perf_counter() - started
+
+    in_blocks: dict[int, list[float]] = {pp: [] for pp in steps}
+    in_turns: dict[int, list[float]] = {pp: [] for pp in steps}
+    by_place: dict[int, list[list[float]]] = {pp: [[] for _ in range(block)] for pp in steps}
+    for _ in range(blocks):
+        for pp, step in steps.items():
+            block_times = [timed(step) for _ in range(block)]
+            in_blocks[pp] += block_times[1:]
+            for place, t in enumerate(block_times):
+                by_place[pp][place].append(t)
+        for _ in range(block - 1):
+            for pp, step in steps.items():
+                in_turns[pp].append(timed(step))
+    if rank == 0:
+        def medians(times: dict[int, list[float]]) -> str:
+            return ", ".join(f"pp={pp} {1e3 * statistics.median(t):.1f}" for pp, t in times.items())
+        ratios = ", ".join(f"pp={pp} {statistics.median(in_blocks[pp]) / statistics.median(in_turns[pp]):.2f}"
+                           for pp in steps)
+        print(f"layouts_cpu: {model_name} {how}: {block} steps back to back, in blocks taking turns, ms: "
+              f"{medians(in_blocks)}; one by one taking turns: {medians(in_turns)} (back to back over in turns: "
+              f"{ratios})", flush=True)
+        print(f"layouts_cpu: {model_name} {how}: each step of a block, ms: " + "; ".join(
+            f"pp={pp} " + ", ".join(f"{1e3 * statistics.median(t):.1f}" for t in places)
+            for pp, places in by_place.items()), flush=True)
 
 
 def _same(layout: dict, other: dict) -> bool:
@@ -312,6 +351,9 @@ def main() -> None:
     parser.add_argument("--replication", default="ddp", help="ddp, fsdp, or both: ddp,fsdp")
     parser.add_argument("--trials", type=int, default=2,
                         help="layout_trials: time this many of the layouts predicted fastest, as the strategy does")
+    parser.add_argument("--blocks", type=int, default=0,
+                        help="before the rounds, time each layout's steps this many back to back, in blocks taking "
+                             "turns, against the same count taking turns one by one")
     parser.add_argument("--keep-denormals", action="store_true",
                         help="compute with denormal floats as they come (see the module's docstring)")
     args = parser.parse_args()
