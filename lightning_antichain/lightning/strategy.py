@@ -10,6 +10,7 @@ module, and checkpoints with the plain module's keys. Ranks and launching: :mod:
 
 from __future__ import annotations
 
+import atexit
 from collections import Counter
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
@@ -237,7 +239,12 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         if self.multi_process or self._runtime.needs_process_group:
             self.set_world_ranks()
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-            _init_dist_connection(self.cluster_environment, backend)
+            if not torch.distributed.is_initialized():
+                _init_dist_connection(self.cluster_environment, backend)
+                # Lightning destroys NCCL's groups at exit, not gloo's: a step's transfers that gloo's
+                # workers still hold, freed while the interpreter finalizes, abort the process (SIGABRT,
+                # "terminate called without an active exception")
+                atexit.register(_destroy_dist_connection)
         super().setup_environment()
         self._runtime.environment_ready()
 

@@ -16,6 +16,7 @@ and the names. Each rank writes what Lightning saw. ``--case skip`` skips batch 
 """
 
 import argparse
+import atexit
 import csv
 import json
 import os
@@ -127,6 +128,9 @@ def main() -> None:
     parser.add_argument("--shuffle", action="store_true", help="shuffle the training data")
     args = parser.parse_args()
     out = Path(args.out)
+    # runs last, after the strategy's own handlers: does any process group outlive the script?
+    atexit.register(lambda: (out / f"exit{os.environ.get('RANK', '0')}.json").write_text(
+        json.dumps({"process_group": torch.distributed.is_initialized()})))
     torch.manual_seed(0)
     schedule = None if args.schedule == "none" else args.schedule
     strategy = "auto" if args.plain else la.AntichainPipelineStrategy(
