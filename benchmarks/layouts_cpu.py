@@ -232,18 +232,16 @@ def _back_to_back(model_name: str, how: str, steps: dict, block: int, rank: int,
         dist.barrier()
         return time.perf_counter() - started
 
-    in_blocks: dict[int, list[float]] = {pp: [] for pp in steps}
     in_turns: dict[int, list[float]] = {pp: [] for pp in steps}
-    by_place: dict[int, list[list[float]]] = {pp: [[] for _ in range(block)] for pp in steps}
+    by_place: dict[int, list[list[float]]] = {pp: [[] for _ in range(block)] for pp in steps}  # [place in block]
     for _ in range(blocks):
         for pp, step in steps.items():
-            block_times = [timed(step) for _ in range(block)]
-            in_blocks[pp] += block_times[1:]
-            for place, t in enumerate(block_times):
-                by_place[pp][place].append(t)
+            for place in by_place[pp]:
+                place.append(timed(step))
         for _ in range(block - 1):
             for pp, step in steps.items():
                 in_turns[pp].append(timed(step))
+    in_blocks = {pp: [t for place in places[1:] for t in place] for pp, places in by_place.items()}
     if rank == 0:
         def medians(times: dict[int, list[float]]) -> str:
             return ", ".join(f"pp={pp} {1e3 * statistics.median(t):.1f}" for pp, t in times.items())

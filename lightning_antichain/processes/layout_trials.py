@@ -14,6 +14,7 @@ have without the trials.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -72,14 +73,13 @@ class Turns:
 
     seconds: list[list[float]]
 
-    @property
+    @functools.cached_property
     def medians(self) -> list[float]:
         return [statistics.median(taken) for taken in self.seconds]
 
-    @property
+    @functools.cached_property
     def quickest(self) -> int:
-        medians = self.medians
-        return min(range(len(medians)), key=medians.__getitem__)
+        return min(range(len(self.medians)), key=self.medians.__getitem__)
 
     @property
     def count(self) -> int:
