@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .assignments import AssignmentError, assigned_paths, snapshot
+from .autograd_functions import functions_kept_whole, functions_restored
 from .causal_attention import call_causal_attention
 from .children import children_instead, trace_children
 from .concrete import SpecializationError, capture_concrete
@@ -210,25 +211,29 @@ def _capture_with(
     if frontend == "fx":
         before = snapshot(module)
         constants = None if call is None else constant_arguments(original_forward(module), *call)
-        graph_module = capture_symbolic(module, leaf_modules, constants)
+        with functions_kept_whole("fx"):
+            graph_module = capture_symbolic(module, leaf_modules, constants)
         _refuse_assignments(module, before)
         again = functools.partial(_capture_again, module, leaf_modules, frontend, batch_dim)
         specialization = call_specialization(graph_module, constants or {}, call, again)
         return op_graph(module, graph_module, "fx", specialization=specialization)
     if frontend == "leaves":
         before = snapshot(module)
-        graph_module, made = capture_with_leaves(module, leaf_modules)
+        with functions_kept_whole("fx"):
+            graph_module, made = capture_with_leaves(module, leaf_modules)
         _refuse_assignments(module, before)
         graph = op_graph(module, graph_module, "leaves")
         graph.note = f"kept whole: {', '.join(made)}" if made else None
         return graph
     assert call is not None
-    with state_on_meta(module, call, inputs_too=frontend == "export") as ((args, kwargs), put_back):
+    with state_on_meta(module, call, inputs_too=frontend == "export") as ((args, kwargs), put_back), \
+            functions_kept_whole("aten"):
         if frontend == "export":
             graph_module, signature, specialization, assignments = capture_exported(module, args, kwargs, batch_dim)
         else:
             graph_module, signature, specialization, assignments = capture_concrete(module, args, kwargs)
         put_back(graph_module)
+        functions_restored(graph_module)
     specialization.recapture = functools.partial(_capture_again, module, leaf_modules, frontend, batch_dim)
     graph = op_graph(module, graph_module, frontend, signature, specialization)
     graph.assignments = assignments

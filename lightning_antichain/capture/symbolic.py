@@ -82,6 +82,9 @@ def capture_symbolic(module: nn.Module, leaf_modules: Sequence[type | str] = (),
     tracer = LeafTracer(leaf_modules)
     try:
         graph = tracer.trace(module, concrete_args=constants or None)
+    except FrontendRefused as exc:  # a call the graph may not take apart (a custom autograd Function's)
+        raise FrontendRefused(exc.reason, module_path=tracer.path[-1] if tracer.path else "",
+                              location=location_of(exc)) from exc
     except Exception as exc:  # fx raises TraceError, TypeError, NotImplementedError, AssertionError, ...
         where = location_of(exc)
         if isinstance(exc, fx.proxy.TraceError):
