@@ -321,6 +321,15 @@ def default_generator(device: Device) -> torch.Generator:
     return torch.default_generator
 
 
+def generator_states() -> list[torch.Tensor]:
+    """The states of the CPU's default generator and of every accelerator's in use: a random draw
+    changes one of them."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
 @contextlib.contextmanager
 def rng_forked(example: Any = None) -> Iterator[None]:
     """Random draws made inside this block do not advance the user's generators: the CPU's, and

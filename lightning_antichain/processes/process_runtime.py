@@ -35,6 +35,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from ..batches import microbatch
+from ..batches.batch_dependence import BatchDependenceError
 from ..batches.batch_dims import first_micro_batch
 from ..batches.model_loss import counted_items
 from ..capture import OpGraph
@@ -80,6 +81,7 @@ from .step_logs import (
     unsynced,
 )
 from .step_loss import loss_of, step_loss
+from .whole_batch_check import WholeBatchCheck
 
 TRAINING = "training_step"
 PREDICTING = "predict_step"
@@ -135,6 +137,8 @@ class ProcessRuntime(RankHoldings, Runtime):
         self._step_values = StepValues()
         #: whether the module computes a loss over label tokens (a Hugging Face model given labels=)
         self._counts_items = False
+        #: the step kinds whose first step is still to be run once more on the whole batch
+        self._whole_batch: WholeBatchCheck | None = None
         self._layout: Layout | None = None
         self._device_mesh: Any = None
 
@@ -331,7 +335,7 @@ class ProcessRuntime(RankHoldings, Runtime):
                 return None  # an evaluation step that returned None before calling the module: skipped
             called = sum(c is not None for c in calls) if calls is not None else 0
             raise RuntimeError(_skipped(hook, called, len(micro)))
-        return self._run(hook, micro, sizes, calls, rest, accumulate, agreement)
+        return self._run(hook, share, micro, sizes, calls, rest, accumulate, agreement)
 
     def _agree(self, batch: Any, samples: int, called: float | None = None, items: float | None = None
                ) -> StepAgreement:
@@ -342,15 +346,19 @@ class ProcessRuntime(RankHoldings, Runtime):
         return agree_on_step(batch, strategy.root_device, layout.dp, layout.replica(strategy.global_rank), samples,
                              called, items)
 
-    def _run(self, hook: str, micro: list[Any], sizes: list[int], calls: list[Any] | None, rest: tuple,
+    def _run(self, hook: str, batch: Any, micro: list[Any], sizes: list[int], calls: list[Any] | None, rest: tuple,
              accumulate: int, agreement: StepAgreement) -> Any:
-        """Run the micro-batches ``micro`` of ``sizes`` samples through the pipeline, the step
-        ``hook`` answering each one's output on the last stage's rank; what every rank returns to
-        Lightning (see :meth:`step`). ``agreement``: what every rank knows of the step."""
+        """Run the micro-batches ``micro`` of ``sizes`` samples (this replica's ``batch``) through
+        the pipeline, the step ``hook`` answering each one's output on the last stage's rank; what
+        every rank returns to Lightning (see :meth:`step`). ``agreement``: what every rank knows of
+        the step."""
         assert self.steps is not None and self.pipeline is not None and self.plan is not None
         module, pipeline = self.steps.module, self.pipeline
         shares = self._shares(sizes, agreement)
         logs = StepLogs()
+        if self._whole_batch is None:
+            self._whole_batch = WholeBatchCheck(self.options.check_batch)
+        seen = self._whole_batch.watch(hook) if pipeline.holds_last else None
         losses: list[torch.Tensor] = []  # weighted as the schedule back-propagates them, read once after
         train = hook == TRAINING
         results: list[Any] = [None] * len(micro)
@@ -360,6 +368,8 @@ class ProcessRuntime(RankHoldings, Runtime):
             assert self.steps is not None
             share = shares(output, m)
             result = self.steps.result_of(hook, micro[m], rest, output, logs, share)
+            if seen is not None:
+                seen.keep(output, share, result)
             if train and result is None:  # skipped after the module's call: no gradient from it
                 skipped[m] = True
                 return _zero_loss(output, self.strategy.root_device)
@@ -388,9 +398,10 @@ class ProcessRuntime(RankHoldings, Runtime):
         if calibration is not None and calibration.done:
             self._calibrated(calibration)
         mean = float(torch.stack(losses).sum()) if losses else 0.0
-        sent = (mean, logs.merged(), metric_states(module), self._step_values.values(), results, skipped
+        problem = None if seen is None else WholeBatchCheck.problem(seen, self.steps, hook, batch, rest, sizes, logs)
+        sent = (mean, logs.merged(), metric_states(module), self._step_values.values(), results, skipped, problem
                 ) if pipeline.holds_last else None
-        mean, merged, states, values, results, skipped = broadcast_object(
+        mean, merged, states, values, results, skipped, problem = broadcast_object(
             sent, pipeline.last_rank(), self._pipeline_group(), self.strategy.root_device)
         if any(skipped):
             self._stashed = []
@@ -399,7 +410,11 @@ class ProcessRuntime(RankHoldings, Runtime):
             set_metric_states(module, states)
         set_step_values(module, values)
         if self.layout.dp > 1:  # the whole batch's, from every replica's share
-            mean, merged, results, sizes = self._over_replicas(mean, merged, results, sizes, agreement)
+            mean, merged, results, sizes, problem = self._over_replicas(mean, merged, results, sizes, agreement,
+                                                                        problem)
+        if problem is not None:
+            self._stashed = []
+            raise BatchDependenceError(problem)
         replay(module, merged, sum(agreement.samples), self.strategy.root_device)
         joined = None if all(r is None for r in results) else microbatch.join_results(results, sizes)
         joined = map_tensors(lambda t: t.to(self.strategy.root_device), joined)
@@ -462,15 +477,18 @@ class ProcessRuntime(RankHoldings, Runtime):
                 "and set drop_last=True in the DataLoader where the last batch is shorter.")
         return shares[layout.replica(self.strategy.global_rank)]
 
-    def _over_replicas(self, mean: float, merged: list, results: list, sizes: list[int], agreement: StepAgreement
-                       ) -> tuple[float, list, list, list[int]]:
+    def _over_replicas(self, mean: float, merged: list, results: list, sizes: list[int], agreement: StepAgreement,
+                       problem: str | None) -> tuple[float, list, list, list[int], str | None]:
         """The step's loss, logs and predictions over every replica's share: the loss the mean of
         theirs (each weighted by its share already), the logs reduced over the shares, the
-        predictions in the batch's order, with every micro-batch's samples."""
-        shares = everyone((mean, merged, results, sizes), self._replicas_group())
+        predictions in the batch's order, with every micro-batch's samples; and the first replica's
+        problem with its step's values, if any (:mod:`.whole_batch_check`)."""
+        shares = everyone((mean, merged, results, sizes, problem), self._replicas_group())
         mean = sum(share[0] for share in shares) / len(shares)
         merged = averaged_logs([share[1] for share in shares], list(agreement.samples))
-        return mean, merged, [r for share in shares for r in share[2]], [n for share in shares for n in share[3]]
+        problem = next((share[4] for share in shares if share[4] is not None), None)
+        return (mean, merged, [r for share in shares for r in share[2]], [n for share in shares for n in share[3]],
+                problem)
 
     def _calibrated(self, calibration: StepCalibration) -> None:
         """Take the plan's stage times from every rank's timed actions (every rank calls it at the

@@ -239,6 +239,29 @@ class FineTuned(Mlp):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
 
 
+class FrozenNormed(Classifier):
+    """A backbone with BatchNorm that Lightning's fine-tuning callback freezes for the whole fit."""
+
+    def __init__(self, tracking: bool = True) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, track_running_stats=tracking), nn.Tanh())
+        self.head = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.head.parameters(), lr=0.05, momentum=0.9)
+
+
+class FreezeBackbone(BaseFinetuning):
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+
 # ---- values a step computes from its batch (issue 71, case 2) ------------------------------------
 
 class NormalisedLoss(Mlp):
@@ -270,6 +293,8 @@ CASES: dict[str, Case] = {
     "weight_norms": Case(WeightNorms, vector_data()),
     "l2": Case(L2Penalty, vector_data()),
     "finetuning": Case(FineTuned, vector_data(), callbacks=lambda: [UnfreezeBackbone()]),
+    "frozen_bn": Case(FrozenNormed, vector_data(), callbacks=lambda: [FreezeBackbone()]),
+    "untracked_bn": Case(lambda: FrozenNormed(tracking=False), vector_data(), callbacks=lambda: [FreezeBackbone()]),
     "normalised_loss": Case(NormalisedLoss, vector_data(names=True)),
     "counted_predictions": Case(CountedPredictions, vector_data()),
 }
