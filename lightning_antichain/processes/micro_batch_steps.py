@@ -12,8 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch.utils._pytree as pytree
 from lightning.pytorch import LightningModule
+from torch import nn
 
+from ..batches import microbatch
+from ..batches.batch_dims import BatchDim, call_dims
 from .step_logs import StepLogs, discarded
 
 
@@ -80,3 +84,34 @@ class MicroBatchSteps:
             return result
         finally:
             self._output, self._mode = None, None
+
+
+def refuse_whole_batch_arguments(target: nn.Module, describe: str, hook: str, call: tuple[tuple, dict], samples: int,
+                                 batch_dim: BatchDim) -> None:
+    """Refuse a call of the module, made by the step on a micro-batch of ``samples`` samples, with a
+    tensor that holds another count of samples on its batch dim: a value the step made from the
+    whole batch, or kept from the step before (an RNN's hidden state carried from batch to batch),
+    which the micro-batch's call cannot split with its samples."""
+    args, kwargs, dims = call_dims(target, *call, batch_dim)
+    batched = {id(t): (t, d) for t, d in microbatch.batched_tensors((args, kwargs), dims)}
+    wrong = [(_argument(path), tuple(v.shape), batched[id(v)][1]) for path, v in
+             pytree.tree_flatten_with_path((args, kwargs))[0]
+             if id(v) in batched and v.shape[batched[id(v)][1]] != samples]
+    if not wrong:
+        return
+    where, shape, dim = wrong[0]
+    raise ValueError(
+        f"{hook} calls {describe} on a micro-batch of {samples} samples with {where} of shape {shape}, "
+        f"whose batch dim ({dim}) holds {shape[dim]}: with one process per stage (schedule=...) the step runs once "
+        "per micro-batch, and a value it makes from the whole batch or keeps from the step before (a hidden state "
+        "carried from batch to batch) is not split with the samples. Make it from the micro-batch the step is given, "
+        "pass it in the batch the data loader gives, or leave out schedule= to run the step once on the whole batch. "
+        "If its samples are on another dim, say so with batch_dim=")
+
+
+def _argument(path: tuple) -> str:
+    """A leaf's path in a call's ``(args, kwargs)`` as the call names it: ``hidden[0]``, ``args[1]``."""
+    rest = pytree.keystr(path[2:])
+    if path[0].idx == 1:
+        return f"{path[1].key}{rest}"
+    return f"args[{path[1].idx}]{rest}"

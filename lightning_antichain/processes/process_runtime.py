@@ -61,7 +61,7 @@ from ..weights.initialization import Initializer
 from ..weights.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
 from .global_norm import clip_by_global_norm
 from .layout_trials import is_on_meta, meta_refusal, timed_in_turns, trial_report, untouched
-from .micro_batch_steps import MicroBatchSteps
+from .micro_batch_steps import MicroBatchSteps, refuse_whole_batch_arguments
 from .process_pipeline import ProcessPipeline, equal_runs
 from .rank_faults import FaultWatch, explained
 from .rank_holdings import RankHoldings, everyone
@@ -327,6 +327,9 @@ class ProcessRuntime(RankHoldings, Runtime):
         micro = microbatch.scatter(share, plan.chunks, lists=True)
         sizes = [microbatch.batch_size(m) or 0 for m in micro]
         calls = [self.steps.call_of(hook, m, rest) for m in micro] if pipeline.holds_first else None
+        for call, samples in zip(calls or (), sizes):
+            if call is not None:
+                refuse_whole_batch_arguments(target, self.steps.describe, hook, call, samples, self.options.batch_dim)
         counted = [c for c in calls or () if c is not None] if self._counts_items else []
         agreement = self._agree(share, sum(sizes), None if calls is None else sum(c is not None for c in calls) / len(
             calls), float(sum(counted_items(target, *c) for c in counted)) if counted else None)

@@ -119,7 +119,7 @@ class RankHoldings:
         for optimizer in self.strategy.optimizers:
             for param in [p for p in optimizer.state if id(p) in gone]:
                 del optimizer.state[param]
-        release_tensors(others)
+        release_tensors(others, module)
 
     def _share(self, mine: set[Any]) -> Callable[[Any], bool]:
         """Which keys this rank writes to a checkpoint of shards: ``mine``, and on rank 0 those no

@@ -26,7 +26,7 @@ parameter, keep the same objects.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Literal, NamedTuple
 
 import torch
@@ -131,10 +131,11 @@ def meta_attributes(module: nn.Module) -> list[str]:
     make them real."""
     found = []
     for name, sub in module.named_modules():
+        registered = {id(t) for t in own_state(sub)}  # an RNN lists its own parameters again (_flat_weights)
         for attribute, value in vars(sub).items():
             values = value if isinstance(value, (list, tuple)) else [value]
             if attribute not in ("_parameters", "_buffers") and any(
-                    isinstance(v, torch.Tensor) and v.is_meta for v in values):
+                    isinstance(v, torch.Tensor) and v.is_meta and id(v) not in registered for v in values):
                 found.append(f"{name}.{attribute}" if name else attribute)
     return found
 
@@ -169,19 +170,20 @@ def materialize(modules: Iterable[nn.Module], device: torch.device, init: Init =
         if not meta:
             continue
         made.append(module)
-        for name, tensor in meta:
-            if id(tensor) in fresh:  # one tensor under two names of one module
-                continue
-            read = tensor.__dict__.pop(_LOADED, None)
-            real = torch.empty_like(tensor, device=device)
-            if init == "random":
-                _fill_for_timing(real)
-            elif read is None and (real.is_floating_point() or real.is_complex()):
-                real.fill_(float("nan"))  # what the fill check looks for
-            _swap(tensor, real)
-            fresh[id(tensor)] = (module, name, tensor)
-            if read is not None:
-                loaded[id(tensor)] = read
+        with weak_references_dropped([module]):
+            for name, tensor in meta:
+                if id(tensor) in fresh:  # one tensor under two names of one module
+                    continue
+                read = tensor.__dict__.pop(_LOADED, None)
+                real = torch.empty_like(tensor, device=device)
+                if init == "random":
+                    _fill_for_timing(real)
+                elif read is None and (real.is_floating_point() or real.is_complex()):
+                    real.fill_(float("nan"))  # what the fill check looks for
+                _swap(tensor, real)
+                fresh[id(tensor)] = (module, name, tensor)
+                if read is not None:
+                    loaded[id(tensor)] = read
     if init == "random":
         for module in made:
             reset = getattr(module, "reset_parameters", None)
@@ -270,23 +272,48 @@ def _unfilled_message(unfilled: list[tuple[nn.Module, str]], initializer: Initia
 def release(modules: Iterable[nn.Module]) -> None:
     """Send the tensors each of ``modules`` holds itself back to the meta device, freeing their memory."""
     for module in modules:
-        release_tensors(own_state(module))
+        release_tensors(own_state(module), module)
 
 
-def release_tensors(tensors: Iterable[torch.Tensor]) -> None:
-    """Send ``tensors`` to the meta device in place (each stays the same object, so optimizers and
-    modules keep it), freeing their memory and their gradients'."""
-    for tensor in tensors:
-        if not tensor.is_meta:
-            tensor.grad = None
-            _swap(tensor, torch.empty_like(tensor, device="meta"))
+def release_tensors(tensors: Iterable[torch.Tensor], owner: nn.Module) -> None:
+    """Send ``tensors``, of ``owner`` or its submodules, to the meta device in place (each stays the
+    same object, so optimizers and modules keep it), freeing their memory and their gradients'."""
+    with weak_references_dropped(owner.modules()):
+        for tensor in tensors:
+            if not tensor.is_meta:
+                tensor.grad = None
+                _swap(tensor, torch.empty_like(tensor, device="meta"))
+
+
+@contextlib.contextmanager
+def weak_references_dropped(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Inside, the modules that keep weak references to their own parameters (torch's RNNs, GRUs and
+    LSTMs, for cuDNN's flat weights) keep none, so that their tensors can be swapped; on leaving,
+    they make them again from what they hold then, as ``RNNBase._apply`` does around ``.to()``."""
+    recurrent = [m for m in modules if isinstance(m, nn.RNNBase)]
+    for module in recurrent:
+        module._flat_weight_refs = []
+    try:
+        yield
+    finally:
+        for module in recurrent:
+            module._init_flat_weights()
 
 
 def _swap(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """Make ``tensor`` hold ``value`` without replacing the object (a Parameter stays a Parameter)."""
     if isinstance(tensor, nn.Parameter):
         value = nn.Parameter(value, tensor.requires_grad)
-    torch.utils.swap_tensors(tensor, value)
+    try:
+        torch.utils.swap_tensors(tensor, value)
+    except RuntimeError as error:
+        if "weakref" not in str(error):
+            raise
+        raise RuntimeError(
+            f"a tensor of shape {tuple(tensor.shape)} cannot be moved between devices in place: something keeps a weak "
+            f"reference to it ({error}). Torch's RNNs do, and are handled; a module of your own that keeps weak "
+            "references to its parameters must drop them around .to() as nn.RNNBase._apply does, or be kept whole on "
+            "one device: leave out schedule= and empty_init") from error
 
 
 def _fill_for_timing(tensor: torch.Tensor) -> None:

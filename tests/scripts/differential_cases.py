@@ -15,7 +15,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from lightning.pytorch.demos.lstm import LightningLSTM, SequenceSampler, SimpleLSTM
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
 @dataclasses.dataclass
@@ -178,6 +179,30 @@ class GruTagger(Classifier):
         return self.out(h).mean(1)
 
 
+class DemoLanguageModel(LightningLSTM):
+    """Lightning's own demo LSTM language model (``lightning.pytorch.demos``), at a tiny size and
+    without dropout; its training step carries the hidden state from batch to batch."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab_size=32)
+        self.model = SimpleLSTM(vocab_size=32, ninp=8, nhid=8, nlayers=2, dropout=0.0)
+
+    def prepare_data(self) -> None:  # WikiText-2 is downloaded; these tests generate their text
+        pass
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.tokens(), batch_sampler=SequenceSampler(self.tokens(), batch_size=8))
+
+    def tokens(self) -> Dataset:
+        gen = torch.Generator().manual_seed(0)
+        text = torch.randint(0, 32, (8 * 6 * 10 + 1,), generator=gen)
+        return TensorDataset(text[:-1].view(-1, 10), text[1:].view(-1, 10))
+
+
+def demo_data() -> tuple[DataLoader, None, None]:
+    return DemoLanguageModel().train_dataloader(), None, None
+
+
 # ---- nested and non-tensor values at cuts, buffers -----------------------------------------------
 
 class NestedValues(Classifier):
@@ -289,6 +314,7 @@ CASES: dict[str, Case] = {
     "saved": Case(lambda: FunctionCalls("saved"), vector_data()),
     "tied": Case(TiedEnds, vector_data()),
     "gru": Case(GruTagger, vector_data(shape=(5,))),
+    "demo_lstm": Case(DemoLanguageModel, demo_data, options={"module": "model", "batch_dim": {"hidden": 1}}),
     "nested": Case(NestedValues, vector_data()),
     "weight_norms": Case(WeightNorms, vector_data()),
     "l2": Case(L2Penalty, vector_data()),
