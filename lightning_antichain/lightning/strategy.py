@@ -33,8 +33,10 @@ from ..measure.cpu_threads import stage_threads
 from ..planner.planning import AUTO
 from ..plans.plan import Plan
 from ..processes.process_runtime import ProcessRuntime
+from ..processes.rank_faults import StageProcessError
 from ..processes.replication import Replication
 from ..weights.empty_init import init_empty_weights
+from ..weights.held_elsewhere import explain_meta_read
 from ..weights.initialization import ParamInitFn
 from ..weights.materialize import has_meta_state
 from .module_placement import real_to_cpu, to_root_device
@@ -376,6 +378,12 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         filepath = self.broadcast(filepath)  # every rank writes where rank 0 says
         if not self.checkpoints.saved_as_shards(checkpoint, filepath, storage_options):
             super().save_checkpoint(checkpoint, filepath, storage_options)  # a remote path, too
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if not isinstance(exception, StageProcessError):  # another rank's error: its own rank explains it
+            explain_meta_read(exception, self._lightning_module)
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:

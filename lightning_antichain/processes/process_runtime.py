@@ -57,6 +57,7 @@ from ..plans.options import PipelineOptions, compile_arguments
 from ..plans.plan import Plan
 from ..plans.process_schedules import ProcessSchedule, process_schedule
 from ..stages.plan_capture import graph_for_plan
+from ..weights.held_elsewhere import explain_meta_read
 from ..weights.initialization import Initializer
 from ..weights.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
 from .global_norm import clip_by_global_norm
@@ -288,6 +289,7 @@ class ProcessRuntime(RankHoldings, Runtime):
             try:
                 return self._step(hook, strategy.target(), args, accumulate)
             except Exception as error:
+                explain_meta_read(error, strategy.lightning_module)  # before the other ranks are told
                 if strategy.global_rank == 0:  # its store outlives its process groups: let go of them (rank_faults)
                     self.pipeline = None
                     traceback.clear_frames(error.__traceback__)

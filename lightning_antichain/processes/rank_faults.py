@@ -83,8 +83,9 @@ def explained(error: Exception, rank: int, watch: FaultWatch | None = None) -> E
         cause = error
         while cause.__cause__ is not None:  # torch's stage wraps the user's error in its own
             cause = cause.__cause__
+        notes = [n for e in {id(error): error, id(cause): cause}.values() for n in getattr(e, "__notes__", ())]
         try:
-            store.set(KEY, f"rank {rank}: {type(cause).__name__}: {cause}")
+            store.set(KEY, "\n".join([f"rank {rank}: {type(cause).__name__}: {cause}", *notes]))
             if rank == 0:
                 store.set(FIRST_FAILED, "1")
                 _wait_until_read(store)

@@ -19,6 +19,7 @@ from torch import nn
 from ..capture.pytrees import iter_tensors
 from ..lightning.runtime import Host
 from ..plans.layout import Layout
+from ..weights.held_elsewhere import equal_by_identity, mark_held_by
 from ..weights.materialize import release_tensors
 from .process_pipeline import ProcessPipeline
 from .replication import is_shard
@@ -113,13 +114,22 @@ class RankHoldings:
         stages stay: the step may read them before it calls the module.)"""
         assert self.pipeline is not None and self.steps is not None
         module, mine, staged = self.steps.module, self._mine(), self.pipeline.staged
-        others = [t for t in [*module.parameters(), *module.buffers()] if id(t) not in mine and not t.is_meta and (
+        named = [*module.named_parameters(), *module.named_buffers()]
+        holders: dict[str, int] = {}
+        for rank, names in enumerate(everyone(sorted(n for n, t in named if id(t) in mine))):
+            for name in names:
+                holders.setdefault(name, rank)
+        others = [(n, t) for n, t in named if id(t) not in mine and not t.is_meta and (
             id(t) in staged or (isinstance(t, nn.Parameter) and t.requires_grad))]
-        gone = {id(t) for t in others}
+        gone = {id(t) for _, t in others}
         for optimizer in self.strategy.optimizers:
             for param in [p for p in optimizer.state if id(p) in gone]:
                 del optimizer.state[param]
-        release_tensors(others, module)
+        release_tensors([t for _, t in others], module)
+        for name, tensor in others:
+            if name in holders:
+                mark_held_by(tensor, holders[name])
+        equal_by_identity()
 
     def _share(self, mine: set[Any]) -> Callable[[Any], bool]:
         """Which keys this rank writes to a checkpoint of shards: ``mine``, and on rank 0 those no
