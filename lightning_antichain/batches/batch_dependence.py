@@ -78,6 +78,15 @@ def _per_sample_list(value: Any, path: str, size: int) -> tuple[str, str] | None
     return None
 
 
+def _batch_statistics_in_eval(module: nn.Module) -> str:
+    """The first BatchNorm below ``module`` that normalises with its batch's statistics in eval mode
+    too (built without running statistics), named for a message; "" if none does."""
+    for path, sub in module.named_modules():
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and sub.running_mean is None:
+            return f"{type(sub).__name__} at {path or 'the top'}"
+    return ""
+
+
 def _rows_by_row_then_sample(first: torch.Tensor, second: torch.Tensor, whole: torch.Tensor, size: int,
                              scale: float) -> bool:
     """Whether ``whole`` (``size`` samples) is the halves' outputs flattened row-major over (rows,
@@ -142,6 +151,14 @@ def check_per_sample(module: nn.Module, call: Any, dims: Any, run: Callable[[Any
             raise microbatch.MicroBatchError(interleaved_rows_message(
                 tuple(whole_leaf.shape), whole_leaf.shape[0] // size,
                 "the whole batch's rows are the halves' rows interleaved row by row"))
+        if error > tolerance and (statistics := _batch_statistics_in_eval(module)):
+            raise BatchDependenceError(
+                f"{statistics} has no running statistics (track_running_stats=False when it was built), so it "
+                "normalises with the statistics of the batch it is given, in eval mode too: micro-batches change "
+                f"what {type(module).__name__}.forward gives a sample (off by {error:.3g} when the batch is split in "
+                "two), in training and in validation alike. Build it with track_running_stats=True (Lightning's "
+                "BaseFinetuning.freeze then keeps the statistics it has), use a norm of each sample (LayerNorm, "
+                "GroupNorm), or pipeline a submodule without it (module=...).")
         if error > tolerance:
             raise BatchDependenceError(
                 f"{type(module).__name__}.forward gives a sample another output when the batch around it changes "

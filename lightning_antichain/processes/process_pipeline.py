@@ -87,6 +87,7 @@ class ProcessPipeline:
         #: every stage of the plan (this rank places its own only), to find what crosses each cut
         self.every = every
         params = {id(p): p for stage in every for p in stage.parameters()}
+        self._plan_parameters = list(params.values())
         #: the ids of the parameters and buffers any stage of the plan uses, this rank's or another's
         self.staged: frozenset[int] = frozenset(id(t) for stage in every for t in _tensors_of(stage))
         names = {id(p): name for name, p in graph.module.named_parameters()}
@@ -155,11 +156,12 @@ class ProcessPipeline:
         ``calls`` are the micro-batches' calls of the module where this rank holds the first stage
         (else ``None``); ``loss`` is called on the rank holding the last stage, once per
         micro-batch, in the order the schedule runs them. ``shape`` names the count and shape of
-        the micro-batches, the same on every rank (see the module's docstring). ``clock``: time
-        this step's actions there."""
+        the micro-batches, the same on every rank (see the module's docstring), and so do which
+        parameters need gradients (:meth:`_trainable`). ``clock``: time this step's actions there."""
         if self.holds_first and (calls is None or len(calls) != chunks):
             raise ValueError(f"the rank holding the first stage needs the calls of all {chunks} micro-batches")
-        if (train, shape) not in self._runners:
+        key = (train, shape, self._trainable())
+        if key not in self._runners:
             layouts = self._layouts(calls[0] if calls else None, train)
             self._give_layouts(layouts)
             stages = torch_stages(self.stages, self.plan.num_stages, self.device, self.group, self.modules)
@@ -169,8 +171,8 @@ class ProcessPipeline:
                 runner = schedule_runner(self.schedule, stages, chunks, self._micro_batch_loss)
                 if not train and self.schedule.runs_by_table:
                     self.schedule.evaluate_forward_only(runner, self.ranks, chunks)
-            self._runners[(train, shape)] = runner, stages, layouts
-        runner, stages, layouts = self._runners[(train, shape)]
+            self._runners[key] = runner, stages, layouts
+        runner, stages, layouts = self._runners[key]
         self._give_layouts(layouts)
         inputs = [self._first_inputs(*call) for call in calls] if calls is not None else None
         self._targets = [torch.tensor(m) for m in range(chunks)]
@@ -188,6 +190,12 @@ class ProcessPipeline:
                     resharded(self.modules)
         finally:
             self._loss, self._targets = None, []
+
+    def _trainable(self) -> tuple[bool, ...]:
+        """Which of the plan's parameters need gradients now, every rank's alike: which values
+        crossing a cut need a gradient follows from it, and torch's stages are made for that (a
+        layer unfrozen mid-fit, as Lightning's ``BaseFinetuning`` does, needs its gradient sent)."""
+        return tuple(p.requires_grad for p in self._plan_parameters)
 
     def _layouts(self, call: tuple[tuple, dict] | None, train: bool) -> CutLayouts:
         """What crosses each cut for micro-batches like ``call`` (given on the rank of the first

@@ -99,8 +99,8 @@ def main() -> None:
         try:
             report = run_case(name, args.runtime, args.devices, where)
         except Exception as exc:
-            (where / f"rank{rank}.json").write_text(json.dumps({
-                "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}))
+            said = "\n".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", ())])  # as a traceback ends
+            (where / f"rank{rank}.json").write_text(json.dumps({"error": said, "traceback": traceback.format_exc()}))
             raise
         (where / f"rank{rank}.json").write_text(json.dumps(report))
 

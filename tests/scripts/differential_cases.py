@@ -14,8 +14,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning
-from torch import nn
 from lightning.pytorch.demos.lstm import LightningLSTM, SequenceSampler, SimpleLSTM
+from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 
