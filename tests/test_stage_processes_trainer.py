@@ -6,6 +6,7 @@ by its last layer, so a skip crosses every cut between."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -347,6 +348,25 @@ def test_a_failing_stage_process_stops_every_process_and_the_checkpoint_before_r
     assert not _running(str(out))  # no process of this run is left behind
     resumed = fit(tmp_path / "resumed", "--plain", "--resume", str(consolidated(out / "epoch=0-step=6.ckpt")))
     torch.testing.assert_close(losses_after(resumed), f64(plain["losses"][6:]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("block", [5, pytest.param(0, marks=SLOW)])  # where the stalled layer is (as planned)
+def test_a_stage_stuck_past_the_timeout_ends_the_run_with_the_transfer_it_waited_for(tmp_path, block):
+    """A stage stalls for 60 s at step 3 under timeout=4: the rank waiting on it stops within the
+    timeout and names the task it was about to run, what that task waits for, and from which rank;
+    torchrun then ends the stalled rank. Without the timeout the run would wait 30 minutes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "FAIL_HOW": "stalled", "STALL_S": "60", "FAIL_AT": "3", "FAIL_BLOCK": str(block)}
+    args = ["--out", str(out), "--devices", "2", "--schedule", "1f1b", "--timeout", "4"]
+    started = time.monotonic()
+    result = subprocess.run(script_command(SCRIPT, args, 2), capture_output=True, text=True, timeout=120, cwd=out,
+                            env=env)
+    assert result.returncode != 0 and time.monotonic() - started < 55, result.stderr[-3000:]
+    said = re.search(r"TransferTimeout: rank (\d) waited 4 s \(timeout=\) for a transfer of its pipeline that did not "
+                     r"come, (?:before|after) its [^:]*: it waits for [^.]*(?:from|on) rank (\d)", result.stderr)
+    assert said is not None, result.stderr[-3000:]
+    assert {said.group(1), said.group(2)} == {"0", "1"}  # the one rank named the other
 
 
 def _running(marker: str) -> bool:

@@ -234,7 +234,7 @@ class InProcessRuntime(Runtime):
         readers = Counter(id(p) for parameters in stages for p in parameters)
         tied = {id(p) for p in pipeline.tied.parameters()}
         while len(self._stage_groups) < len(stages):
-            self._stage_groups.append(torch.distributed.new_group())
+            self._stage_groups.append(torch.distributed.new_group(timeout=self.strategy.timeout))
         return StageReduction([[p for p in parameters if readers[id(p)] == 1 and id(p) not in tied]
                                for parameters in stages], self._stage_groups[:len(stages)])
 

@@ -8,9 +8,11 @@ DDP's do, with gloo on CPU and NCCL on GPU.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -119,4 +121,16 @@ class ProcessesStrategy(ParallelStrategy):
         box = [obj]
         torch.distributed.broadcast_object_list(box, src)
         return box[0]
+
+
+
+def group_timeout(timeout: float | timedelta | None) -> timedelta:
+    """``timeout`` (seconds or a ``timedelta``; ``None``: torch's default for gloo and NCCL groups,
+    30 minutes) as the ``timedelta`` every process group of the strategy gets."""
+    if timeout is None:
+        return dist.default_pg_timeout
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"timeout is how long a rank waits on another: seconds (> 0) or a timedelta, got {timeout!r}")
+    return timedelta(seconds=seconds)
 

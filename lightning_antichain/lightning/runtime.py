@@ -19,6 +19,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -42,6 +43,7 @@ class Host(Protocol):
     lightning_module: Any
     optimizers: list[Any]
     precision_plugin: Any
+    timeout: timedelta
 
     @property
     def root_device(self) -> torch.device: ...

@@ -14,6 +14,7 @@ import atexit
 from collections import Counter
 from collections.abc import Generator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -40,7 +41,7 @@ from ..weights.held_elsewhere import explain_meta_read
 from ..weights.initialization import ParamInitFn
 from ..weights.materialize import has_meta_state
 from .module_placement import real_to_cpu, to_root_device
-from .process_ranks import ProcessesStrategy
+from .process_ranks import ProcessesStrategy, group_timeout
 from .runtime import Runtime
 from .strategy_checkpoints import StrategyCheckpoints
 from .strategy_options import current_arguments, pipeline_options
@@ -84,6 +85,9 @@ class AntichainPipelineStrategy(ProcessesStrategy):
             (default: the prediction's choice). The trial steps change nothing that training computes.
         start_method: how processes start: ``"popen"`` (as Lightning's DDP), ``"spawn"``, ``"fork"``.
         process_group_backend: override the torch.distributed backend.
+        timeout: how long a rank waits on another (a transfer between stages, a collective) before it
+            stops with an error naming what it waited for: seconds or a ``timedelta`` (default
+            torch's, 30 minutes), as Lightning's DDP takes it.
         batch_dim: the inputs' dim holding the samples, or a dict of them by argument name.
         check_batch: refuse a ``forward`` whose samples depend on each other.
         placement: in process, each stage's device index among the pipeline's, e.g. ``[0, 0, 1, 1]``.
@@ -125,6 +129,7 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         layout_trials: int | None = None,
         start_method: Literal["popen", "spawn", "fork"] = "popen",
         process_group_backend: str | None = None,
+        timeout: float | timedelta | None = None,
         batch_dim: int | dict[str, int] = 0,
         check_batch: bool = True,
         placement: list[int] | None = None,
@@ -151,6 +156,8 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         self.pipeline_parallel_size = arguments["pipeline_parallel_size"]
         self.start_method = start_method
         self.process_group_backend = process_group_backend
+        #: how long a rank waits on another before it stops (every process group the strategy makes)
+        self.timeout = group_timeout(timeout)
         self._num_nodes = 1
         #: the planning and runtime settings: one copy, which the runtime and the planner read
         self.options = pipeline_options(arguments)
@@ -242,7 +249,7 @@ class AntichainPipelineStrategy(ProcessesStrategy):
             self.set_world_ranks()
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             if not torch.distributed.is_initialized():
-                _init_dist_connection(self.cluster_environment, backend)
+                _init_dist_connection(self.cluster_environment, backend, timeout=self.timeout)
                 # Lightning destroys NCCL's groups at exit, not gloo's: a step's transfers that gloo's
                 # workers still hold, freed while the interpreter finalizes, abort the process (SIGABRT,
                 # "terminate called without an active exception")

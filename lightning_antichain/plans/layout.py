@@ -12,6 +12,7 @@ the node, and the pipeline's cuts, which send only activations, cross the nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -57,10 +58,21 @@ class Layout:
         """The global ranks of pipeline ``replica``, in pipeline order."""
         return [self.rank(replica, p) for p in range(self.pp)]
 
-    def mesh(self, device_type: str) -> Any:
+    def mesh(self, device_type: str, timeout: timedelta | None = None) -> Any:
         """The ``DeviceMesh`` with dims ``("dp", "pp")`` of this layout (every rank calls it: it
-        makes the process groups of both dims)."""
+        makes the process groups of both dims), its groups waiting at most ``timeout`` (default
+        torch's: gloo's transfers keep the timeout of the group they were made in)."""
+        import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        ranks = torch.arange(self.world_size).reshape(self.pp, self.dp).T
-        return DeviceMesh(device_type, ranks, mesh_dim_names=DIMS)
+        ranks = torch.arange(self.world_size).reshape(self.pp, self.dp).T  # [replica, position]
+        if timeout is None:
+            return DeviceMesh(device_type, ranks, mesh_dim_names=DIMS)
+        mine: dict[str, Any] = {}
+        me = dist.get_rank()
+        for dim, members in (("dp", ranks.T.tolist()), ("pp", ranks.tolist())):
+            for group_ranks in members:  # every rank makes every group, in one order
+                group = dist.new_group(group_ranks, timeout=timeout)
+                if me in group_ranks:
+                    mine[dim] = group
+        return DeviceMesh.from_group([mine[dim] for dim in DIMS], device_type, mesh=ranks, mesh_dim_names=DIMS)

@@ -138,6 +138,17 @@ class ProcessSchedule:
                       for rank in range(ranks))
         return Schedule(self.name, chunks, order, loss_per_micro_batch=True, num_stages=self.num_stages(ranks))
 
+    def tasks_of(self, rank: int, ranks: int, chunks: int, train: bool) -> list[Task]:
+        """The tasks rank ``rank`` runs for a batch of ``chunks`` micro-batches, in its order: the
+        schedule's table, GPipe's order for a count the schedule does not take, and forwards only,
+        stage after stage, where it does not ``train``."""
+        if not train:
+            return [Task("forward", stage, m) for stage in sorted(self.stages_of(rank, ranks)) for m in range(chunks)]
+        if self.takes(chunks, ranks):
+            return list(self.table(ranks, chunks).order[rank])
+        return [Task(_PHASES[a.computation_type], a.stage_index, a.microbatch_index)
+                for a in self.fill_drain_order(ranks, chunks)[rank]]
+
     def rank_of(self, stage: int, ranks: int) -> int:
         """The rank that holds stage ``stage``."""
         for rank in range(ranks):

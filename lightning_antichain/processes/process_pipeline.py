@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from .cut_values import CutLayouts, cut_layouts, registered
 from .process_stages import FlatStage, holders, place_rank, schedule_runner, split_for_ranks, torch_stages
 from .replication import Regather, Replication, gathered, replicated, resharded
 from .tied_parameters import TiedParameters
+from .transfer_watch import transfers_watched
 
 #: a micro-batch's loss from its output, as the module returns it, and its index
 MicroBatchLoss = Callable[[Any, int], torch.Tensor]
@@ -80,8 +82,10 @@ class ProcessPipeline:
                  device: torch.device, group: Any = None, initializer: Initializer | None = None,
                  recompute: bool = False, deferred_batch_norm: bool = False,
                  replication: tuple[Replication, Any] | None = None,
-                 compile_arguments: dict[str, Any] | None = None, regather: Regather = "step") -> None:
+                 compile_arguments: dict[str, Any] | None = None, regather: Regather = "step",
+                 timeout: timedelta | None = None) -> None:
         self.graph, self.plan, self.schedule = graph, plan, schedule
+        self.timeout = timeout
         self.rank, self.ranks, self.device, self.group = rank, ranks, device, group
         every = split_for_ranks(graph, plan, schedule, ranks, device)
         #: every stage of the plan (this rank places its own only), to find what crosses each cut
@@ -94,7 +98,7 @@ class ProcessPipeline:
         if replication is not None and any(len(r) > 1 for r in holders(every, schedule, ranks).values()):
             raise ValueError("weights tied across the ranks of a pipeline are not kept in step with replicas yet: "
                              "train without replicas, or keep the tie within one stage (colocate_tied=True)")
-        self.tied = TiedParameters(holders(every, schedule, ranks), params, names, rank)
+        self.tied = TiedParameters(holders(every, schedule, ranks), params, names, rank, timeout)
         by_block = replication is not None and replication[0] == "fsdp"
         if by_block and regather == "micro_batch" and schedule.splits_backward:
             raise ValueError(
@@ -178,18 +182,26 @@ class ProcessPipeline:
         self._targets = [torch.tensor(m) for m in range(chunks)]
         targets = self._targets if self.holds_last else None
         self._loss = loss
+        watched = transfers_watched(stages, self.schedule.tasks_of(self.rank, self.ranks, chunks, train), self.rank,
+                                    self._global_rank_of, self.plan.num_stages, self.timeout)
         try:
             if train:
                 modules = [m for stage in self.stages for m in stage.stage.submodules()]
-                with deferred_batch_norm(modules) if self.deferred_batch_norm else contextlib.nullcontext(), \
+                with watched, deferred_batch_norm(modules) if self.deferred_batch_norm else contextlib.nullcontext(), \
                         clock.timing(stages) if clock is not None else contextlib.nullcontext():
                     run_pre_split(runner, inputs, targets, train=True)
             else:
-                run_pre_split(runner, inputs, targets, train=False)
+                with watched:
+                    run_pre_split(runner, inputs, targets, train=False)
                 if self._sharded:
                     resharded(self.modules)
         finally:
             self._loss, self._targets = None, []
+
+    def _global_rank_of(self, stage: int) -> int:
+        """The global rank holding ``stage`` in this rank's pipeline."""
+        position = self.schedule.rank_of(stage, self.ranks)
+        return position if self.group is None else dist.get_global_rank(self.group, position)
 
     def _trainable(self) -> tuple[bool, ...]:
         """Which of the plan's parameters need gradients now, every rank's alike: which values

@@ -221,7 +221,7 @@ class ProcessRuntime(RankHoldings, Runtime):
     def use_layout(self, layout: Layout, mesh: Any = None) -> None:
         """Run ``layout`` on ``mesh``, its mesh made before, or else made now (every rank calls it)."""
         self._layout = layout
-        self._device_mesh = layout.mesh(self.strategy.root_device.type) if mesh is None else mesh
+        self._device_mesh = layout.mesh(self.strategy.root_device.type, self.strategy.timeout) if mesh is None else mesh
         self.strategy.lightning_module._device_mesh = self._device_mesh
 
     @property
@@ -615,7 +615,7 @@ class ProcessRuntime(RankHoldings, Runtime):
                                    recompute=self.options.recompute == "always",
                                    deferred_batch_norm=self.options.deferred_batch_norm,
                                    compile_arguments=compile_arguments(self.options.compile_stages),
-                                   regather=plan.regather or "step")
+                                   regather=plan.regather or "step", timeout=self.strategy.timeout)
         return pipeline, graph
 
     def _alternatives(self, planned: Planned | None) -> list[Plan]:

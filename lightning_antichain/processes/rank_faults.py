@@ -142,7 +142,17 @@ def _store() -> dist.Store | None:
         return None
 
 
-def _lost_connection(error: Exception) -> bool:
-    text = str(error)
-    return isinstance(error, dist.DistBackendError) or any(
-        sign in text for sign in ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "NCCL"))
+def _lost_connection(error: BaseException) -> bool:
+    """Whether ``error``, or one it was raised from (torch's stage wraps what its forward raised),
+    is a lost connection to another rank."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if isinstance(current, dist.DistBackendError) or any(
+                sign in text for sign in ("gloo/transport", "Connection closed by peer", "Connection reset by peer",
+                                          "NCCL")):
+            return True
+        current = current.__cause__
+    return False

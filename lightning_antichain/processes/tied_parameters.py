@@ -10,6 +10,7 @@ copies stay equal, to the bit, as the one parameter of plain training.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,10 +22,10 @@ class TiedParameters:
     """This rank's share of the parameters used by several ranks (``holders``: the ranks using each
     parameter, by its id; ``params``: the parameters, by id; ``names``: their names, which order
     them alike in every process). Every rank must build it at once: it makes a process group per
-    set of ranks sharing parameters."""
+    set of ranks sharing parameters (each waiting at most ``timeout``)."""
 
     def __init__(self, holders: dict[int, tuple[int, ...]], params: dict[int, nn.Parameter],
-                 names: dict[int, str], rank: int) -> None:
+                 names: dict[int, str], rank: int, timeout: timedelta | None = None) -> None:
         by_ranks: dict[tuple[int, ...], list[nn.Parameter]] = {}
         for key, ranks in holders.items():
             if len(ranks) > 1:
@@ -32,7 +33,7 @@ class TiedParameters:
         self.rank = rank
         self.groups: list[tuple[tuple[int, ...], list[nn.Parameter], Any]] = []
         for ranks in sorted(by_ranks):
-            group = dist.new_group(list(ranks))  # every rank makes every group, in one order
+            group = dist.new_group(list(ranks), timeout=timeout)  # every rank makes every group, in one order
             if rank in ranks:
                 self.groups.append((ranks, sorted(by_ranks[ranks], key=lambda p: names[id(p)]), group))
 

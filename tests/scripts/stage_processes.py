@@ -6,6 +6,7 @@ torchrun --nnodes 2 --node-rank N --nproc-per-node 2 --master-addr 127.0.0.1 --m
     stage_processes.py --out DIR --devices 2 --num-nodes 2 --stages 2   # node N of two: 2 replicas x 2 stages
 python stage_processes.py --out DIR --max-epochs 1 --save a.ckpt   # then --max-epochs 2 --resume a.ckpt
 FAIL_HOW=forward FAIL_AT=3 FAIL_BLOCK=4 python stage_processes.py ... --every 2   # a fault at step 3
+FAIL_HOW=stalled STALL_S=20 FAIL_AT=3 python stage_processes.py ... --timeout 4   # a stage stuck for 20 s
 
 Each rank writes DIR/rank{r}.json: its process id, the step losses Lightning got from training_step,
 the logged train_loss, the validation loss, a metric logged from the steps, the parameters that
@@ -15,6 +16,7 @@ training changed in this process, and every parameter's final value.
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import lightning as L
@@ -38,6 +40,8 @@ class Fault(torch.autograd.Function):
             raise RuntimeError("injected failure in a stage's forward")
         if _failing("killed"):
             os._exit(9)
+        if _failing("stalled"):
+            time.sleep(float(os.environ.get("STALL_S", 30)))
         return x.clone()
 
     @staticmethod
@@ -260,6 +264,7 @@ def main() -> None:
     parser.add_argument("--sanity-steps", type=int, default=0, help="num_sanity_val_steps")
     parser.add_argument("--batch-size", type=int, default=16, help="samples per batch of each replica")
     parser.add_argument("--compile", action="store_true", help="compile_stages with AOTAutograd's eager backend")
+    parser.add_argument("--timeout", type=float, default=None, help="the strategy's timeout, in seconds")
     args = parser.parse_args()
     torch.manual_seed(0)
     schedule = None if args.schedule == "none" else args.schedule  # none: the in-process runtime
@@ -268,7 +273,7 @@ def main() -> None:
         leaf_modules=["fault"], recompute=args.recompute, empty_init=args.meta,
         save_distributed_checkpoint=False if args.one_file else None, balance=args.balance,
         deferred_batch_norm=args.deferred_bn, pipeline_parallel_size=args.stages, replication=args.replication,
-        layout_trials=args.layout_trials,
+        layout_trials=args.layout_trials, timeout=args.timeout,
         compile_stages={"backend": "aot_eager"} if args.compile else False)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=strategy,
