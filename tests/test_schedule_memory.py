@@ -3,8 +3,13 @@ K - k micro-batches' activations, and the DP checks each stage's memory limit as
 
 from __future__ import annotations
 
+import json
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
+from launch import script_command
 from models import SequentialCNN
 
 import lightning_antichain as la
@@ -95,3 +100,25 @@ def test_the_loss_workspace_meets_what_the_stage_keeps_at_the_loss_backward(cost
     assert first.loss_workspace_bytes == max(0, at_loss - peak_at_recompute)
     state = int((first.param_bytes - first.frozen_bytes) * (2 + 2.0)) + first.buffer_bytes + first.frozen_bytes
     assert first.memory_bytes == state + max(peak_at_recompute, at_loss) + 2 * 8 * output
+
+
+@pytest.mark.processes
+def test_under_1f1b_stage_0_of_2_ranks_keeps_2_of_8_micro_batches_saved_for_backward_through_the_trainer(tmp_path):
+    """Counted by autograd's saved-tensor hooks on each rank from the second step on (the first also
+    plans): 1F1B keeps 2 of the 8 micro-batches in flight on the first of 2 ranks, 1 on the last,
+    where GPipe keeps all 8 on both. The batch is left out of the count: it is Lightning's, held for
+    the step under any schedule, and each micro-batch is a view of it, whose storage counted whole
+    made 1F1B's 0.25 read 0.40."""
+    script = Path(__file__).resolve().parent / "scripts" / "held_for_backward.py"
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        out = tmp_path / schedule
+        out.mkdir()
+        result = subprocess.run(script_command(script, ["--out", str(out), "--schedule", schedule], 2),
+                                capture_output=True, text=True, timeout=300, cwd=out)
+        assert result.returncode == 0, result.stderr[-3000:]
+        peaks[schedule] = [json.loads((out / f"rank{r}.json").read_text())["peaks"][1:] for r in (0, 1)]
+    for rank, kept in ((0, 2), (1, 1)):
+        assert len(set(peaks["1f1b"][rank])) == 1 and len(set(peaks["gpipe"][rank])) == 1  # every step alike
+        ratio = peaks["1f1b"][rank][0] / peaks["gpipe"][rank][0]
+        assert ratio == pytest.approx(kept / 8, abs=0.02), (rank, peaks)
