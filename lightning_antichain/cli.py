@@ -30,7 +30,7 @@ from .planner.cost_graph import load_cost_graph, save_cost_graph
 from .planner.cost_model import InfeasiblePlanError
 from .planner.partition import METHODS
 from .plans.options import PipelineOptions
-from .weights.sharded_checkpoint import META_FILE, ShardedCheckpoint, is_sharded_checkpoint
+from .weights.sharded_checkpoint import ShardedCheckpoint, check_checkpoint
 
 DEFAULTS = PipelineOptions()
 """The settings the strategy starts from; the command line starts from the same."""
@@ -198,9 +198,10 @@ def _optimizer_multiplier(args: argparse.Namespace, hf: bool) -> float | None:
 
 def _consolidate(args: argparse.Namespace) -> int:
     source = Path(args.checkpoint)
-    if not is_sharded_checkpoint(source):
-        raise ValueError(f"{source} is not a directory of checkpoint shards (with {META_FILE} and .metadata); a "
-                         "checkpoint file needs no consolidating")
+    check_checkpoint(source)
+    if not source.is_dir():
+        raise ValueError(f"{source} is a checkpoint file, which plain Lightning loads as it is: only a directory of "
+                         "shards needs consolidating")
     output = Path(args.output) if args.output else source.with_suffix(source.suffix + ".consolidated")
     if output.exists():
         raise ValueError(f"{output} exists: give another --output, or move it away")

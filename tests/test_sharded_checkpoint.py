@@ -2,6 +2,10 @@
 in-process runtime saving and resuming through it. Shards written by several processes are tested
 in test_stage_processes_trainer.py."""
 
+import re
+from pathlib import Path
+
+import pytest
 import torch
 from lit_models import TinyClassifier, first_of_two_epochs, loader, trainer
 from torch import nn
@@ -9,7 +13,12 @@ from torch import nn
 import lightning_antichain as la
 from lightning_antichain.cli import main as command
 from lightning_antichain.weights.materialize import materialize
-from lightning_antichain.weights.sharded_checkpoint import ShardedCheckpoint, is_sharded_checkpoint, save_sharded
+from lightning_antichain.weights.sharded_checkpoint import (
+    DamagedCheckpointError,
+    ShardedCheckpoint,
+    is_sharded_checkpoint,
+    save_sharded,
+)
 
 
 def test_a_lightning_checkpoint_comes_back_whole_from_its_shards_and_per_parameter(tmp_path):
@@ -72,4 +81,56 @@ def test_shards_load_by_name_into_a_model_on_meta_when_its_tensors_are_made_real
 def test_consolidating_a_file_or_nothing_says_what_to_give(tmp_path, capsys):
     (tmp_path / "a.ckpt").write_bytes(b"")
     assert command(["consolidate", str(tmp_path / "a.ckpt")]) == 2
-    assert "not a directory of checkpoint shards" in capsys.readouterr().err
+    assert "is a checkpoint file, which plain Lightning loads as it is" in capsys.readouterr().err
+    assert command(["consolidate", str(tmp_path / "b.ckpt")]) == 2
+    assert f"there is no checkpoint at {tmp_path / 'b.ckpt'}" in capsys.readouterr().err
+
+
+def _cut(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+DAMAGES = {
+    "a shard cut short": (lambda d: _cut(next(d.glob("*.distcp"))), "the shard __0_0.distcp is cut short: it holds"),
+    "the index removed": (lambda d: (d / ".metadata").unlink(), ".metadata is missing: the save did not finish"),
+    "the index garbled": (lambda d: (d / ".metadata").write_bytes(b"not a pickle"),
+                          "its index .metadata cannot be read"),
+    "meta.pt removed": (lambda d: (d / "meta.pt").unlink(), "meta.pt is missing"),
+    "meta.pt cut short": (lambda d: _cut(d / "meta.pt"), "meta.pt is cut short"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_checkpoint_is_named_with_its_file_and_the_fix_before_anything_is_read(tmp_path, capsys, damage):
+    """Resuming through the Trainer and consolidating by the command both check a directory of
+    shards first: the error names the directory, the file and what is wrong, in one line from the
+    command (it printed a 30-frame traceback, or IsADirectoryError, or a CheckpointException
+    naming ranks)."""
+    path = tmp_path / "epoch=0-step=5.ckpt"
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, save_distributed_checkpoint=True)
+    first_of_two_epochs(strategy, 2, path)
+    breaks, says = DAMAGES[damage]
+    breaks(path)
+    with pytest.raises(DamagedCheckpointError, match=re.escape(f"the checkpoint {path} is damaged: ") + ".*"
+                       + re.escape(says)) as raised:
+        trainer(devices=2, strategy=la.AntichainPipelineStrategy(chunks=4, profile_cache=False),
+                max_epochs=2).fit(TinyClassifier(), loader(80), ckpt_path=path)
+    assert "Resume from another checkpoint" in str(raised.value)
+    capsys.readouterr()  # what the fits printed
+    assert command(["consolidate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lightning-antichain: error: the checkpoint {path} is damaged") and says in err
+    assert err.count("\n") == 1  # one line, no traceback
+    assert not path.with_suffix(".ckpt.consolidated").exists()
+
+
+def test_a_checkpoint_file_cut_short_is_named_before_lightning_reads_it(tmp_path):
+    path = tmp_path / "one.ckpt"
+    strategy = la.AntichainPipelineStrategy(chunks=4, profile_cache=False, save_distributed_checkpoint=False)
+    first_of_two_epochs(strategy, 2, path)
+    _cut(path)
+    with pytest.raises(DamagedCheckpointError, match=f"the checkpoint {re.escape(str(path))} is damaged: one.ckpt is "
+                                                     "cut short"):
+        trainer(devices=2, strategy=la.AntichainPipelineStrategy(chunks=4, profile_cache=False),
+                max_epochs=2).fit(TinyClassifier(), loader(80), ckpt_path=path)

@@ -225,6 +225,17 @@ def test_a_checkpoint_of_stage_processes_resumes_in_plain_lightning_exactly(tmp_
     ours, theirs = (torch.load(p, weights_only=False) for p in (one_file, reference))
     torch.testing.assert_close(ours["state_dict"], theirs["state_dict"], rtol=1e-6, atol=1e-12)
     torch.testing.assert_close(ours["optimizer_states"], theirs["optimizer_states"], rtol=1e-6, atol=1e-12)
+    # the same shards, one of them cut short: every rank names the directory and the file before reading
+    shard = ckpt / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    out = tmp_path / "d"
+    out.mkdir()
+    args = ["--out", str(out), "--devices", "2", "--schedule", "1f1b", "--max-epochs", "2", "--resume", str(ckpt)]
+    damaged = subprocess.run(script_command(SCRIPT, args, 2), capture_output=True, text=True, timeout=300, cwd=out)
+    assert damaged.returncode != 0
+    for rank in (0, 1):
+        assert (f"[rank{rank}]: lightning_antichain.weights.sharded_checkpoint.DamagedCheckpointError: the checkpoint "
+                f"{ckpt} is damaged: the shard __1_0.distcp is cut short") in damaged.stderr, damaged.stderr[-3000:]
 
 
 def shard_writers(directory: Path) -> dict[str, int]:

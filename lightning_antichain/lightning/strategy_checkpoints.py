@@ -23,7 +23,7 @@ from ..weights.sharded_checkpoint import (
     ShardedCheckpoint,
     ShardedOptimizerStates,
     ShardedStateDict,
-    is_sharded_checkpoint,
+    check_checkpoint,
     remove_sharded,
     save_sharded,
 )
@@ -95,8 +95,12 @@ class StrategyCheckpoints:
     @staticmethod
     def read(path: str | Path) -> dict[str, Any] | None:
         """The checkpoint at ``path`` if it is a directory of shards, its tensors read when asked
-        for; ``None`` for a file."""
-        return ShardedCheckpoint(path).lazy() if is_sharded_checkpoint(path) else None
+        for; ``None`` for a file. Either is checked whole first (:func:`check_checkpoint`), on
+        every rank, so that a damaged one stops every rank with what is wrong, before any reads."""
+        if "://" in str(path):  # a remote path: Lightning's CheckpointIO reads it
+            return None
+        check_checkpoint(path)
+        return ShardedCheckpoint(path).lazy() if Path(path).is_dir() else None
 
     @staticmethod
     def load_model(module: nn.Module, state: Any, strict: bool) -> None:

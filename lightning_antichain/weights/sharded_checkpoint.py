@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,68 @@ SHARDED_KEYS = ("state_dict", "optimizer_states")
 """The parts of a Lightning checkpoint that every rank writes its own share of."""
 
 
+INDEX_FILE = ".metadata"
+"""torch.distributed.checkpoint's index of the shards, written last."""
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint is not whole: a file it needs is missing, cut short or unreadable."""
+
+
 def is_sharded_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a directory of shards written by :func:`save_sharded`."""
     path = Path(path)
-    return path.is_dir() and (path / META_FILE).is_file() and (path / ".metadata").is_file()
+    return path.is_dir() and (path / META_FILE).is_file() and (path / INDEX_FILE).is_file()
+
+
+def check_checkpoint(path: str | Path) -> None:
+    """Make sure the checkpoint at ``path`` is whole before anything reads it, naming what is not:
+    for a directory of shards, its index (``.metadata``) and ``meta.pt`` are there and readable,
+    and every shard file the index points into holds the bytes it points at; a file must not be
+    cut short. Cheap: sizes and the ends of zip archives, no tensor is read."""
+    path = Path(path)
+    if not path.exists():
+        raise DamagedCheckpointError(f"there is no checkpoint at {path}: give the path of a .ckpt file or of a "
+                                     "directory of shards a run with schedule= saved")
+    if path.is_file():
+        _check_file(path, "the checkpoint")
+        return
+    missing = [name for name in (INDEX_FILE, META_FILE) if not (path / name).is_file()]
+    if missing:
+        raise _damaged(path, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: the save did "
+                             f"not finish ({INDEX_FILE} is written last, {META_FILE} by rank 0 after it), or "
+                             f"{'the file was' if len(missing) == 1 else 'files were'} removed")
+    _check_file(path / META_FILE, f"the directory {path}'s")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as error:  # noqa: BLE001 - whatever unpickling a damaged index raises
+        raise _damaged(path, f"its index {INDEX_FILE} cannot be read ({type(error).__name__}: {error})") from error
+    needed: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise _damaged(path, f"the shard {name} is missing (the index points into it)")
+        size = shard.stat().st_size
+        if size < end:
+            raise _damaged(path, f"the shard {name} is cut short: it holds {size} bytes where the index reads up to "
+                                 f"byte {end}")
+
+
+def _check_file(path: Path, what: str) -> None:
+    with open(path, "rb") as file:
+        head = file.read(4)
+    if head == b"PK\x03\x04" and not zipfile.is_zipfile(path):  # torch.save's zip archive, its end missing
+        raise _damaged(path.parent if what != "the checkpoint" else path,
+                       f"{path.name} is cut short ({path.stat().st_size} bytes, the end of its archive missing)")
+
+
+def _damaged(path: Path, what: str) -> DamagedCheckpointError:
+    return DamagedCheckpointError(
+        f"the checkpoint {path} is damaged: {what}. Nothing was loaded from it. Resume from another checkpoint "
+        "(an earlier one, or the last one copied again in full); a checkpoint of shards that is whole loads under "
+        "any schedule and layout, and `lightning-antichain consolidate DIR` turns one into a single .ckpt")
 
 
 def save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
@@ -73,6 +132,7 @@ class ShardedCheckpoint:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        check_checkpoint(self.path)
         self._metadata: Metadata = FileSystemReader(self.path).read_metadata()
         #: each flat key's place in the nested checkpoint, e.g. ``("state_dict", "layer.0.weight")``
         self.places: dict[str, tuple] = dict(self._metadata.planner_data)
@@ -94,7 +154,14 @@ class ShardedCheckpoint:
             else:
                 assert isinstance(stored, BytesStorageMetadata)
                 target[key] = None
-        _load_state_dict(target, storage_reader=FileSystemReader(self.path), no_dist=True)
+        try:
+            _load_state_dict(target, storage_reader=FileSystemReader(self.path), no_dist=True)
+        except Exception as error:  # torch's CheckpointException names ranks, not files
+            files = sorted({self._metadata.storage_data[i].relative_path for i in self._metadata.storage_data
+                            if i.fqn in keys})
+            said = str(error).strip().splitlines()[-1] if str(error).strip() else ""
+            raise _damaged(self.path, f"reading {', '.join(files) or 'its shards'} failed ({type(error).__name__}: "
+                                      f"{said})") from error
         return target
 
     def state_dict(self) -> ShardedStateDict:
