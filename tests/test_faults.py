@@ -106,3 +106,25 @@ def test_a_nan_loss_behaves_as_without_the_strategy():
         runs.append(torch.tensor(model.losses))
     assert runs[0][:3].isfinite().all() and runs[0][3:].isnan().all()
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-5, atol=0, equal_nan=True)
+
+
+DIFFERENTIAL = Path(__file__).resolve().parent / "scripts" / "differential.py"
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("rank", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_a_callback_failing_on_one_rank_ends_every_rank_with_that_error_last(tmp_path, rank):
+    """A user's callback raises on one rank, outside the step, under schedule= with Lightning's
+    launcher: the failing rank leaves its error for the others, which end with one line naming it,
+    and the output ends with the user's error, not another rank's lost connection and C++ frames."""
+    result = subprocess.run([sys.executable, str(DIFFERENTIAL), "--out", str(tmp_path / "out"), "--runtime", "1f1b",
+                             "--cases", f"callback_fails_on_{rank}"], capture_output=True, text=True, timeout=180,
+                            cwd=tmp_path)
+    assert result.returncode != 0
+    error = f"ValueError: the user's callback failed on rank {rank}"
+    lines = result.stderr.strip().splitlines()
+    assert error in lines[-1], result.stderr[-3000:]  # the last thing printed names it
+    for r in (0, 1):
+        said = [line for line in lines if line.startswith(f"[rank{r}]:")]
+        assert said and error in said[-1], (r, said[-3:])  # each rank's last words
+    assert "frame #" not in result.stderr and "Connection closed by peer" not in result.stderr

@@ -190,6 +190,10 @@ class Runtime(ABC):
     def stages_placed(self) -> None:  # noqa: B027 (a runtime may need nothing then)
         """Each stage is real on its device now."""
 
+    def failed(self, exception: BaseException) -> None:  # noqa: B027 (one process has no one to tell)
+        """The run stops with ``exception`` on this rank, in the step or outside it (a callback):
+        the other ranks should stop with it too, not wait."""
+
     @abstractmethod
     def teardown(self) -> None:
         """The run ends: let go of what the run holds; the plan stays for the next run."""

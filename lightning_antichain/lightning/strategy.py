@@ -390,6 +390,7 @@ class AntichainPipelineStrategy(ProcessesStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if not isinstance(exception, StageProcessError):  # another rank's error: its own rank explains it
             explain_meta_read(exception, self._lightning_module)
+        self._runtime.failed(exception)
         super().on_exception(exception)
 
     @override

@@ -64,7 +64,7 @@ from .global_norm import clip_by_global_norm
 from .layout_trials import is_on_meta, meta_refusal, timed_in_turns, trial_report, untouched
 from .micro_batch_steps import MicroBatchSteps, refuse_whole_batch_arguments
 from .process_pipeline import ProcessPipeline, equal_runs
-from .rank_faults import FaultWatch, explained
+from .rank_faults import FaultWatch, StageProcessError, explained
 from .rank_holdings import RankHoldings, everyone
 from .replica_batches import replica_loader
 from .replication import REPLICATIONS, Regather, Replication
@@ -296,7 +296,16 @@ class ProcessRuntime(RankHoldings, Runtime):
                 cause = explained(error, strategy.global_rank, self._fault_watch)
                 if cause is error:
                     raise
-                raise cause from error
+                raise cause from None  # the lost connection that told of it says nothing more
+
+    def failed(self, exception: BaseException) -> None:
+        """A rank that stops outside a step (a callback raised) leaves its error where the others
+        read it, as a failing step does (:func:`~.rank_faults.explained`), and they stop with it."""
+        if isinstance(exception, StageProcessError):
+            return
+        if self.strategy.global_rank == 0:
+            self.pipeline = None  # its store outlives its process groups: let go of them (rank_faults)
+        explained(exception, self.strategy.global_rank, self._fault_watch)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, plain: Callable[..., torch.Tensor],
                  *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -27,6 +27,7 @@ KEY = "lightning_antichain/failed_rank_error"
 READ = "lightning_antichain/failed_rank_error_read"
 FIRST_FAILED = "lightning_antichain/rank_zero_failed"
 WAIT_S = 5.0
+_TOLD = "_antichain_told"  # on an error this rank has left in the store
 GRACE_S = 2.0
 
 
@@ -70,16 +71,21 @@ class FaultWatch:
                 return
 
 
-def explained(error: Exception, rank: int, watch: FaultWatch | None = None) -> Exception:
+def explained(error: BaseException, rank: int, watch: FaultWatch | None = None) -> BaseException:
     """The error this rank should raise for ``error``: its own where it is the step's own failure
     (left in the store for the others), else the failing rank's, where one left it in time (or
-    ``watch`` read it). The caller must hold no process group of its own then (rank 0 ends them all)."""
+    ``watch`` read it). The caller must hold no process group of its own then (rank 0 ends them all).
+    An error told once is not told again (the runtime tells of one raised in a step when it is
+    raised, and of any other when the run stops)."""
+    if getattr(error, _TOLD, False):
+        return error
     if watch is not None and watch.found is not None and _lost_connection(error):
         return StageProcessError(f"the process of another stage failed, {watch.found}")
     store = _store()
     if store is None:
         return error
     if not _lost_connection(error):
+        setattr(error, _TOLD, True)
         cause = error
         while cause.__cause__ is not None:  # torch's stage wraps the user's error in its own
             cause = cause.__cause__

@@ -308,6 +308,18 @@ class CountedPredictions(Mlp):
         return {"p": self(x).softmax(-1), "n": torch.tensor(len(x))}
 
 
+class FailsOnRank(L.Callback):
+    """Raises a user's error on one rank, outside the step, at the third training batch."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == 3:
+            raise ValueError(f"the user's callback failed on rank {self.rank}")
+
+
 CASES: dict[str, Case] = {
     "reverse": Case(lambda: FunctionCalls("reverse"), vector_data()),
     "round": Case(lambda: FunctionCalls("round"), vector_data()),
@@ -321,6 +333,8 @@ CASES: dict[str, Case] = {
     "finetuning": Case(FineTuned, vector_data(), callbacks=lambda: [UnfreezeBackbone()]),
     "frozen_bn": Case(FrozenNormed, vector_data(), callbacks=lambda: [FreezeBackbone()]),
     "untracked_bn": Case(lambda: FrozenNormed(tracking=False), vector_data(), callbacks=lambda: [FreezeBackbone()]),
+    "callback_fails_on_0": Case(Mlp, vector_data(), callbacks=lambda: [FailsOnRank(0)]),
+    "callback_fails_on_1": Case(Mlp, vector_data(), callbacks=lambda: [FailsOnRank(1)]),
     "normalised_loss": Case(NormalisedLoss, vector_data(names=True)),
     "counted_predictions": Case(CountedPredictions, vector_data()),
 }
