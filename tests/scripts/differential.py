@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--cases", required=True, help="rows, comma-separated")
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
-    rank = int(os.environ.get("RANK", 0))
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))  # torchrun's, or Lightning's launcher's
     for name in args.cases.split(","):
         where = Path(args.out) / name
         where.mkdir(parents=True, exist_ok=True)
