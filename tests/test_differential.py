@@ -56,7 +56,7 @@ ROWS = [
     Row("l2", refused_as_processes(ANOTHER_RANKS)),
     Row("normalised_loss", refused_as_processes("the loss is")),
     Row("counted_predictions", refused_as_processes("what predict_step returns at ['n'] is 2 joined over the "
-                                                    "micro-batches but 8 on the whole batch")),
+                                                    "micro-batches but 4 on them together")),
     Row("untracked_bn", {runtime: "BatchNorm1d at backbone.1 has no running statistics"
                          for runtime in ("threads", *SCHEDULES)}),
 ]

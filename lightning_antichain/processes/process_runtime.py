@@ -138,7 +138,7 @@ class ProcessRuntime(RankHoldings, Runtime):
         self._step_values = StepValues()
         #: whether the module computes a loss over label tokens (a Hugging Face model given labels=)
         self._counts_items = False
-        #: the step kinds whose first step is still to be run once more on the whole batch
+        #: the step kinds whose first step is still to be checked on samples taken together
         self._whole_batch: WholeBatchCheck | None = None
         self._layout: Layout | None = None
         self._device_mesh: Any = None
@@ -383,7 +383,7 @@ class ProcessRuntime(RankHoldings, Runtime):
             share = shares(output, m)
             result = self.steps.result_of(hook, micro[m], rest, output, logs, share)
             if seen is not None:
-                seen.keep(output, share, result)
+                seen.keep(m, output, share)
             if train and result is None:  # skipped after the module's call: no gradient from it
                 skipped[m] = True
                 return _zero_loss(output, self.strategy.root_device)
@@ -412,7 +412,7 @@ class ProcessRuntime(RankHoldings, Runtime):
         if calibration is not None and calibration.done:
             self._calibrated(calibration)
         mean = float(torch.stack(losses).sum()) if losses else 0.0
-        problem = None if seen is None else WholeBatchCheck.problem(seen, self.steps, hook, batch, rest, sizes, logs)
+        problem = None if seen is None else WholeBatchCheck.problem(seen, self.steps, hook, batch, micro, rest, sizes)
         sent = (mean, logs.merged(), metric_states(module), self._step_values.values(), results, skipped, problem
                 ) if pipeline.holds_last else None
         mean, merged, states, values, results, skipped, problem = broadcast_object(

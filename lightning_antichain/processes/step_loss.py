@@ -40,7 +40,7 @@ def step_loss(steps: MicroBatchSteps, hook: str, batch: Any, rest: tuple) -> Cal
         except (RuntimeError, ValueError):
             return None
         if samples not in split:
-            split[samples] = _first_samples(batch, size, samples)
+            split[samples] = first_samples(batch, size, samples)
         micro = split[samples]
         if micro is None:
             return None
@@ -62,7 +62,7 @@ def loss_of(result: Any, hook: str) -> torch.Tensor:
     return loss
 
 
-def _first_samples(batch: Any, size: int | None, samples: int | None) -> Any:
+def first_samples(batch: Any, size: int | None, samples: int | None) -> Any:
     """The micro-batch of ``batch``'s (of ``size`` samples) first ``samples``, split as the
     pipeline splits it, or ``None`` where no split starts with that many."""
     if not size or not samples:
