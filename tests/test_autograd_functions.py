@@ -197,3 +197,44 @@ def test_a_number_a_function_returns_is_checked_each_call_against_the_captured_o
             graph.graph_module(x)
     finally:
         Counted.count = 3
+
+
+def _halved(t):
+    return t / 2
+
+
+class Mapped(torch.autograd.Function):
+    """Applies a plain function given as an argument; its backward is a fixed scale, not the derivative."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 3 * grad, None
+
+
+def test_a_function_given_a_plain_function_is_kept_whole_and_one_closing_over_a_module_is_refused():
+    class Model(nn.Module):
+        def __init__(self, closing: bool):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+            self.closing = closing
+
+        def forward(self, x):
+            if self.closing:
+                return self.b(Mapped.apply(self.a(x), lambda t: self.b(t) @ self.b.weight))
+            return self.b(Mapped.apply(self.a(x), _halved))
+
+    model = Model(closing=False).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    graph = capture(model, x[:2], frontends=("fx",))
+    assert sum(isinstance(n.target, FunctionCall) for n in graph.graph_module.graph.nodes) == 1
+    model(x).sum().backward()
+    expected = model.a.weight.grad.clone()
+    model.zero_grad()
+    graph.graph_module(x).sum().backward()
+    torch.testing.assert_close(model.a.weight.grad, expected)  # the backward's 3x, not the derivative's 1/2
+    with pytest.raises(Exception, match="Mapped.apply is given the function"):
+        capture(Model(closing=True).double(), x[:2], frontends=("fx",))

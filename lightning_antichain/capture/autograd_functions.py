@@ -22,6 +22,7 @@ parameters the graph cannot see, so no stage would know it holds them: it is ref
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 from collections.abc import Iterator
@@ -63,13 +64,32 @@ def _name(function: type[torch.autograd.Function]) -> str:
 
 def _refuse_hidden_state(function: type[torch.autograd.Function], leaves: list[Any]) -> None:
     for leaf in leaves:
-        if isinstance(leaf, nn.Module) or isinstance(getattr(leaf, "__self__", None), nn.Module) or (
-                callable(leaf) and not isinstance(leaf, (type, torch.Tensor, fx.Proxy))
-                and not getattr(leaf, "__module__", "").startswith("torch")):
+        if _holds_state(leaf):
             raise FrontendRefused(
                 f"{_name(function)} is given {_described(leaf)} to run, whose parameters it reads without taking them "
                 "as arguments, so no stage could know it holds them. Keep the module that calls it whole with "
                 "leaf_modules=['path.to.module']; for torch.utils.checkpoint, pass use_reentrant=False")
+
+
+def _holds_state(value: Any, depth: int = 0) -> bool:
+    """Whether ``value``, an argument that is not a tensor, reaches a module or a tensor when called:
+    it is a module, a method of one, or a function (or ``functools.partial``) closing over one."""
+    if isinstance(value, (torch.Tensor, fx.Proxy, type)) or depth > 3:
+        return False
+    if isinstance(value, nn.Module) or isinstance(getattr(value, "__self__", None), (nn.Module, torch.Tensor)):
+        return True
+    if isinstance(value, functools.partial):
+        return any(_holds_state(v, depth + 1) or isinstance(v, torch.Tensor)
+                   for v in (value.func, *value.args, *value.keywords.values()))
+    function = getattr(value, "__func__", value)
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(contents, (nn.Module, torch.Tensor)) or _holds_state(contents, depth + 1):
+            return True
+    return False
 
 
 def _described(value: Any) -> str:
@@ -82,14 +102,21 @@ def _described(value: Any) -> str:
 
 
 class FunctionCall:
-    """An fx graph's call of a custom autograd Function: ``function.apply(*args, **kwargs)``."""
+    """An fx graph's call of a custom autograd Function: ``function.apply`` on the node's values
+    (the traced arguments, in order) and the other arguments as traced (``spec``, ``constants``,
+    ``traced``: which leaves of the arguments the node passes), since an fx node's arguments cannot
+    hold any Python value (a function to apply)."""
 
-    def __init__(self, function: type[torch.autograd.Function]) -> None:
-        self.function = function
+    def __init__(self, function: type[torch.autograd.Function], spec: pytree.TreeSpec, constants: list[Any],
+                 traced: list[bool]) -> None:
+        self.function, self.spec, self.constants, self.traced = function, spec, constants, traced
         self.__name__ = self.__qualname__ = f"{function.__qualname__}_apply"
         self.__module__ = function.__module__
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *values: Any) -> Any:
+        given = iter(values)
+        leaves = [next(given) if traced else constant for traced, constant in zip(self.traced, self.constants)]
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return _apply(self.function, *args, **kwargs)
 
     def __repr__(self) -> str:
@@ -165,8 +192,10 @@ def _patched_apply(function: type[torch.autograd.Function], *args: Any, **kwargs
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if mode == "fx" and any(isinstance(v, fx.Proxy) for v in leaves):
         _refuse_hidden_state(function, leaves)
+        traced = [isinstance(v, fx.Proxy) for v in leaves]
         tracer = next(v for v in leaves if isinstance(v, fx.Proxy)).tracer
-        return tracer.create_proxy("call_function", FunctionCall(function), args, kwargs)
+        call = FunctionCall(function, spec, [None if t else v for v, t in zip(leaves, traced)], traced)
+        return tracer.create_proxy("call_function", call, tuple(v for v, t in zip(leaves, traced) if t), {})
     if mode != "aten":
         return _apply(function, *args, **kwargs)
     _refuse_hidden_state(function, leaves)
