@@ -175,15 +175,15 @@ class ProcessPipeline:
                 runner = schedule_runner(self.schedule, stages, chunks, self._micro_batch_loss)
                 if not train and self.schedule.runs_by_table:
                     self.schedule.evaluate_forward_only(runner, self.ranks, chunks)
-            self._runners[key] = runner, stages, layouts
-        runner, stages, layouts = self._runners[key]
+            tasks = self.schedule.tasks_of(self.rank, self.ranks, chunks, train)  # what a timed-out wait names
+            self._runners[key] = runner, stages, layouts, tasks
+        runner, stages, layouts, tasks = self._runners[key]
         self._give_layouts(layouts)
         inputs = [self._first_inputs(*call) for call in calls] if calls is not None else None
         self._targets = [torch.tensor(m) for m in range(chunks)]
         targets = self._targets if self.holds_last else None
         self._loss = loss
-        watched = transfers_watched(stages, self.schedule.tasks_of(self.rank, self.ranks, chunks, train), self.rank,
-                                    self._global_rank_of, self.plan.num_stages, self.timeout)
+        watched = transfers_watched(stages, tasks, self.rank, self._global_rank_of, self.plan.num_stages, self.timeout)
         try:
             if train:
                 modules = [m for stage in self.stages for m in stage.stage.submodules()]
