@@ -195,3 +195,79 @@ def test_values_of_any_kind_cross_process_cuts_and_train_as_the_plain_module(nam
     expected_kinds = {"gru": "nested", "timm_vit": "number", "nn_transformer": "number", "hf_t5": "integer tensor"}
     for name in names:
         assert expected_kinds[name] in next(r for r in reports if r[1] == name)[3], name
+
+
+def _function_worker(rank: int, port: int, queue) -> None:
+    """Custom autograd Functions (tests/scripts/differential_cases.py) cut right before, right after
+    and around them, under 1F1B and ZBV: each rank's gradient error against the plain module's."""
+    import sys
+    from pathlib import Path
+
+    import lightning_antichain as la
+    from lightning_antichain.capture import capture_call
+    from lightning_antichain.capture.autograd_functions import FunctionCall
+    from lightning_antichain.plans.process_schedules import process_schedule
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+    from differential_cases import FunctionCalls
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    try:
+        for function in ("reverse", "saved"):
+            torch.manual_seed(0)
+            model = FunctionCalls(function).double()
+            x = torch.randn(BATCH, 8, dtype=torch.float64)
+            expected = model(x)
+            weights = [torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)]
+            (expected * weights[0]).sum().backward()
+            reference = {id(p): (n, p.grad.clone()) for n, p in model.named_parameters()}
+            graph = capture_call(model, (x[: BATCH // CHUNKS],), {})
+            cost = la.profile(model, x[: BATCH // CHUNKS], op_graph=graph, repeats=1, warmup=0, progress=False)
+            operations = [n.name for n in graph.nodes if n.kind != "placeholder"]
+            call = next(n for n in graph.graph_module.graph.nodes if isinstance(n.target, FunctionCall))
+            at = operations.index(call.name)  # the operations before it
+            runs = [("1f1b", (at, len(operations) - at)), ("1f1b", (at + 1, len(operations) - at - 1)),
+                    ("zbv", (1, at - 1, 1, len(operations) - at - 1))]  # the Function alone in stage 2
+            for schedule_name, balance in runs:
+                plan = la.plan_from_balance(cost, list(balance), chunks=CHUNKS)
+                grads = _step(model, graph, plan, process_schedule(schedule_name), rank, (x,), {}, weights)
+                error = max((((g - reference[key][1]).abs().max().item() / max(reference[key][1].abs().max().item(),
+                                                                               1e-12)) for key, g in grads.items()),
+                            default=0.0)
+                queue.put((rank, function, schedule_name, balance, error, sorted(reference[k][0] for k in grads)))
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_custom_function_cut_before_after_and_alone_trains_as_the_plain_module_in_processes():
+    context = process_context()
+    queue = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=_function_worker, args=(rank, port, queue)) for rank in range(RANKS)]
+    for process in processes:
+        process.start()
+    reports, deadline = [], time.monotonic() + 300
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        try:
+            reports.append(queue.get(timeout=1))
+        except Empty:
+            pass
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+    while not queue.empty():
+        reports.append(queue.get())
+    assert not [r for r in reports if r[1] == "error"], reports
+    assert len(reports) == 2 * 2 * 3
+    for rank, function, schedule, balance, error, _ in reports:
+        assert error <= 1e-9, f"{function} under {schedule}, balance {balance}, rank {rank}: {error:.1e}"
+    for function in ("reverse", "saved"):  # every parameter's gradient came from some rank
+        for schedule, balance in {(r[2], r[3]) for r in reports if r[1] == function}:
+            held = [set(r[5]) for r in reports if r[1] == function and (r[2], r[3]) == (schedule, balance)]
+            assert held[0] | held[1] == {"a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias", "gain"}
