@@ -44,9 +44,9 @@ class CausalLMOnMeta:
 def causal_lm_on_meta(path: str, batch_size: int, sequence_length: int, precision: str = "bf16-true",
                       seed: int = 0) -> CausalLMOnMeta:
     """The causal LM of the config at ``path`` (:func:`is_hf_config`), its parameters on meta in
-    ``precision``'s dtype (:data:`PRECISIONS`), with ``use_cache=False`` as training needs, and a
-    batch of ``batch_size`` sequences of ``sequence_length`` random token ids, their ``labels``
-    the same ids."""
+    ``precision``'s dtype (:data:`PRECISIONS`, whatever dtype the config names), with
+    ``use_cache=False`` as training needs, and a batch of ``batch_size`` sequences of
+    ``sequence_length`` random token ids, their ``labels`` the same ids."""
     try:
         import transformers
     except ImportError as exc:
@@ -67,9 +67,12 @@ def causal_lm_on_meta(path: str, batch_size: int, sequence_length: int, precisio
     dtype = PRECISIONS[precision][0]
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    # the precision asked for, whatever dtype the config was saved in (every downloaded one names one,
+    # and transformers builds in it): the bytes planned are the training run's
+    in_dtype = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": dtype}
     try:
         with init_empty_weights():
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = transformers.AutoModelForCausalLM.from_config(config, **in_dtype)
     except ValueError as exc:
         raise ValueError(f"{path}: not a causal LM transformers can build ({exc})") from None
     finally:

@@ -437,3 +437,27 @@ def test_a_hugging_face_plan_missing_what_it_needs_says_what_to_give(tmp_path, a
 def test_a_sequence_length_for_an_import_path_is_refused():
     result = run_main("plan", "torchvision.models.resnet18", "--stages", "2", "--sequence-length", "16")
     assert result.returncode == 2 and "--sequence-length is for a Hugging Face MODEL" in result.stderr
+
+
+@pytest.mark.parametrize("saved", ["float32", "bfloat16"])
+@pytest.mark.parametrize("precision, dtype, per_parameter", [("bf16-true", "bfloat16", 8), ("32-true", "float32", 16),
+                                                             ("bf16-mixed", "bfloat16", 16)])
+def test_the_precision_asked_for_decides_the_bytes_whatever_dtype_the_config_names(tmp_path, saved, precision, dtype,
+                                                                                  per_parameter):
+    """A downloaded config names the dtype it was saved in (Gemma-2-9B's float32): the plan takes
+    --precision's dtype for the weights, and AdamW's state from it (a float32 config under bf16
+    was planned at 2.09x the bytes)."""
+    import torch
+
+    from lightning_antichain.cli import _optimizer_multiplier, _parser
+    from lightning_antichain.hf_models import causal_lm_on_meta
+
+    tiny_llama_config(tmp_path / "llama")
+    written = json.loads((tmp_path / "llama" / "config.json").read_text())
+    written["torch_dtype"] = written["dtype"] = saved
+    (tmp_path / "saved.json").write_text(json.dumps(written))
+    model = causal_lm_on_meta(str(tmp_path / "saved.json"), 2, 8, precision).model
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+    args = _parser().parse_args(["plan", str(tmp_path / "saved.json"), "--stages", "2", "--precision", precision])
+    weight = getattr(torch, dtype).itemsize
+    assert weight * (2 + _optimizer_multiplier(args, True)) == per_parameter  # weight, gradient, AdamW's state
