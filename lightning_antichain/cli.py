@@ -72,19 +72,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--stages", type=_count_or_auto, required=True,
                       help="number of pipeline stages (devices); with --ranks, processes per pipeline, or auto")
-    plan.add_argument("--ranks", type=int,
+    plan.add_argument("--ranks", type=_at_least_one,
                       help="plan stages as processes: this many ranks (the strategy with schedule=), each on its "
                            "device, as replicas x stages; --stages auto weighs every layout")
     plan.add_argument("--schedule", default="auto",
                       help="with --ranks: the schedule of torch.distributed.pipelining, or auto (the default) to weigh "
                            "them all")
-    plan.add_argument("--per-node", type=int, help="with --ranks: ranks per node (default: all on one)")
-    plan.add_argument("--internode", type=float,
+    plan.add_argument("--per-node", type=_at_least_one, help="with --ranks: ranks per node (default: all on one)")
+    plan.add_argument("--internode", type=_positive,
                       help="with --ranks: the link between nodes in GB/s (default 25 from a GPU, else --bandwidth)")
     plan.add_argument("--replication", choices=["ddp", "fsdp"], default="ddp",
                       help="with --ranks: how a stage's replicas keep in step (fsdp shards the optimizer state)")
     plan.add_argument("--input-shape", type=_shape, help="shape of one sample, e.g. 3,32,32")
-    plan.add_argument("--sequence-length", type=int,
+    plan.add_argument("--sequence-length", type=_at_least_one,
                       help="a Hugging Face MODEL: tokens per sample (random token ids, labels= the same)")
     plan.add_argument("--precision", choices=list(PRECISIONS), default="bf16-true",
                       help="a Hugging Face MODEL: the dtype it is planned in, and AdamW's state (bf16-mixed: float32 "
@@ -93,16 +93,16 @@ def _parser() -> argparse.ArgumentParser:
                       help="with --ranks: the device each rank trains on, where it differs from --device (where the "
                            "model is profiled): cuda plans for GPUs this machine need not have; give --memory then. "
                            "Default: cuda for a Hugging Face MODEL, else --device's")
-    plan.add_argument("--batch-size", type=int, default=32, help="samples per training step")
+    plan.add_argument("--batch-size", type=_at_least_one, default=32, help="samples per training step")
     plan.add_argument("--chunks", type=_count_or_auto, default=DEFAULTS.chunks,
                       help='micro-batches per step, or "auto" (the default, as in the strategy) for the count with '
                            "the best predicted step")
     plan.add_argument("--device", default="cpu", help="device to profile on: cpu or cuda:N")
-    plan.add_argument("--bandwidth", type=float,
+    plan.add_argument("--bandwidth", type=_positive,
                       help="link between stages in GB/s (default: 16 between GPUs, free between CPU devices)")
-    plan.add_argument("--memory", type=float,
+    plan.add_argument("--memory", type=_positive,
                       help="memory per device in GB (default: 90%% of each GPU's, unlimited on CPU)")
-    plan.add_argument("--optimizer-multiplier", type=float, default=DEFAULTS.optimizer_multiplier,
+    plan.add_argument("--optimizer-multiplier", type=_not_negative, default=DEFAULTS.optimizer_multiplier,
                       help="optimizer state per parameter byte (default 2, as for Adam)")
     plan.add_argument("--model-kwargs", type=_json_object, default={}, help="JSON keyword arguments for MODEL")
     plan.add_argument("--method", choices=METHODS, default=DEFAULTS.method, help="planner (baselines for comparison)")
@@ -121,10 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--rebalance-rounds", type=int, default=DEFAULTS.rebalance_rounds,
                       help="after timing CPU stages, cut again on their measured times for at most this many "
                            "rounds, keeping the best split measured (0: keep the profile's split; default %(default)s)")
-    plan.add_argument("--cpu-threads", type=int, default=DEFAULTS.cpu_threads,
+    plan.add_argument("--cpu-threads", type=_at_least_one, default=DEFAULTS.cpu_threads,
                       help="intra-op threads of each CPU stage, which profiling uses too (default: the cores shared "
                            "evenly among the CPU stages)")
-    plan.add_argument("--accumulate-grad-batches", type=int, default=DEFAULTS.accumulate_grad_batches,
+    plan.add_argument("--accumulate-grad-batches", type=_at_least_one, default=DEFAULTS.accumulate_grad_batches,
                       help="the Trainer's accumulate_grad_batches, whose adding into gradients the step is charged "
                            "(default %(default)s)")
     plan.add_argument("--save-profile", help="save the cost graph as JSON for later --load-profile")
@@ -170,6 +170,18 @@ def _plan_layout(args: argparse.Namespace) -> int:
         print(f"times are {args.device}'s, where the model was profiled, not the {rank_device} ranks': they rank the "
               "layouts; the memory is the ranks' own")
     return 0
+
+
+def _check_model_path(model: str) -> None:
+    """A MODEL that names a directory or a JSON file must be a Hugging Face config; an import path
+    is anything else. Said before any work."""
+    path = Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"{model} is a directory without config.json: give the directory of a Hugging Face model (as "
+                         "huggingface-cli download writes it) or its config.json, or an import path of a model "
+                         "(package.module.function) with --input-shape")
+    if path.suffix == ".json" and not path.is_file():
+        raise ValueError(f"{model}: there is no such file; give a Hugging Face model's config.json or its directory")
 
 
 def _model_and_batch(args: argparse.Namespace, samples: int) -> tuple[Any, Any]:
@@ -221,9 +233,41 @@ def _count_or_auto(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        return int(text)
+        return _at_least_one(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f'expected a whole number of at least 1 or "auto", got {text!r}') from None
+
+
+def _at_least_one(text: str) -> int:
+    """A count, checked when the arguments are read, before any work."""
+    try:
+        value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f'expected a whole number or "auto", got {text!r}') from None
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> float:
+    """A size or speed (GB, GB/s), checked when the arguments are read, before any work."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
+
+
+def _not_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {text!r}")
+    return value
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -316,6 +360,7 @@ def load_model_factory(path: str) -> Callable[..., Any]:
 def _plan(args: argparse.Namespace) -> int:
     from .planner.planning import plan_model
 
+    _check_model_path(args.model)
     if args.ranks is not None:
         return _plan_layout(args)
     if args.stages == "auto":

@@ -190,6 +190,12 @@ RESNET = ["torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32
         (["torchvision.models.resnet18", "--stages", "2", "--input-shape", "-3,32,32"], "dimensions must be positive"),
         ([*RESNET[:2], "auto", *RESNET[3:]], "--stages auto weighs the layouts of stages as processes: give --ranks"),
         ([*RESNET[:2], "3", *RESNET[3:], "--ranks", "4"], "--stages a divisor of --ranks"),
+        ([*RESNET, "--memory", "-5"], "argument --memory: expected a number above 0, got '-5'"),
+        ([*RESNET, "--batch-size", "0"], "argument --batch-size: expected a whole number of at least 1, got '0'"),
+        ([*RESNET[:2], "0", *RESNET[3:]], "argument --stages: expected a whole number of at least 1 or \"auto\""),
+        ([*RESNET, "--ranks", "4", "--internode", "0"], "argument --internode: expected a number above 0"),
+        (["tests", "--stages", "2"], "tests is a directory without config.json: give the directory of a Hugging Face"),
+        (["missing/config.json", "--stages", "2"], "missing/config.json: there is no such file"),
     ],
 )
 def test_every_user_error_is_one_line_and_status_2(args, message):
