@@ -1,12 +1,13 @@
 """The README's quick start is a script that runs: the file examples/quickstart/train.py, shown
 whole in the README, trained here on a tiny Llama checkpoint directory on 2 CPU processes."""
 
+import csv
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launch import script_command
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples/quickstart/train.py"
@@ -45,15 +46,19 @@ def test_the_quick_start_trains_a_hugging_face_checkpoint_directory_on_two_cpu_p
     text = Path(argparse.__file__).read_text()
     (tmp_path / "text.txt").write_text(text)
     tiny_model_dir(tmp_path / "model", text)
-    command = [sys.executable, str(SCRIPT), "--model-dir", str(tmp_path / "model"), "--text-file",
-               str(tmp_path / "text.txt"), "--length", "32", "--batch-size", "4", "--chunks", "2", "--max-steps",
-               "3", "--accelerator", "cpu", "--devices", "2", "--precision", "32-true"]
+    # as the README's torchrun line: --devices left to torchrun's processes per node
+    command = script_command(SCRIPT, ["--model-dir", str(tmp_path / "model"), "--text-file", str(tmp_path / "text.txt"),
+                                      "--length", "32", "--batch-size", "4", "--chunks", "2", "--max-steps", "3",
+                                      "--accelerator", "cpu", "--precision", "32-true", "--lr", "1e-3"], 2)
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "under 1f1b on 2 processes" in output  # the plan, as the README says the first step prints it
     assert "`max_steps=3` reached" in output
     assert list(tmp_path.rglob("*.ckpt"))  # Lightning's own checkpoint, saved by every rank's share
+    (logged,) = tmp_path.glob("logs/quickstart/version_*/metrics.csv")  # each step's loss, from rank 0
+    losses = [row["train_loss"] for row in csv.DictReader(logged.read_text().splitlines()) if row["train_loss"]]
+    assert len(losses) == 3 and all(float(loss) > 0 for loss in losses)
 
 
 def test_the_quick_starts_yaml_makes_the_strategy_the_script_makes():

@@ -1,6 +1,7 @@
 """Fine-tune a Hugging Face causal LM from its checkpoint directory, pipelined over 4 GPUs."""
 
 import argparse
+import os
 
 import lightning as L
 import torch
@@ -55,9 +56,13 @@ def main():
     parser.add_argument("--batch-size", type=int, default=16, help="a multiple of --chunks")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per batch")
     parser.add_argument("--max-steps", type=int, default=1000)
+    parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--accelerator", default="gpu")
-    parser.add_argument("--devices", type=int, default=4, help="one pipeline stage per device")
-    parser.add_argument("--precision", default="bf16-true", help="weights, gradients and AdamW state in bf16")
+    parser.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 4)),
+                        help="one pipeline stage per device (default: torchrun's processes per node, else 4)")
+    parser.add_argument("--precision", default="bf16-mixed",
+                        help="bf16 compute over float32 weights and AdamW state; bf16-true halves them (see README)")
+    parser.add_argument("--log-dir", default="logs", help="each step's loss goes to LOG_DIR/.../metrics.csv")
     args = parser.parse_args()
 
     strategy = la.AntichainPipelineStrategy(
@@ -67,9 +72,11 @@ def main():
         module="net",  # pipeline the Hugging Face model; training_step runs once per micro-batch around it
     )
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, precision=args.precision,
-                        strategy=strategy, max_steps=args.max_steps)
+                        strategy=strategy, max_steps=args.max_steps, log_every_n_steps=1,
+                        logger=L.pytorch.loggers.CSVLogger(args.log_dir, name="quickstart"))
     data = TokenBlocks(args.model_dir, args.text_file, args.length)
-    trainer.fit(CausalLM(args.model_dir), DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True))
+    trainer.fit(CausalLM(args.model_dir, args.lr), DataLoader(data, batch_size=args.batch_size, shuffle=True,
+                                                              drop_last=True))
 
 
 if __name__ == "__main__":
