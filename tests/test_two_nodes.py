@@ -61,7 +61,9 @@ def test_one_pipeline_of_four_stages_spans_both_nodes_and_trains_as_plain_lightn
     assert [r["node"] for r in ranks] == [0, 0, 1, 1] and all(r["world_size"] == 4 for r in ranks)
     assert len({r["pid"] for r in ranks}) == 4
     trained = [set(r["trained"]) for r in ranks]
-    assert all(trained) and sum(map(len, trained)) == len(plain["parameters"])  # each stage on one rank
+    # each parameter trained on exactly one rank; a stage may hold none (the measured plan can cut a
+    # stage of activations only when the profile sees the Linear layers as cheap on a loaded machine)
+    assert sum(map(len, trained)) == len(set().union(*trained)) == len(plain["parameters"])
     for report in ranks:
         torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
         for name in report["trained"]:
