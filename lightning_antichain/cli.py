@@ -59,7 +59,11 @@ def _values_may_start_with_minus(argv: list[str]) -> list[str]:
     return joined
 
 
-_VALUED = ("--input-shape", "--stages", "--batch-size", "--chunks", "--bandwidth", "--memory", "--sequence-length")
+_VALUED = ("--input-shape", "--stages", "--batch-size", "--chunks", "--bandwidth", "--intranode", "--internode",
+           "--memory", "--sequence-length")
+
+#: the GPUs ``--gpu`` knows by name (:data:`lightning_antichain.planner.target_devices.TARGET_DEVICES`)
+TARGET_NAMES = ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "MI300X")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,8 +83,14 @@ def _parser() -> argparse.ArgumentParser:
                       help="with --ranks: the schedule of torch.distributed.pipelining, or auto (the default) to weigh "
                            "them all")
     plan.add_argument("--per-node", type=_at_least_one, help="with --ranks: ranks per node (default: all on one)")
-    plan.add_argument("--internode", type=_positive,
-                      help="with --ranks: the link between nodes in GB/s (default 25 from a GPU, else --bandwidth)")
+    plan.add_argument("--gpu", help="with --ranks: plan for ranks on this GPU without one at hand, every operation "
+                                    f"costed on its roofline: one of {', '.join(TARGET_NAMES)}, or a JSON file "
+                                    "describing another (see docs/planner.md)")
+    plan.add_argument("--efficiencies", help="with --gpu: a JSON file of the shares of the GPU's peaks each kind of "
+                                             "kernel reaches (as benchmarks/roofline_gpu.py fits them on a GPU)")
+    plan.add_argument("--internode", type=_link_speed,
+                      help="with --ranks: the link between nodes, e.g. 400Gb/s or 50GB/s (a bare number is GB/s; "
+                           "default: --gpu's network adapter, else 25 GB/s from a GPU, else --bandwidth)")
     plan.add_argument("--replication", choices=["ddp", "fsdp"], default="ddp",
                       help="with --ranks: how a stage's replicas keep in step (fsdp shards the optimizer state)")
     plan.add_argument("--input-shape", type=_shape, help="shape of one sample, e.g. 3,32,32")
@@ -98,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
                       help='micro-batches per step, or "auto" (the default, as in the strategy) for the count with '
                            "the best predicted step")
     plan.add_argument("--device", default="cpu", help="device to profile on: cpu or cuda:N")
-    plan.add_argument("--bandwidth", type=_positive,
-                      help="link between stages in GB/s (default: 16 between GPUs, free between CPU devices)")
+    plan.add_argument("--bandwidth", "--intranode", type=_link_speed, dest="bandwidth",
+                      help="the link between stages or ranks of a node, e.g. 450GB/s (a bare number is GB/s; default: "
+                           "--gpu's NVLink, else 16 GB/s between GPUs, free between CPU devices)")
     plan.add_argument("--memory", type=_positive,
                       help="memory per device in GB (default: 90%% of each GPU's, unlimited on CPU)")
     plan.add_argument("--optimizer-multiplier", type=_not_negative, default=DEFAULTS.optimizer_multiplier,
@@ -150,8 +161,11 @@ def _plan_layout(args: argparse.Namespace) -> int:
         raise ValueError("--ranks and --batch-size must be at least 1, and --stages a divisor of --ranks (or auto)")
     _check_device(args.device)
     hf = is_hf_config(args.model)
-    rank_device = args.rank_device or ("cuda" if hf else torch.device(args.device).type)
-    if rank_device != torch.device(args.device).type and args.memory is None:
+    target = _target(args)
+    rank_device = args.rank_device or ("cuda" if hf or target else torch.device(args.device).type)
+    if target is not None and rank_device != "cuda":
+        raise ValueError(f"--gpu {args.gpu} plans ranks on GPUs: leave out --rank-device {rank_device}")
+    if target is None and rank_device != torch.device(args.device).type and args.memory is None:
         raise ValueError(f"--rank-device {rank_device} plans for devices other than the one profiled on "
                          f"({args.device}): give their memory, --memory GB")
     options = PipelineOptions(
@@ -162,14 +176,33 @@ def _plan_layout(args: argparse.Namespace) -> int:
     model, example = _model_and_batch(args, args.batch_size)
     plan = plan_layout(model, example, args.ranks, options, device=rank_device, per_node=args.per_node,
                        stages=args.stages, schedule=args.schedule, replication=args.replication,
-                       internode_gbps=args.internode, profile_device=args.device)
+                       internode_gbps=args.internode, profile_device=args.device, target=target)
     if args.output:
         plan.save(args.output)
     print(plan.to_json() if args.json else plan.table())
-    if rank_device != torch.device(args.device).type and not args.json:
+    if target is None and rank_device != torch.device(args.device).type and not args.json:
         print(f"times are {args.device}'s, where the model was profiled, not the {rank_device} ranks': they rank the "
               "layouts; the memory is the ranks' own")
     return 0
+
+
+def _target(args: argparse.Namespace) -> Any:
+    """The cost model of ``--gpu`` (with ``--efficiencies``), or ``None``."""
+    if args.gpu is None:
+        if args.efficiencies:
+            raise ValueError("--efficiencies are a GPU's: give --gpu too")
+        return None
+    from .planner.roofline import Efficiencies
+    from .planner.target_devices import target_device
+    from .planner.target_profile import TargetModel
+
+    efficiencies = Efficiencies()
+    if args.efficiencies:
+        try:
+            efficiencies = Efficiencies.load(args.efficiencies)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"--efficiencies {args.efficiencies}: {_one_line(exc)}") from None
+    return TargetModel(target_device(args.gpu), efficiencies)
 
 
 def _check_model_path(model: str) -> None:
@@ -258,6 +291,20 @@ def _positive(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
     return value
+
+
+def _link_speed(text: str) -> float:
+    """A link's speed in GB/s, from ``400Gb/s`` (bits, as network adapters are sold), ``50GB/s``
+    or a bare number of GB/s."""
+    number, factor = text, 1.0
+    for unit, scale in (("Gb/s", 1 / 8), ("Gbps", 1 / 8), ("Gbit/s", 1 / 8), ("GB/s", 1.0), ("GBps", 1.0)):
+        if text.endswith(unit):
+            number, factor = text[:-len(unit)], scale
+            break
+    try:
+        return _positive(number.strip()) * factor
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a speed above 0 like 400Gb/s or 50GB/s, got {text!r}") from None
 
 
 def _not_negative(text: str) -> float:
@@ -365,6 +412,9 @@ def _plan(args: argparse.Namespace) -> int:
         return _plan_layout(args)
     if args.stages == "auto":
         raise ValueError("--stages auto weighs the layouts of stages as processes: give --ranks too")
+    if args.gpu is not None:
+        raise ValueError(f"--gpu {args.gpu} plans the layout of ranks on such GPUs: give --ranks (the GPUs in all) "
+                         "and --per-node")
 
     auto = args.chunks == "auto"
     if args.stages < 1 or (not auto and args.chunks < 1) or args.batch_size < 1:

@@ -193,7 +193,7 @@ RESNET = ["torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32
         ([*RESNET, "--memory", "-5"], "argument --memory: expected a number above 0, got '-5'"),
         ([*RESNET, "--batch-size", "0"], "argument --batch-size: expected a whole number of at least 1, got '0'"),
         ([*RESNET[:2], "0", *RESNET[3:]], "argument --stages: expected a whole number of at least 1 or \"auto\""),
-        ([*RESNET, "--ranks", "4", "--internode", "0"], "argument --internode: expected a number above 0"),
+        ([*RESNET, "--ranks", "4", "--internode", "0"], "argument --internode: expected a speed above 0 like 400Gb/s"),
         (["tests", "--stages", "2"], "tests is a directory without config.json: give the directory of a Hugging Face"),
         (["missing/config.json", "--stages", "2"], "missing/config.json: there is no such file"),
     ],

@@ -58,7 +58,12 @@ class CausalWhenProven:
 
     def causal(self, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor) -> bool:
         """Whether ``mask`` is what ``is_causal=True`` masks, for queries and keys of these shapes
-        (checked on the first call with them: one synchronisation per shape)."""
+        (checked on the first call with them: one synchronisation per shape). A mask on meta has
+        no values to check: where it is square, it is taken for a decoder's causal mask, as the
+        plan for a GPU not at hand costs it (:mod:`lightning_antichain.planner.target_profile`);
+        the run checks the real mask."""
+        if mask.is_meta:
+            return mask.shape[-2] == mask.shape[-1] == query.shape[-2] == key.shape[-2]
         shapes = (tuple(query.shape), tuple(key.shape), tuple(mask.shape), mask.dtype, mask.device)
         found = self._proven.get(shapes)
         if found is None:

@@ -28,10 +28,12 @@ from ..capture.pytrees import iter_tensors, map_tensors
 
 
 def storage_of(tensor: torch.Tensor) -> tuple[int, int]:
-    """A key for the tensor's storage (shared by its views) and the storage's bytes."""
+    """A key for the tensor's storage (shared by its views) and the storage's bytes. On meta, where
+    every storage's address is 0, the storage's Python object names it (torch keeps one per
+    storage while the storage lives)."""
     try:
         storage = tensor.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
+        return id(storage) if tensor.is_meta else storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):  # tensors without storage (subclasses, sparse)
         return id(tensor), tensor.numel() * tensor.element_size()
 
@@ -227,7 +229,7 @@ class SavedLedger:
 
         _, keys, mutated, found = next(entry for entry in reversed(self._calls) if entry[0] == reference)
         outputs = list(found)
-        for index, tensor in enumerate(t for t in iter_tensors(call.output) if not t.is_meta):
+        for index, tensor in enumerate(iter_tensors(call.output)):  # stand-ins on meta each have a storage of their own
             key, nbytes = storage_of(tensor)
             if key not in excluded and nbytes and key not in self._owner:
                 ref = outputs[index] if index < len(outputs) else None
@@ -243,7 +245,7 @@ class SavedLedger:
 
     def names_of(self, value: Any) -> list[str]:
         """The names of the storages of ``value``'s tensors that calls made."""
-        keys = [storage_of(t)[0] for t in iter_tensors(value) if not t.is_meta]
+        keys = [storage_of(t)[0] for t in iter_tensors(value)]
         return [self._owner[key][0] for key in keys if key in self._owner]
 
     def forget(self, alive: set[int]) -> None:

@@ -294,7 +294,8 @@ class _JustInTime:
     def state_storages(self) -> set[int]:
         """The storages of the model's state: real now, or sent back to meta while a kept value
         still views it (a slice of a mask buffer, say)."""
-        real = {storage_of(t)[0] for t in [*self.work.parameters(), *self.work.buffers()] if not t.is_meta}
+        on_meta = self.device.type == "meta"  # costed on shapes (a target GPU's): the state stays on meta
+        real = {storage_of(t)[0] for t in [*self.work.parameters(), *self.work.buffers()] if on_meta or not t.is_meta}
         return real | self._released
 
     def alive_storages(self) -> set[int]:

@@ -50,6 +50,7 @@ from .planning import (
 )
 from .robust_choice import CAPACITY_SPREAD, least_regret, regrets, steps_as_cores_vary
 from .shared_cores import SharedCores, share_of
+from .target_profile import TargetModel
 
 #: the devices of a layout's stages (its first replica's), under a schedule
 DevicesOf = Callable[[Layout, ProcessSchedule], list[torch.device]]
@@ -66,7 +67,8 @@ def plan_layouts(module: nn.Module, args: tuple, kwargs: dict, world_size: int, 
                  search: LayoutSearch, links: Links, options: PipelineOptions, *,
                  optimizers: Sequence[torch.optim.Optimizer] = (), replication: Replication = "ddp",
                  profile_device: torch.device | None = None, shared_cores: SharedCores | None = None,
-                 loss: Callable[[Any], torch.Tensor | None] | None = None, alternatives: int = 0) -> Planned:
+                 loss: Callable[[Any], torch.Tensor | None] | None = None, alternatives: int = 0,
+                 target: TargetModel | None = None) -> Planned:
     """The plan of the fastest layout that fits for batches like the whole batch ``args, kwargs``
     on ``world_size`` ranks (see the module's docstring), with ``plan.layout`` its layout and
     ``plan.layouts`` every candidate. ``profile_device``: where the model is profiled (default:
@@ -78,18 +80,20 @@ def plan_layouts(module: nn.Module, args: tuple, kwargs: dict, world_size: int, 
     ``alternatives``: how many of the next layouts predicted fastest come with the plan, each as a
     plan of its own (``Planned.alternatives``), for the ranks to time against it
     (:func:`timeable`). Where none fits, the :class:`InfeasiblePlanError` holds every candidate
-    (``layouts``)."""
+    (``layouts``). ``target``: the GPUs the ranks will have, where this machine has none of them:
+    each operation costed on their roofline (:mod:`.target_profile`), not profiled."""
     devices = devices_of(Layout(1, world_size), search.schedules[0])
     with planned_in_training(module), intra_op_threads(stage_threads(devices, options.cpu_threads)):
         return _search(module, args, kwargs, world_size, devices_of, search, links, options, optimizers,
-                       replication, profile_device or devices[0], shared_cores, loss, alternatives)
+                       replication, profile_device or devices[0], shared_cores, loss, alternatives, target)
 
 
 def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devices_of: DevicesOf,
             search: LayoutSearch, links: Links, options: PipelineOptions,
             optimizers: Sequence[torch.optim.Optimizer], replication: Replication,
             profile_device: torch.device, shared_cores: SharedCores | None,
-            loss: Callable[[Any], torch.Tensor | None] | None, alternatives: int) -> Planned:
+            loss: Callable[[Any], torch.Tensor | None] | None, alternatives: int,
+            target: TargetModel | None = None) -> Planned:
     schedules = search.schedules
     batch_dim = options.batch_dim
     size = batch_size_of(module, args, kwargs, batch_dim)
@@ -98,7 +102,11 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                          "split it; give stages= as a number instead")
     graph = captured_and_checked(module, args, kwargs, options)
     multiplier = optimizer_multiplier_for(options, optimizers)
-    optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, profile_device)
+    if target is None:
+        optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, profile_device)
+    else:
+        trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        optimizer_s = target.optimizer_step_s(trainable, multiplier)
     directory, use_cache = profile_cache_dir(options)
     raw_profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
     profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
@@ -125,8 +133,12 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
         if micro not in raw_profiles:
             call = first_micro_batch(module, args, kwargs, size // micro, batch_dim)
             try:
-                cost, _, key = _profiled(module, graph, *call, profile_device, batch_dim, directory, use_cache,
-                                         options.progress, f"{type(module).__name__}, micro-batch {micro}")
+                label = f"{type(module).__name__}, micro-batch {micro}"
+                if target is None:
+                    cost, _, key = _profiled(module, graph, *call, profile_device, batch_dim, directory, use_cache,
+                                             options.progress, label)
+                else:
+                    cost, key = target.profile(module, graph, *call, batch_dim, options.progress, label), ""
                 cost = cost.copy()
                 cost.graph.update(optimizer_step_s=optimizer_s, model=type(module).__name__)
                 if shared_cores is not None and shared_cores.model is not None:
@@ -134,7 +146,7 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                     cost.graph["parallel_capacity"] = capacity_of_two(shared_cores.model, world_size, cores)
                 if shared_cores is not None and shared_cores.optimizer_tensor_s is not None:
                     cost.graph["optimizer_tensor_s"] = shared_cores.optimizer_tensor_s
-                timed_loss = None if loss is None else loss_seconds(module, *call, loss)
+                timed_loss = None if loss is None or target is not None else loss_seconds(module, *call, loss)
                 if timed_loss is not None:
                     with_loss(cost, *timed_loss)
                 raw_profiles[micro] = (cost, key)

@@ -245,7 +245,7 @@ def _make_plan(
         granularity=meta.get("granularity"),
         frontend=meta.get("frontend"),
         refused=list(meta.get("refused") or []),
-        profiled_on=meta.get("device_name") or meta.get("device"),
+        profiled_on=meta.get("cost_source") or meta.get("device_name") or meta.get("device"),
         task_overhead_s=float(meta.get("task_overhead_s") or 0.0),
         step_overhead_s=float(meta.get("step_overhead_s") or 0.0),
         accumulate_s_per_byte=float(meta.get("accumulate_s_per_byte") or 0.0),

@@ -22,6 +22,7 @@ from ..capture.signature import FlatSignature, original_forward, split_inputs
 from ..plans.options import PipelineOptions
 from ..plans.plan import Plan
 from .planning import AUTO, Planned, plan_model
+from .target_profile import TargetModel
 
 
 def plan(
@@ -86,6 +87,7 @@ def plan_layout(
     internode_gbps: float | None = None,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     profile_device: str | torch.device | None = None,
+    target: TargetModel | None = None,
     **settings: Any,
 ) -> Plan:
     """The plan of the fastest layout of ``ranks`` processes that fits, for whole batches like
@@ -96,7 +98,10 @@ def plan_layout(
     rank has (``"cuda"``: rank ``r`` on GPU ``r % per_node``), where the model is also profiled;
     ``per_node``: ranks per node (default: all on one), their links at ``bandwidth_gbps`` and
     across nodes at ``internode_gbps`` (default: the strategy's). ``profile_device``: where the
-    model is profiled, if not on ``device`` (the CPU, to plan for GPUs this machine lacks)."""
+    model is profiled, if not on ``device`` (the CPU, to plan for GPUs this machine lacks).
+    ``target``: the GPUs the ranks will have, where this machine has none of them: the model is
+    not profiled but costed on their roofline and links (:mod:`.target_profile`), the ranks'
+    memory theirs unless ``memory_gb`` says otherwise; ``device`` must then be ``"cuda"``."""
     from ..device import is_accelerator
     from ..plans.process_schedules import process_schedule
     from .layout_cost import Links
@@ -116,10 +121,19 @@ def plan_layout(
 
     search = layout_search(stages, schedule, virtual_stages) or LayoutSearch(
         int(stages), (process_schedule(schedule, virtual_stages),))
-    within = options.bandwidth_gbps if options.bandwidth_gbps is not None else default_bandwidth_gbps([device])
-    across = internode_gbps if internode_gbps is not None else (
-        INTERNODE_GPU_GBPS if is_accelerator(device) else within)
+    if target is not None:
+        if not is_accelerator(device):
+            raise ValueError(f"a target GPU ({target.device.name}) is for ranks on cuda, not {device}")
+        links = target.links(per_node, options.bandwidth_gbps, internode_gbps)
+        if options.memory_gb is None:
+            options = options.replace(memory_gb=target.memory_gb)
+    else:
+        within = options.bandwidth_gbps if options.bandwidth_gbps is not None else default_bandwidth_gbps([device])
+        across = internode_gbps if internode_gbps is not None else (
+            INTERNODE_GPU_GBPS if is_accelerator(device) else within)
+        links = Links(per_node, within, across)
     args, kwargs = split_inputs(batch)
-    return plan_layouts(module, args, kwargs, ranks, devices_of, search, Links(per_node, within, across), options,
+    return plan_layouts(module, args, kwargs, ranks, devices_of, search, links, options,
                         optimizers=optimizers, replication=replication,
-                        profile_device=torch.device(profile_device) if profile_device is not None else device).plan
+                        profile_device=torch.device(profile_device) if profile_device is not None else device,
+                        target=target).plan

@@ -52,10 +52,17 @@ def _stage_lines(plan: Any) -> list[str]:
         f"lower bound {1e3 * plan.lower_bound_s:.2f} ms (x{plan.bound_ratio:.3f}); "
         f"predicted step {1e3 * plan.predicted_step_s:.1f} ms",
         f"{plan.num_nodes} ops, {plan.num_states} states, solved in {plan.solve_s:.3f} s"
-        + ("" if plan.profile_s is None else f", profiled in {plan.profile_s:.1f} s")
+        + ("" if plan.profile_s is None else f", {_costed(plan)} in {plan.profile_s:.1f} s")
         + ("" if plan.frontend is None else f"; captured by {plan.frontend}{tried_first(plan.refused)}"),
     ]
     return lines
+
+
+def _costed(plan: Any) -> str:
+    """How the operations' costs were found: profiled here, or on a target GPU's roofline."""
+    source = plan.profiled_on or ""
+    return source.split(" (")[0].replace("roofline of", "costed on the roofline of") if source.startswith(
+        "roofline of") else "profiled"
 
 
 def _cost_lines(plan: Any) -> list[str]:

@@ -1,0 +1,177 @@
+"""Planning for a GPU that is not here: each operation costed on the GPU's roofline from shapes on
+meta (planner/roofline.py, planner/target_profile.py), the same cost graph the measured profile
+writes, and the plan command's --gpu."""
+
+import json
+
+import pytest
+import torch
+from test_cli import run_main, tiny_llama_config
+from torch import nn
+
+from lightning_antichain.capture import trace
+from lightning_antichain.hf_models import causal_lm_on_meta
+from lightning_antichain.planner.just_in_time import meta_copy, profile_just_in_time
+from lightning_antichain.planner.profiler import _time_once, profile
+from lightning_antichain.planner.roofline import Efficiencies, FusedAttention, RooflineClock, attention_flops, kind_of
+from lightning_antichain.planner.target_devices import TARGET_DEVICES, target_device
+from lightning_antichain.planner.target_profile import TargetModel
+
+H100 = target_device("H100")
+EFF = Efficiencies()
+
+
+def meta(*shape, dtype=torch.bfloat16, grad=True) -> torch.Tensor:
+    return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=grad)
+
+
+def test_a_matrix_product_costs_its_flops_at_the_derated_peak_forward_and_twice_that_backward():
+    x, w = meta(2048, 4096), meta(8192, 4096)
+    clock = RooflineClock(H100)
+    forward, y = clock(lambda: nn.functional.linear(x, w))
+    flops = 2 * 2048 * 4096 * 8192
+    assert forward == pytest.approx(flops / (989e12 * EFF.compute["matmul"]))
+    assert clock.tally.flops == flops and clock.tally.bytes == 2 * (2048 * 4096 + 8192 * 4096 + 2048 * 8192)
+    backward, _ = clock(lambda: torch.autograd.grad([y], [x, w], [torch.empty_like(y)]))
+    assert backward == pytest.approx(2 * forward)
+    fp32, _ = RooflineClock(H100)(lambda: nn.functional.linear(x.float(), w.float()))
+    assert fp32 > forward * 989 / 494.5 * 0.99  # TF32's peak, and the copies to float32
+
+
+def test_an_elementwise_map_costs_its_bytes_at_the_derated_bandwidth_and_a_view_nothing():
+    x = meta(4096, 8192)
+    clock = RooflineClock(H100)
+    seconds, _ = clock(lambda: nn.functional.silu(x))
+    assert seconds == pytest.approx(2 * x.numel() * 2 / (3350e9 * EFF.memory["elementwise"]))
+    assert kind_of(torch.ops.aten.view.default) is None and kind_of(torch.ops.aten.t.default) is None
+    assert kind_of(torch.ops.aten.add_.Tensor) == "elementwise"  # in place: a kernel, not a view
+    seconds, _ = clock(lambda: x.view(-1).t() if x.dim() == 1 else x.view(8192, 4096))
+    assert clock.tally.gpu_s == 0 and seconds == clock.tally.host_s > 0
+
+
+def test_attention_is_costed_as_the_fused_kernel_half_the_work_under_a_causal_mask():
+    q, k = meta(2, 32, 1024, 128), meta(2, 8, 1024, 128)
+    clock = RooflineClock(H100)
+    forward, out = clock(lambda: nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True,
+                                                                            enable_gqa=True))
+    assert out.shape == q.shape
+    flops = 2 * 2 * 32 * 1024 * 1024 * 256 / 2
+    assert attention_flops(q, k, k, True) == flops and clock.tally.flops == flops
+    # Q, K, V, the output and each row's log-sum-exp: never the scores
+    assert clock.tally.bytes == 2 * 2 * 1024 * 128 * (32 + 8 + 8 + 32) + 4 * 2 * 32 * 1024
+    full, _ = RooflineClock(H100)(lambda: nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True))
+    assert full == pytest.approx(2 * forward)
+    backward, _ = clock(lambda: torch.autograd.grad([out], [q, k], [torch.empty_like(out)]))
+    assert backward > 2.5 * forward
+
+
+def test_each_operation_costed_alone_adds_up_to_the_whole_model_costed_at_once(tmp_path):
+    """A tiny Llama's operations costed one at a time on meta: its repeated layers, which take the
+    first layer's costs, cost what they do run; its matrix products what one forward and backward
+    of the whole model costs at once; its parameters their bytes."""
+    tiny_llama_config(tmp_path / "llama")
+    built = causal_lm_on_meta(str(tmp_path / "llama"), 4, 32)
+    graph = trace(built.model, built.batch, progress=False)
+    cost = TargetModel(H100).profile(built.model, graph, (), built.batch, progress=False)
+    assert cost.graph["repeated_blocks"] and cost.graph["cost_source"].startswith("roofline of H100-SXM")
+    parameters = sum(p.numel() * p.element_size() for p in built.model.parameters())
+    assert sum(a["param_bytes"] for _, a in cost.nodes(data=True)) == parameters
+
+    matmuls: list[float] = []
+
+    def timer(fn):
+        seconds, out = clock(fn)
+        matmuls.append(clock.tally.by_kind["matmul"])
+        return seconds, out
+
+    clock = RooflineClock(H100)
+    with FusedAttention():
+        every = profile_just_in_time(graph, (), built.batch, torch.device("meta"),
+                                     lambda call: _time_once(call, timer), 1, 0, lambda: None, repeats_once=False)
+    assert not every.repeated
+    assert sum(map(sum, (s[0] for s in every.samples))) == pytest.approx(
+        sum(a["forward_s"] + a["backward_s"] for _, a in cost.nodes(data=True)), rel=1e-9)
+
+    work = meta_copy(graph.graph_module)
+    inputs = graph.bind((), {k: v.to("meta") for k, v in built.batch.items()})
+    _, out = clock(lambda: work(*inputs))
+    whole = clock.tally.by_kind["matmul"]
+    loss = next(t for t in _tensors(out) if t.dim() == 0)
+    clock(lambda: torch.autograd.grad([loss], [p for p in work.parameters()], allow_unused=True))
+    whole += clock.tally.by_kind["matmul"]
+    assert whole > 0 and sum(matmuls) == pytest.approx(whole, rel=1e-9)
+
+
+def _tensors(value):
+    from lightning_antichain.capture.pytrees import iter_tensors
+
+    return list(iter_tensors(value))
+
+
+def test_saved_tensors_are_counted_alike_on_meta_and_on_real_values(tmp_path):
+    """What each operation keeps for backward, counted on meta (where every storage's address is
+    0) as on the CPU's real tensors: the activation memory the plan for a GPU weighs."""
+    tiny_llama_config(tmp_path / "llama")
+    built = causal_lm_on_meta(str(tmp_path / "llama"), 2, 16, "32-true")
+    graph = trace(built.model, built.batch, progress=False)
+    on_meta = TargetModel(H100).profile(built.model, graph, (), built.batch, progress=False)
+    measured = profile(built.model, built.batch, "cpu", op_graph=graph, progress=False, warmup=0, repeats=1,
+                       runtime_overhead=False)
+    for key in ("saved_bytes", "output_bytes", "param_bytes"):
+        assert {n: a[key] for n, a in on_meta.nodes(data=True)} == {n: a[key] for n, a in measured.nodes(data=True)}
+    assert sum(a["saved_bytes"] for _, a in on_meta.nodes(data=True)) > 0
+
+
+def test_the_command_plans_for_a_named_gpu_with_its_memory_links_and_roofline(tmp_path):
+    tiny_llama_config(tmp_path / "llama")
+    result = run_main("plan", str(tmp_path / "llama"), "--gpu", "H100", "--ranks", "4", "--per-node", "2",
+                      "--stages", "auto", "--batch-size", "8", "--sequence-length", "32", "--internode", "400Gb/s",
+                      "--quiet", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert all(stage["device"].startswith("cuda:") for stage in plan["stages"])
+    assert plan["profiled_on"].startswith("roofline of H100-SXM")
+    assert all(stage["memory_limit_bytes"] == pytest.approx(0.9 * 80e9) for stage in plan["stages"])
+    assert plan["bandwidth_gbps"] == pytest.approx(450 * EFF.link)
+    # the step on an H100 is milliseconds where the CPU takes far longer
+    assert 0 < plan["predicted_step_s"] < 0.05
+
+
+@pytest.mark.parametrize("gpu, message", [
+    ("V100", "not a GPU this planner knows"),
+    ("{missing}.json", "there is no such file"),
+])
+def test_an_unknown_gpu_says_which_are_known_or_how_to_describe_one(tmp_path, gpu, message):
+    tiny_llama_config(tmp_path / "llama")
+    gpu = gpu.format(missing=tmp_path / "missing")
+    result = run_main("plan", str(tmp_path / "llama"), "--gpu", gpu, "--ranks", "2", "--stages", "auto",
+                      "--sequence-length", "16")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_gpu_described_in_a_file_is_checked_and_planned_for(tmp_path):
+    fields = {"memory_gb": 24, "hbm_gbps": 1000, "bf16_tflops": 165, "fp32_tflops": 82.6, "intranode_gbps": 32,
+              "internode_gbit": 100}
+    (tmp_path / "L4x.json").write_text(json.dumps(fields))
+    found = target_device(str(tmp_path / "L4x.json"))
+    assert found.name == "L4x" and found.internode_gbps == 12.5 and found.tf32_tflops is None
+    (tmp_path / "bad.json").write_text(json.dumps({**fields, "hbm_gbps": -1, "clock": 2}))
+    with pytest.raises(ValueError, match="unknown clock"):
+        target_device(str(tmp_path / "bad.json"))
+    del fields["memory_gb"]
+    (tmp_path / "short.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match="missing memory_gb"):
+        target_device(str(tmp_path / "short.json"))
+
+
+def test_efficiencies_load_as_saved_and_refuse_shares_out_of_range(tmp_path):
+    fitted = Efficiencies(compute={**EFF.compute, "matmul": 0.62}, source="fitted on an H200")
+    fitted.save(tmp_path / "eff.json")
+    assert Efficiencies.load(tmp_path / "eff.json") == fitted
+    with pytest.raises(ValueError, match="a share in"):
+        Efficiencies(memory={**EFF.memory, "norm": 1.5})
+
+
+def test_the_gpu_table_says_where_each_figure_comes_from():
+    assert {"A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "MI300X"} <= set(TARGET_DEVICES)
+    assert all(d.source and d.bf16_tflops > d.fp32_tflops for d in TARGET_DEVICES.values())
