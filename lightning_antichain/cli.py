@@ -15,6 +15,7 @@ one JSON object, so the output can be piped.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import sys
@@ -173,7 +174,9 @@ def _plan_layout(args: argparse.Namespace) -> int:
         optimizer_multiplier=_optimizer_multiplier(args, hf), profile_cache=args.profile_cache,
         use_profile_cache=not args.no_profile_cache, calibrate=False, cpu_threads=args.cpu_threads,
         accumulate_grad_batches=args.accumulate_grad_batches, progress=not args.quiet)
-    model, example = _model_and_batch(args, args.batch_size)
+    model, example, depth = _model_and_batch(args, args.batch_size, fewest_layers=target is not None)
+    if depth is not None:
+        target = dataclasses.replace(target, depth=depth)
     plan = plan_layout(model, example, args.ranks, options, device=rank_device, per_node=args.per_node,
                        stages=args.stages, schedule=args.schedule, replication=args.replication,
                        internode_gbps=args.internode, profile_device=args.device, target=target)
@@ -217,20 +220,30 @@ def _check_model_path(model: str) -> None:
         raise ValueError(f"{model}: there is no such file; give a Hugging Face model's config.json or its directory")
 
 
-def _model_and_batch(args: argparse.Namespace, samples: int) -> tuple[Any, Any]:
+def _model_and_batch(args: argparse.Namespace, samples: int, fewest_layers: bool = False) -> tuple[Any, Any, Any]:
     """MODEL, and a batch of ``samples`` for it: random floats of ``--input-shape``, or for a
-    Hugging Face MODEL, random token ids of ``--sequence-length`` (with ``labels=``)."""
+    Hugging Face MODEL, random token ids of ``--sequence-length`` (with ``labels=``); and, where
+    a Hugging Face MODEL is built with its ``fewest_layers`` only, the depth its cost graph is
+    extended to (:class:`~lightning_antichain.planner.deeper.Depth`), else ``None``."""
     if is_hf_config(args.model):
         if args.sequence_length is None:
             raise ValueError(f"{args.model} is a Hugging Face model: give --sequence-length (tokens per sample)")
-        built = causal_lm_on_meta(args.model, samples, args.sequence_length, args.precision)
-        return built.model, built.batch
+        built = causal_lm_on_meta(args.model, samples, args.sequence_length, args.precision,
+                                  fewest_layers=fewest_layers)
+        depth = None
+        if built.layers_path is not None and built.config_layers:
+            from .planner.deeper import Depth
+
+            captured = len(built.model.get_submodule(built.layers_path))
+            if captured < built.config_layers:
+                depth = Depth(built.layers_path, captured, built.config_layers, built.period)
+        return built.model, built.batch, depth
     if args.sequence_length is not None:
         raise ValueError("--sequence-length is for a Hugging Face MODEL (a model directory or config.json); give "
                          "--input-shape for an import path")
     if args.input_shape is None:
         raise ValueError("--input-shape is required (the shape of one sample, e.g. 3,32,32)")
-    return _build_model(args.model, args.model_kwargs), torch.randn(samples, *args.input_shape)
+    return _build_model(args.model, args.model_kwargs), torch.randn(samples, *args.input_shape), None
 
 
 def _optimizer_multiplier(args: argparse.Namespace, hf: bool) -> float | None:
@@ -437,7 +450,7 @@ def _plan(args: argparse.Namespace) -> int:
                              f"{type(exc).__name__}: {exc}") from None
         model, example = None, None
     else:
-        model, example = _model_and_batch(args, micro_batch)
+        model, example, _ = _model_and_batch(args, micro_batch)
     options = PipelineOptions(
         chunks=args.chunks,
         method=args.method,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,18 +36,39 @@ def is_hf_config(path: str) -> bool:
 
 @dataclass(frozen=True)
 class CausalLMOnMeta:
-    """The model on meta, and a batch of token ids for it."""
+    """The model on meta, and a batch of token ids for it; where it was built with fewer layers
+    than its config's (``layers=``), the path of its layers and how many the config has."""
 
     model: nn.Module
     batch: dict[str, torch.Tensor]
+    layers_path: str | None = None
+    config_layers: int | None = None
+    period: int = 1
+
+
+def layer_kinds(config: Any) -> list[Any]:
+    """What sets each layer of a decoder's config apart from the others: its attention
+    (``layer_types``: sliding or full) and whether its MLP is a mixture of experts (Qwen-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step``, DeepSeek's ``first_k_dense_replace``)."""
+    count = config.num_hidden_layers
+    attention = list(getattr(config, "layer_types", None) or [None] * count)
+    experts = any(getattr(config, name, None) for name in ("num_local_experts", "num_experts", "n_routed_experts"))
+    dense_first = getattr(config, "first_k_dense_replace", None) or 0
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", None) or 1
+    return [(attention[i], bool(experts) and i >= dense_first and i not in dense and (i + 1) % step == 0)
+            for i in range(count)]
 
 
 def causal_lm_on_meta(path: str, batch_size: int, sequence_length: int, precision: str = "bf16-true",
-                      seed: int = 0) -> CausalLMOnMeta:
+                      seed: int = 0, fewest_layers: bool = False) -> CausalLMOnMeta:
     """The causal LM of the config at ``path`` (:func:`is_hf_config`), its parameters on meta in
     ``precision``'s dtype (:data:`PRECISIONS`, whatever dtype the config names), with
     ``use_cache=False`` as training needs, and a batch of ``batch_size`` sequences of
-    ``sequence_length`` random token ids, their ``labels`` the same ids."""
+    ``sequence_length`` random token ids, their ``labels`` the same ids. ``fewest_layers``: built
+    with only the layers from which the others follow by repetition
+    (:func:`~lightning_antichain.planner.deeper.fewest_layers`), for a cost graph to be extended
+    to the config's depth."""
     try:
         import transformers
     except ImportError as exc:
@@ -65,6 +87,17 @@ def causal_lm_on_meta(path: str, batch_size: int, sequence_length: int, precisio
         raise ValueError(f"--sequence-length {sequence_length} is longer than the model's max_position_embeddings "
                          f"({max_length})")
     dtype = PRECISIONS[precision][0]
+    kinds = layer_kinds(config) if getattr(config, "num_hidden_layers", None) else []
+    config_layers, period = len(kinds) or None, 1
+    if fewest_layers and kinds:
+        from .planner.deeper import fewest_layers as fewest
+        from .planner.deeper import period_of
+
+        layers = fewest(kinds)
+        period = period_of(kinds)
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = list(config.layer_types[:layers])
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     # the precision asked for, whatever dtype the config was saved in (every downloaded one names one,
@@ -79,4 +112,11 @@ def causal_lm_on_meta(path: str, batch_size: int, sequence_length: int, precisio
         torch.set_default_dtype(default)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch_size, sequence_length), generator=generator)
-    return CausalLMOnMeta(model, {"input_ids": ids, "labels": ids})
+    path_of_layers = _layers_path(model, config.num_hidden_layers) if config_layers else None
+    return CausalLMOnMeta(model, {"input_ids": ids, "labels": ids}, path_of_layers, config_layers, period)
+
+
+def _layers_path(model: nn.Module, count: int) -> str | None:
+    """The path of the module list that holds the decoder's ``count`` layers (``model.layers``)."""
+    return next((name for name, module in model.named_modules()
+                 if isinstance(module, nn.ModuleList) and len(module) == count), None)

@@ -2,6 +2,7 @@
 meta (planner/roofline.py, planner/target_profile.py), the same cost graph the measured profile
 writes, and the plan command's --gpu."""
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,9 @@ from torch import nn
 
 from lightning_antichain.capture import trace
 from lightning_antichain.hf_models import causal_lm_on_meta
+from lightning_antichain.planner.deeper import Depth, fewest_layers
 from lightning_antichain.planner.just_in_time import meta_copy, profile_just_in_time
+from lightning_antichain.planner.partition import partition
 from lightning_antichain.planner.profiler import _time_once, profile
 from lightning_antichain.planner.roofline import Efficiencies, FusedAttention, RooflineClock, attention_flops, kind_of
 from lightning_antichain.planner.target_devices import TARGET_DEVICES, target_device
@@ -175,3 +178,51 @@ def test_efficiencies_load_as_saved_and_refuse_shares_out_of_range(tmp_path):
 def test_the_gpu_table_says_where_each_figure_comes_from():
     assert {"A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "MI300X"} <= set(TARGET_DEVICES)
     assert all(d.source and d.bf16_tflops > d.fp32_tflops for d in TARGET_DEVICES.values())
+
+
+def _gemma2_config(directory) -> None:
+    import transformers
+
+    transformers.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=7,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                              sliding_window=8).save_pretrained(directory)
+
+
+@pytest.mark.parametrize("make, period", [(lambda d: tiny_llama_config(d, num_hidden_layers=7), 1),
+                                          (_gemma2_config, 2)], ids=["llama", "gemma2-sliding-and-full"])
+def test_a_config_captured_with_its_fewest_layers_costs_as_the_whole_depth_captured(tmp_path, make, period):
+    """Seven layers captured whole, and the fewest from which the rest repeat (2 of Llama's, 5 of
+    Gemma-2's alternating sliding and full attention) extended to seven: the same operations,
+    wiring, parameters, costs and bytes, and the same plans."""
+    make(tmp_path / "model")
+    target = TargetModel(H100)
+    whole = causal_lm_on_meta(str(tmp_path / "model"), 2, 32)
+    few = causal_lm_on_meta(str(tmp_path / "model"), 2, 32, fewest_layers=True)
+    captured = len(few.model.get_submodule(few.layers_path))
+    assert few.period == period and few.config_layers == 7 and captured == (2 if period == 1 else 5)
+    full = target.profile(whole.model, trace(whole.model, whole.batch, progress=False), (), whole.batch,
+                          progress=False)
+    depth = Depth(few.layers_path, captured, 7, few.period)
+    extended = dataclasses.replace(target, depth=depth).profile(
+        few.model, trace(few.model, few.batch, progress=False), (), few.batch, progress=False)
+    assert extended.number_of_nodes() == full.number_of_nodes()
+    assert extended.number_of_edges() == full.number_of_edges()
+    for key in ("forward_s", "backward_s", "param_bytes", "saved_bytes", "output_bytes"):
+        assert sum(a[key] for _, a in extended.nodes(data=True)) == pytest.approx(
+            sum(a[key] for _, a in full.nodes(data=True)), rel=1e-12)
+    assert sorted(p for _, a in extended.nodes(data=True) for p in a["params"]) == sorted(
+        p for _, a in full.nodes(data=True) for p in a["params"])
+    assert target.trainable_bytes(whole.model) == dataclasses.replace(target, depth=depth).trainable_bytes(few.model)
+    for stages in (3, 4):
+        plans = [partition(cost, stages, chunks=2, devices=[f"cuda:{i}" for i in range(stages)], bandwidth_gbps=100)
+                 for cost in (full, extended)]
+        assert [(s.forward_s, s.backward_s, s.memory_bytes, s.param_bytes, len(s.nodes)) for s in plans[0].stages] == [
+            (s.forward_s, s.backward_s, s.memory_bytes, s.param_bytes, len(s.nodes)) for s in plans[1].stages]
+
+
+@pytest.mark.parametrize("kinds, fewest", [
+    ([0] * 80, 2), (["sliding", "full"] * 21, 4), (["sliding", "full"] * 21 + ["sliding"], 5),
+    (["dense"] * 3 + ["moe"] * 58, 5), ([0, 1, 2], 3), ([], 0),
+])
+def test_the_fewest_layers_show_each_kind_twice_after_what_does_not_repeat(kinds, fewest):
+    assert fewest_layers(kinds) == fewest

@@ -22,6 +22,7 @@ operations read are zeros of the counterpart's shapes.
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +90,7 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
             result.samples.append(measured)
             del call
             run.forget()
-            ledger.forget(run.alive_storages())
+            ledger.forget(run.alive_storages())  # stand-ins of a repeated block's values die at once
         completed = True
     finally:
         if completed:
@@ -160,7 +161,7 @@ class _JustInTime:
         self._keep_shapes = {name for r in repeats for name in r.reference.nodes}
         #: repeated blocks taken from a reference block, by the reference's name
         self.repeated: dict[str, list[str]] = {}
-        self.env: dict[str, Any] = {}
+        self.env = _Values()
         self._nodes = [n for n in work.graph.nodes if n.op != "output"]
         self._needs: dict[str, list[nn.Module]] = {n.name: self._modules_of(n) for n in self._nodes}
         last_module_use: dict[int, int] = {}
@@ -180,6 +181,9 @@ class _JustInTime:
                 self._drop_after.setdefault(last_value_use.get(node.name, index), []).append(node.name)
         self._done = -1
         self._released: set[int] = set()  # storages of released state that kept values still view
+        #: costed on shapes (a target GPU's): the state stays on meta, its storages the same throughout
+        self._on_meta = device.type == "meta"
+        self._meta_state = {storage_of(t)[0] for t in [*work.parameters(), *work.buffers()]} if self._on_meta else None
 
     def _modules_of(self, node: fx.Node) -> list[nn.Module]:
         """The modules whose own state ``node`` uses: a called module and its children, or the
@@ -215,7 +219,8 @@ class _JustInTime:
                 self._done = index
                 yield self._call_like(node, like), like
                 continue
-            materialize(self._needs[node.name], self.device, "random")
+            if not self._on_meta:
+                materialize(self._needs[node.name], self.device, "random")
             op = self.graph[node.name]
             module = None
             if node.op == "placeholder":
@@ -284,9 +289,12 @@ class _JustInTime:
     def forget(self) -> None:
         """Drop the values and release the state whose last use has run."""
         index = self._done
-        for name in self._drop_after.pop(index, ()):
+        dropped = self._drop_after.pop(index, ())
+        for name in dropped:
             self.env.pop(name, None)
         modules = self._release_after.pop(index, ())
+        if self._on_meta or not modules:
+            return
         released = {storage_of(t)[0] for m in modules for t in own_state(m) if not t.is_meta}
         release(modules)
         self._released = (self._released | released) & self.alive_storages()
@@ -294,13 +302,39 @@ class _JustInTime:
     def state_storages(self) -> set[int]:
         """The storages of the model's state: real now, or sent back to meta while a kept value
         still views it (a slice of a mask buffer, say)."""
-        on_meta = self.device.type == "meta"  # costed on shapes (a target GPU's): the state stays on meta
-        real = {storage_of(t)[0] for t in [*self.work.parameters(), *self.work.buffers()] if on_meta or not t.is_meta}
+        if self._meta_state is not None:
+            return self._meta_state
+        real = {storage_of(t)[0] for t in [*self.work.parameters(), *self.work.buffers()] if not t.is_meta}
         return real | self._released
 
     def alive_storages(self) -> set[int]:
         """The storages of the values still kept."""
-        return {storage_of(t)[0] for value in self.env.values() for t in iter_tensors(value)}
+        return self.env.storages()
+
+
+class _Values(dict):
+    """The values kept, by node name, with the storages they hold counted as they come and go
+    (asked for after nearly every operation: counting them afresh each time was most of a
+    profile on meta)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: Counter[int] = Counter()
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.pop(name, None)
+        super().__setitem__(name, value)
+        self._held.update(storage_of(t)[0] for t in iter_tensors(value))
+
+    def pop(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        if name not in self:
+            return default
+        value = super().pop(name)
+        self._held.subtract(storage_of(t)[0] for t in iter_tensors(value))
+        return value
+
+    def storages(self) -> set[int]:
+        return {key for key, count in self._held.items() if count > 0}
 
 
 def _cut(tensor: torch.Tensor, needs_grad: bool) -> torch.Tensor:

@@ -105,8 +105,7 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
     if target is None:
         optimizer_s = timed_optimizer_step_s(module, args, kwargs, optimizers, profile_device)
     else:
-        trainable = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        optimizer_s = target.optimizer_step_s(trainable, multiplier)
+        optimizer_s = target.optimizer_step_s(target.trainable_bytes(module), multiplier)
     directory, use_cache = profile_cache_dir(options)
     raw_profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
     profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}

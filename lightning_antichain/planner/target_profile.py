@@ -24,6 +24,7 @@ from torch import nn
 
 from ..capture import OpGraph
 from ..capture.isolation import keeps_random_state
+from .deeper import Depth
 from .just_in_time import profile_just_in_time
 from .layout_cost import Links
 from .profiler import _cost_graph, _time_once
@@ -41,6 +42,9 @@ class TargetModel:
 
     device: TargetDevice
     efficiencies: Efficiencies = dataclasses.field(default_factory=Efficiencies)
+    #: where the model was built with fewer of its repeated blocks than it has: the depth its
+    #: cost graph is extended to (:mod:`.deeper`)
+    depth: Depth | None = None
 
     @property
     def memory_gb(self) -> float:
@@ -53,6 +57,11 @@ class TargetModel:
         within = intranode_gbps if intranode_gbps is not None else self.device.intranode_gbps
         across = internode_gbps if internode_gbps is not None else self.device.internode_gbps
         return Links(per_node, within * share, across * share, self.efficiencies.collective_s)
+
+    def trainable_bytes(self, module: nn.Module) -> int:
+        """The bytes of the model's trainable parameters, at its whole depth."""
+        found = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        return found + (self.depth.added_trainable_bytes(module) if self.depth is not None else 0)
 
     def optimizer_step_s(self, trainable_bytes: int, multiplier: float) -> float:
         """An elementwise optimizer's step over ``trainable_bytes`` of parameters with
@@ -77,9 +86,12 @@ class TargetModel:
         reporter.close()
         cost = _cost_graph(graph, module, streamed.calls, streamed.samples, streamed.kept, None, 1.0, name, meta,
                            args, kwargs, batch_dim, 0, 1, False, started)
+        cost.graph["repeated_blocks"] = streamed.repeated
+        if self.depth is not None:
+            cost = self.depth.extend(cost)
         cost.graph.update(
             device=f"cuda ({self.device.name})", device_name=self.device.name, cost_source=self.source,
-            just_in_time=True, repeated_blocks=streamed.repeated, cpu_cores=None,
+            just_in_time=True, cpu_cores=None,
             task_overhead_s=0.0, step_overhead_s=0.0,
             accumulate_s_per_byte=3 / (self.device.hbm_gbps * 1e9 * self.efficiencies.memory["elementwise"]))
         return cost
