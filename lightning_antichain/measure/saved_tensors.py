@@ -190,7 +190,10 @@ class SavedLedger:
     drops those no longer alive, so that a later storage at the same address gets its own name.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_meta: bool = False) -> None:
+        #: the values are all on meta (costed from shapes): stand-ins on meta are values too, where
+        #: elsewhere they are what a released module left behind, or shapes not run
+        self._on_meta = on_meta
         self._owner: dict[int, tuple[str, int]] = {}  # storage key -> (name, bytes)
         self._made_by: dict[str, str] = {}  # name -> the call that made it
         self._kept: dict[str, int] = {}
@@ -229,7 +232,7 @@ class SavedLedger:
 
         _, keys, mutated, found = next(entry for entry in reversed(self._calls) if entry[0] == reference)
         outputs = list(found)
-        for index, tensor in enumerate(iter_tensors(call.output)):  # stand-ins on meta each have a storage of their own
+        for index, tensor in enumerate(t for t in iter_tensors(call.output) if self._on_meta or not t.is_meta):
             key, nbytes = storage_of(tensor)
             if key not in excluded and nbytes and key not in self._owner:
                 ref = outputs[index] if index < len(outputs) else None
@@ -245,7 +248,7 @@ class SavedLedger:
 
     def names_of(self, value: Any) -> list[str]:
         """The names of the storages of ``value``'s tensors that calls made."""
-        keys = [storage_of(t)[0] for t in iter_tensors(value)]
+        keys = [storage_of(t)[0] for t in iter_tensors(value) if self._on_meta or not t.is_meta]
         return [self._owner[key][0] for key in keys if key in self._owner]
 
     def forget(self, alive: set[int]) -> None:

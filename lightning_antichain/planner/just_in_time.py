@@ -69,7 +69,7 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
     work.train()
     retarget_devices(work, graph.capture_device, device)
     replay = graph.rebound(work, work)
-    ledger = SavedLedger()
+    ledger = SavedLedger(on_meta=device.type == "meta")
     run = _JustInTime(replay, work, device, find_repeats(replay, work) if repeats_once else [], ledger.names_of)
     result = StreamedProfile()
     position: dict[str, int] = {}
@@ -289,11 +289,10 @@ class _JustInTime:
     def forget(self) -> None:
         """Drop the values and release the state whose last use has run."""
         index = self._done
-        dropped = self._drop_after.pop(index, ())
-        for name in dropped:
+        for name in self._drop_after.pop(index, ()):
             self.env.pop(name, None)
         modules = self._release_after.pop(index, ())
-        if self._on_meta or not modules:
+        if self._on_meta:
             return
         released = {storage_of(t)[0] for m in modules for t in own_state(m) if not t.is_meta}
         release(modules)
@@ -309,13 +308,16 @@ class _JustInTime:
 
     def alive_storages(self) -> set[int]:
         """The storages of the values still kept."""
-        return self.env.storages()
+        if self._on_meta:  # nothing is made real, so no value's storage is swapped under it
+            return self.env.storages()
+        return {storage_of(t)[0] for value in self.env.values() for t in iter_tensors(value)}
 
 
 class _Values(dict):
     """The values kept, by node name, with the storages they hold counted as they come and go
     (asked for after nearly every operation: counting them afresh each time was most of a
-    profile on meta)."""
+    profile on meta). The count is right only where no value's storage is swapped in place, as
+    making a module's state real does (:func:`~lightning_antichain.weights.materialize.materialize`)."""
 
     def __init__(self) -> None:
         super().__init__()
