@@ -177,9 +177,15 @@ def _plan_layout(args: argparse.Namespace) -> int:
     model, example, depth = _model_and_batch(args, args.batch_size, fewest_layers=target is not None)
     if depth is not None:
         target = dataclasses.replace(target, depth=depth)
-    plan = plan_layout(model, example, args.ranks, options, device=rank_device, per_node=args.per_node,
-                       stages=args.stages, schedule=args.schedule, replication=args.replication,
-                       internode_gbps=args.internode, profile_device=args.device, target=target)
+    try:
+        plan = plan_layout(model, example, args.ranks, options, device=rank_device, per_node=args.per_node,
+                           stages=args.stages, schedule=args.schedule, replication=args.replication,
+                           internode_gbps=args.internode, profile_device=args.device, target=target)
+    except InfeasiblePlanError as exc:
+        memory_gb = args.memory or (target.memory_gb if target is not None else None)
+        if not exc.layouts or memory_gb is None:
+            raise
+        raise ValueError(_nothing_fits(exc, args, model, depth, memory_gb, options.optimizer_multiplier)) from None
     if args.output:
         plan.save(args.output)
     print(plan.to_json() if args.json else plan.table())
@@ -187,6 +193,22 @@ def _plan_layout(args: argparse.Namespace) -> int:
         print(f"times are {args.device}'s, where the model was profiled, not the {rank_device} ranks': they rank the "
               "layouts; the memory is the ranks' own")
     return 0
+
+
+def _nothing_fits(error: InfeasiblePlanError, args: argparse.Namespace, model: Any, depth: Any, memory_gb: float,
+                  multiplier: float | None) -> str:
+    """The report of a layout search that found nothing to fit (:mod:`.planner.nothing_fits`)."""
+    from .planner.nothing_fits import nothing_fits
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weight_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    weight_bytes += depth.added_trainable_bytes(model) if depth is not None else 0
+    itemsize = trainable[0].element_size() if trainable else 4
+    multiplier = DEFAULTS.optimizer_multiplier if multiplier is None else multiplier
+    multiplier = 2.0 if multiplier is None else multiplier
+    return nothing_fits(error, args.ranks, args.per_node or args.ranks, memory_gb, int(weight_bytes * (2 + multiplier)),
+                        itemsize * (2 + multiplier), args.replication,
+                        args.precision if is_hf_config(args.model) else None)
 
 
 def _target(args: argparse.Namespace) -> Any:

@@ -4,6 +4,7 @@ writes, and the plan command's --gpu."""
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -226,3 +227,26 @@ def test_a_config_captured_with_its_fewest_layers_costs_as_the_whole_depth_captu
 ])
 def test_the_fewest_layers_show_each_kind_twice_after_what_does_not_repeat(kinds, fewest):
     assert fewest_layers(kinds) == fewest
+
+
+def test_where_nothing_fits_each_layout_says_why_on_its_line_and_the_flags_name_the_fewest_nodes(tmp_path):
+    """A tiny Llama whose training state alone needs more than 4 ranks of the --memory given: one
+    line per layout with the memory that ruled it out, the fewest ranks the state needs by
+    arithmetic, and the flags that would change the answer."""
+    tiny_llama_config(tmp_path / "llama")
+    built = causal_lm_on_meta(str(tmp_path / "llama"), 2, 16, "bf16-mixed")
+    state = sum(p.numel() for p in built.model.parameters()) * 16  # bf16 weights and gradients, AdamW in float32
+    memory_gb = state / 5.5 / 1e9  # six ranks' worth: four cannot hold it
+    result = run_main("plan", str(tmp_path / "llama"), "--gpu", "H100", "--ranks", "4", "--per-node", "2",
+                      "--stages", "auto", "--batch-size", "4", "--sequence-length", "16", "--precision", "bf16-mixed",
+                      "--memory", str(memory_gb), "--quiet")
+    assert result.returncode == 2, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == ("lightning-antichain: error: no layout of 4 ranks (2 nodes of 2) fits in "
+                        f"{memory_gb:.3g} GB a rank:")
+    layouts = [line for line in lines if line.startswith("  dp=")]
+    assert {line.split()[0] for line in layouts} == {"dp=1", "dp=2", "dp=4"} and len(layouts) >= 5
+    assert all(": memory, " in line or "no micro-batch" in line for line in layouts)
+    assert f"at least {math.ceil(state / (memory_gb * 1e9))} ranks" in result.stderr
+    assert lines[-1].startswith("to fit, give --ranks ") and "--replication fsdp" in lines[-1]
+    assert "--precision bf16-true" in lines[-1] and "memory_gb" not in result.stderr

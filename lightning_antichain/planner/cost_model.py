@@ -25,6 +25,9 @@ class InfeasiblePlanError(ValueError):
     where a search of layouts found none, every candidate it weighed, with why it could not run."""
 
     layouts: list[dict] = []
+    #: where a stage's memory decided it: the least a rank would need, and its limit, in bytes
+    needed_bytes: int | None = None
+    limit_bytes: int | None = None
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,11 @@ def stage_nodes_of_chain(space: StateSpace, chain: Sequence[int]) -> list[list[A
 _ALONE_CHECKED = 64
 
 
+def _needing(needed: int, limit: int, error: InfeasiblePlanError) -> InfeasiblePlanError:
+    error.needed_bytes, error.limit_bytes = needed, limit
+    return error
+
+
 def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel) -> InfeasiblePlanError:
     """Explain why no chain exists: too few states, or which stage exceeds which memory limit."""
     graph = space.graph
@@ -240,11 +245,11 @@ def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
     for v in heaviest[:_ALONE_CHECKED]:
         alone = memory_of(graph, [v], model)
         if alone > largest_limit:
-            return InfeasiblePlanError(
+            return _needing(alone, largest_limit, InfeasiblePlanError(
                 f"operation {v!r} alone needs {alone / 1e9:.3g} GB (parameters, gradients, optimizer "
                 f"state and {model.chunks} micro-batches of activations), more than the largest device "
                 f"memory limit of {largest_limit / 1e9:.3g} GB; no stage containing it can fit"
-            )
+            ))
     unlimited = [DeviceSpec(s.name, s.speed, None) for s in specs]
     chain, order = solve_bottleneck(space, unlimited, model)
     built = evaluate_stages(graph, stage_nodes_of_chain(space, chain), order, model)
@@ -257,7 +262,7 @@ def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
     if model.recompute != "always":
         fixes.append("recompute='always' (a stage then keeps only its inputs per micro-batch)")
     fixes.append("a smaller optimizer_multiplier")
-    return InfeasiblePlanError(
+    error = InfeasiblePlanError(
         f"no split into {len(specs)} stages fits the memory limits ({listed} GB): the fastest split "
         f"without limits needs {worst.memory_bytes / 1e9:.3g} GB on stage {worst.index}{over} "
         f"({len(worst.nodes)} ops, {worst.nodes[0]} .. {worst.nodes[-1]}: "
@@ -265,3 +270,5 @@ def _infeasible(space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
         "per micro-batch), and no other split brings every stage under its limit. Give "
         + ", ".join(fixes[:-1]) + f", or {fixes[-1]}."
     )
+    error.needed_bytes, error.limit_bytes = worst.memory_bytes, limit
+    return error

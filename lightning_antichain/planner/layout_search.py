@@ -256,6 +256,8 @@ def _weighed(layout: Layout, schedule: ProcessSchedule, size: int, replication: 
             plan, predicted, limit = weigh(cost, layout, schedule, chunks)
         except (InfeasiblePlanError, ValueError) as exc:
             row["lost"] = str(exc).splitlines()[0]
+            if getattr(exc, "needed_bytes", None) is not None:
+                row["peak_memory_bytes"], row["limit_bytes"] = exc.needed_bytes, exc.limit_bytes
             yield row, None, None
             continue
         for regather, weighed in predicted.items():
@@ -266,6 +268,7 @@ def _weighed(layout: Layout, schedule: ProcessSchedule, size: int, replication: 
                         "peak_memory_bytes": weighed.peak_bytes}
             if limit is not None and weighed.peak_bytes > limit:
                 gathered["lost"] = f"needs {weighed.peak_bytes / GB:.1f} GB on a rank, over its {limit / GB:.1f} GB"
+                gathered["limit_bytes"] = limit
                 yield gathered, None, None
                 continue
             yield gathered, plan, cost
@@ -405,6 +408,7 @@ def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chun
                                  limits, multiplier, family, options.accumulate_grad_batches)
             except InfeasiblePlanError as exc:
                 cuts[key] = InfeasiblePlanError(*exc.args)  # without its traceback: the DP's tables stay freed
+                cuts[key].needed_bytes, cuts[key].limit_bytes = exc.needed_bytes, exc.limit_bytes
         found = cuts[key]
         if isinstance(found, InfeasiblePlanError):
             raise found
