@@ -250,3 +250,25 @@ def test_where_nothing_fits_each_layout_says_why_on_its_line_and_the_flags_name_
     assert f"at least {math.ceil(state / (memory_gb * 1e9))} ranks" in result.stderr
     assert lines[-1].startswith("to fit, give --ranks ") and "--replication fsdp" in lines[-1]
     assert "--precision bf16-true" in lines[-1] and "memory_gb" not in result.stderr
+
+
+@pytest.mark.parametrize("internode, bound", [("0.01", True), ("100000", False)])
+def test_each_layout_says_what_decides_its_step_and_what_a_rank_sends(tmp_path, internode, bound):
+    """Four ranks on four nodes: a ring all-reduce of DDP sends 2 x 3/4 of the gradients from each
+    rank whatever the links; over links of 10 MB/s the replicas' collectives outlast the compute
+    (communication-bound, the collective decides the step), over 100 TB/s they do not."""
+    import lightning_antichain as la
+
+    tiny_llama_config(tmp_path / "llama")
+    built = causal_lm_on_meta(str(tmp_path / "llama"), 8, 32)
+    rows = {}
+    for replication in ("ddp", "fsdp"):
+        plan = la.plan_layout(built.model, built.batch, 4, device="cuda", per_node=1, replication=replication,
+                              internode_gbps=float(internode), target=TargetModel(H100), progress=False)
+        rows[replication] = next(r for r in plan.layouts if (r["dp"], r["pp"]) == (4, 1) and "moved_bytes" in r)
+    weights = sum(p.numel() * p.element_size() for p in built.model.parameters())
+    assert rows["ddp"]["moved_bytes"] == int(2 * 3 / 4 * weights)
+    assert rows["ddp"]["communication_bound"] is bound
+    assert (rows["ddp"]["decided_by"] == "all-reduce") is bound
+    assert rows["fsdp"]["moved_bytes"] >= int(2 * 3 / 4 * weights)  # gathers the weights, scatters the gradients
+    assert rows["fsdp"]["communication_bound"] is bound

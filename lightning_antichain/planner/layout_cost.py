@@ -48,6 +48,7 @@ from ..plans.process_schedules import ProcessSchedule
 from ..plans.schedule import WEIGHT_GRADIENT, Schedule, Task, Timed
 from ..processes.replication import Regather, Replication
 from .contention import capacity_of_two
+from .step_terms import StepTerms, step_terms
 
 BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket: the last one is reduced after the backward that fills it ends."""
@@ -149,6 +150,8 @@ class LayoutCost:
     #: each pipeline position's seconds in its tasks (each as long as the timeline has it, sharing
     #: the cores and holding DDP's reduction included): its step less its waits and its optimizer
     rank_busy_s: tuple[float, ...] = ()
+    #: what the step is made of (:mod:`.step_terms`)
+    terms: StepTerms | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -161,7 +164,7 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     ``layout``, its stages kept in step by ``replication`` (with FSDP2, gathered as ``regather``
     says) (see the module's docstring)."""
     pp, dp = layout.pp, layout.dp
-    linked = _over_links(plan, schedule, layout, links)
+    linked = sent = _over_links(plan, schedule, layout, links)
     gathers = _Gathers(linked, schedule, layout, links, regather) if replication == "fsdp" and dp > 1 else None
     if gathers is not None:
         linked = gathers.in_tasks()
@@ -220,8 +223,10 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
     busy = [0.0] * pp
     for t in timed:
         busy[holder[t.task.stage]] += t.end - t.start
+    terms = step_terms(plan, sent, schedule, layout, links, replication, regather, step, tuple(busy),
+                       max(optimizers), reduction)
     return LayoutCost(step, reduction, rank_bytes, max(optimizers), optimizers,
-                      tuple(e + linked.step_overhead_s for e in stepped), tuple(busy))
+                      tuple(e + linked.step_overhead_s for e in stepped), tuple(busy), terms)
 
 
 def gradient_shards(replication: Replication, regather: Regather | None, dp: int) -> int:

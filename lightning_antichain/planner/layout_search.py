@@ -266,6 +266,10 @@ def _weighed(layout: Layout, schedule: ProcessSchedule, size: int, replication: 
                         "optimizer_s": weighed.optimizer_s, "rank_optimizer_s": list(weighed.rank_optimizer_s),
                         "rank_end_s": list(weighed.rank_end_s), "rank_busy_s": list(weighed.rank_busy_s),
                         "peak_memory_bytes": weighed.peak_bytes}
+            if weighed.terms is not None:
+                gathered.update(terms_s=weighed.terms.seconds, moved_bytes=weighed.terms.moved_bytes,
+                                decided_by=weighed.terms.deciding,
+                                communication_bound=weighed.terms.communication_bound)
             if limit is not None and weighed.peak_bytes > limit:
                 gathered["lost"] = f"needs {weighed.peak_bytes / GB:.1f} GB on a rank, over its {limit / GB:.1f} GB"
                 gathered["limit_bytes"] = limit

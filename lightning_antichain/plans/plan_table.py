@@ -191,7 +191,17 @@ def _weighed(row: dict[str, Any]) -> str:
     step = "" if row.get("predicted_step_s") is None else (
         f"predicted step {1e3 * row['predicted_step_s']:.1f} ms, peak {row['peak_memory_bytes'] / 1e6:.1f} MB per "
         "rank")
-    return ", ".join(part for part in (step, row.get("lost", "chosen")) if part)
+    return ", ".join(part for part in (step, _terms(row), row.get("lost", "chosen")) if part)
+
+
+def _terms(row: dict[str, Any]) -> str:
+    """The term that decides a layout's step, and the bytes a rank sends a step (:mod:`step_terms`)."""
+    terms = row.get("terms_s")
+    if row.get("predicted_step_s") is None or not terms:
+        return ""
+    decided = row["decided_by"]
+    found = f"{decided} {1e3 * terms[decided]:.1f} ms decides it, {row['moved_bytes'] / 1e9:.3g} GB sent a rank"
+    return found + (" (communication-bound)" if row.get("communication_bound") else "")
 
 def _span(nodes: list[str]) -> str:
     if not nodes:
