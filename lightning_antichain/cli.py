@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
                            "model is profiled): cuda plans for GPUs this machine need not have; give --memory then. "
                            "Default: cuda for a Hugging Face MODEL, else --device's")
     plan.add_argument("--batch-size", type=_at_least_one, default=32, help="samples per training step")
+    plan.add_argument("--recompute", choices=["never", "except_last", "always"], default=DEFAULTS.recompute,
+                      help="activation recomputation, as the strategy's recompute= (always: a stage keeps only its "
+                           "inputs per micro-batch and runs its forward again in backward); default %(default)s")
     plan.add_argument("--chunks", type=_count_or_auto, default=DEFAULTS.chunks,
                       help='micro-batches per step, or "auto" (the default, as in the strategy) for the count with '
                            "the best predicted step")
@@ -170,7 +173,7 @@ def _plan_layout(args: argparse.Namespace) -> int:
         raise ValueError(f"--rank-device {rank_device} plans for devices other than the one profiled on "
                          f"({args.device}): give their memory, --memory GB")
     options = PipelineOptions(
-        method=args.method, bandwidth_gbps=args.bandwidth, memory_gb=args.memory,
+        method=args.method, bandwidth_gbps=args.bandwidth, memory_gb=args.memory, recompute=args.recompute,
         optimizer_multiplier=_optimizer_multiplier(args, hf), profile_cache=args.profile_cache,
         use_profile_cache=not args.no_profile_cache, calibrate=False, cpu_threads=args.cpu_threads,
         accumulate_grad_batches=args.accumulate_grad_batches, progress=not args.quiet)
@@ -475,6 +478,7 @@ def _plan(args: argparse.Namespace) -> int:
         model, example, _ = _model_and_batch(args, micro_batch)
     options = PipelineOptions(
         chunks=args.chunks,
+        recompute=args.recompute,
         method=args.method,
         bandwidth_gbps=args.bandwidth,
         memory_gb=args.memory,
