@@ -129,9 +129,9 @@ def row(run: Run) -> dict:
     planned_bytes = sum(s["param_bytes"] for s in found["stages"])
     multiplier = found["optimizer_multiplier"]
     shards = layout["dp"] if layout.get("replication") == "fsdp" else 1
-    positions = list(dict.fromkeys(s["device"] for s in found["stages"]))  # a pipeline rank's device, in order
-    per_rank = [sum(s["param_bytes"] for s in found["stages"] if s["device"] == device) * (2 + multiplier) / shards
-                for device in positions]
+    per_rank = [0.0] * layout["pp"]
+    for index, stage in enumerate(found["stages"]):
+        per_rank[_position(index, layout)] += stage["param_bytes"] * (2 + multiplier) / shards
     state_by_arithmetic = arithmetic * dtype_bytes * (2 + multiplier) / (layout["pp"] * shards)
     step = found["predicted_step_s"]
     result.update(
@@ -153,6 +153,15 @@ def row(run: Run) -> dict:
     return result
 
 
+def _position(stage: int, layout: dict) -> int:
+    """The pipeline rank that holds ``stage``: one stage each, round-robin (interleaved 1F1B,
+    ZB-H1), or a V (ZBV: out on the ranks and back)."""
+    pp = layout["pp"]
+    if layout.get("virtual_stages", 1) == 1:
+        return stage
+    return (stage if stage < pp else 2 * pp - 1 - stage) if layout["schedule"] == "zbv" else stage % pp
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", help="the rows of this model only")
@@ -160,7 +169,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     print("| model | cluster | tokens a step | plan s | plan GB | choice | predicted step s | tokens/s a GPU | "
-          "decided by | sent GB a rank | peak GB a rank | state GB a rank (arithmetic) | parameters (arithmetic) |")
+          "decided by | sent GB a rank | peak GB a rank | state GB, fullest rank (mean by arithmetic) | "
+          "parameters (arithmetic) |")
     print("|" + " --- |" * 13)
     for run in RUNS:
         if args.only and run.model != args.only:

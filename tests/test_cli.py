@@ -467,3 +467,34 @@ def test_the_precision_asked_for_decides_the_bytes_whatever_dtype_the_config_nam
     args = _parser().parse_args(["plan", str(tmp_path / "saved.json"), "--stages", "2", "--precision", precision])
     weight = getattr(torch, dtype).itemsize
     assert weight * (2 + _optimizer_multiplier(args, True)) == per_parameter  # weight, gradient, AdamW's state
+
+
+def test_the_command_reads_its_arguments_before_it_imports_torch(tmp_path):
+    """A mistake in the arguments is said before torch, Lightning or the package load (each took
+    26-49 s on a loaded machine): the entry point reads them first, and a bad one ends there."""
+    script = ("import sys\nfrom lightning_antichain_cli import main\n"
+              "try:\n    main(sys.argv[1:])\nexcept SystemExit as exit:\n    code = exit.code\n"
+              "loaded = sorted(m for m in ('torch', 'lightning', 'lightning_antichain') if m in sys.modules)\n"
+              "print(code, loaded)\n")
+    for args in (["plan", "x", "--stages", "2", "--memory", "-5"], ["plan", str(tmp_path), "--stages", "2"],
+                 ["plan", "x", "--stages", "0"], ["plan", "m.json", "--stages", "2"],
+                 ["plan", "x", "--stages", "2", "--gpu", "V100"], ["plan", "x", "--stages", "2", "--output", "/no/x"]):
+        result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60)
+        assert result.stdout.strip() == "2 []", (args, result.stdout, result.stderr)
+        assert result.stderr.strip().splitlines()[-1].startswith(("lightning-antichain", "usage")), result.stderr
+
+
+def test_the_arguments_defaults_and_choices_are_the_packages():
+    """The entry point's copies of what the package defines (it may not import the package)."""
+    from lightning_antichain.hf_models import PRECISIONS
+    from lightning_antichain.planner.partition import METHODS
+    from lightning_antichain.planner.target_devices import TARGET_DEVICES
+    from lightning_antichain.plans.options import RECOMPUTE_MODES, PipelineOptions
+    from lightning_antichain_cli import arguments
+
+    defaults = PipelineOptions()
+    for name in ("chunks", "optimizer_multiplier", "method", "rebalance_rounds", "cpu_threads",
+                 "accumulate_grad_batches", "recompute"):
+        assert getattr(arguments.DEFAULTS, name) == getattr(defaults, name), name
+    assert arguments.PRECISION_NAMES == tuple(PRECISIONS) and arguments.METHODS == tuple(METHODS)
+    assert arguments.TARGET_NAMES == tuple(TARGET_DEVICES) and arguments.RECOMPUTE_MODES == tuple(RECOMPUTE_MODES)
