@@ -184,26 +184,37 @@ def test_the_gpu_table_says_where_each_figure_comes_from():
 def _gemma2_config(directory) -> None:
     import transformers
 
-    transformers.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=7,
+    transformers.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=9,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                               sliding_window=8).save_pretrained(directory)
 
 
-@pytest.mark.parametrize("make, period", [(lambda d: tiny_llama_config(d, num_hidden_layers=7), 1),
-                                          (_gemma2_config, 2)], ids=["llama", "gemma2-sliding-and-full"])
-def test_a_config_captured_with_its_fewest_layers_costs_as_the_whole_depth_captured(tmp_path, make, period):
-    """Seven layers captured whole, and the fewest from which the rest repeat (2 of Llama's, 5 of
-    Gemma-2's alternating sliding and full attention) extended to seven: the same operations,
-    wiring, parameters, costs and bytes, and the same plans."""
+def _mixtral_config(directory) -> None:
+    import transformers
+
+    transformers.MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=7,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                               num_local_experts=4, num_experts_per_tok=2).save_pretrained(directory)
+
+
+@pytest.mark.parametrize("make, period, layers, captured", [
+    (lambda d: tiny_llama_config(d, num_hidden_layers=7), 1, 7, 3), (_gemma2_config, 2, 9, 7),
+    (_mixtral_config, 1, 7, 3)], ids=["llama", "gemma2-sliding-and-full", "mixtral-experts"])
+def test_a_config_captured_with_its_fewest_layers_costs_as_the_whole_depth_captured(tmp_path, make, period, layers,
+                                                                                   captured):
+    """A config's layers captured whole, and the fewest from which the rest repeat, and a period
+    more (3 of Llama's and Mixtral's, whose first MoE layer issues more operations than the
+    next; 7 of Gemma-2's alternating sliding and full attention), extended to the config's depth:
+    the same operations, wiring, parameters, costs and bytes, and the same plans."""
     make(tmp_path / "model")
     target = TargetModel(H100)
     whole = causal_lm_on_meta(str(tmp_path / "model"), 2, 32)
     few = causal_lm_on_meta(str(tmp_path / "model"), 2, 32, fewest_layers=True)
-    captured = len(few.model.get_submodule(few.layers_path))
-    assert few.period == period and few.config_layers == 7 and captured == (2 if period == 1 else 5)
+    assert few.period == period and few.config_layers == layers
+    assert len(few.model.get_submodule(few.layers_path)) == captured
     full = target.profile(whole.model, trace(whole.model, whole.batch, progress=False), (), whole.batch,
                           progress=False)
-    depth = Depth(few.layers_path, captured, 7, few.period)
+    depth = Depth(few.layers_path, captured, layers, few.period)
     extended = dataclasses.replace(target, depth=depth).profile(
         few.model, trace(few.model, few.batch, progress=False), (), few.batch, progress=False)
     assert extended.number_of_nodes() == full.number_of_nodes()
@@ -272,3 +283,21 @@ def test_each_layout_says_what_decides_its_step_and_what_a_rank_sends(tmp_path, 
     assert (rows["ddp"]["decided_by"] == "all-reduce") is bound
     assert rows["fsdp"]["moved_bytes"] >= int(2 * 3 / 4 * weights)  # gathers the weights, scatters the gradients
     assert rows["fsdp"]["communication_bound"] is bound
+
+
+def test_a_mixture_of_experts_costs_its_routed_tokens_against_one_expert_each_and_holds_every_expert(tmp_path):
+    """Mixtral's experts as one grouped product: the FLOPs of each token's top-k rows against one
+    expert's matrices (not every expert's), while every expert's parameters are held."""
+    _mixtral_config(tmp_path / "mixtral")
+    built = causal_lm_on_meta(str(tmp_path / "mixtral"), 2, 16)
+    moe = built.model.model.layers[0].mlp
+    x = meta(2, 16, 64)
+    clock = RooflineClock(H100)
+    clock(lambda: moe(x))
+    tokens, top_k, hidden, inter = 32, 2, 64, 128
+    experts = 2 * tokens * top_k * hidden * (2 * inter) + 2 * tokens * top_k * inter * hidden
+    router = 2 * tokens * hidden * 4
+    # every kernel's FLOPs: the products, and a little elementwise work
+    assert experts + router <= clock.tally.flops < 1.1 * (experts + router)
+    held = sum(p.numel() for p in moe.parameters())
+    assert held == 4 * 3 * hidden * inter + hidden * 4  # all four experts' gate, up and down, and the router

@@ -122,7 +122,9 @@ def with_blocks_repeated(cost: nx.DiGraph, prefix: str, captured: int, wanted: i
                 return node_in(index, at)
             if block == copied - 1:
                 return node_in(index - 1, at)
-            raise ValueError(f"{name} of {prefix}{block} is read by {prefix}{copied}: only the block before may be")
+            if block < copied - 1:  # made once by an early block and read by every later one (export shares it)
+                return name
+            raise ValueError(f"{name} of {prefix}{block} is read by {prefix}{copied}, an earlier block")
 
         paths = _path_renamer(f"{prefix}{copied}", f"{prefix}{index}")
         for at, name in enumerate(blocks[copied]):

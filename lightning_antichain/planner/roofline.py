@@ -80,7 +80,7 @@ class Efficiencies:
 
 _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
             torch.ops.aten._scaled_mm, torch.ops.aten.convolution, torch.ops.aten._convolution,
-            torch.ops.aten.convolution_backward}
+            torch.ops.aten.convolution_backward, torch.ops.aten._grouped_mm}
 _NORMS = ("norm", "softmax", "sum", "mean", "var", "std", "amax", "amin", "max", "min", "cumsum", "prod", "logsumexp",
           "argmax", "argmin", "topk", "sort")
 _NO_KERNEL = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
@@ -185,7 +185,7 @@ class _Kernels(TorchDispatchMode):
         kind = kind_of(func)
         if kind is None:
             return out
-        counter = flop_registry.get(func.overloadpacket)
+        counter = _FLOPS.get(func.overloadpacket) or flop_registry.get(func.overloadpacket)
         flops = counter(*args, **kwargs, out_val=out) if counter is not None else 0
         if kind == "elementwise":
             flops = sum(t.numel() for t in iter_tensors(out))
@@ -195,6 +195,19 @@ class _Kernels(TorchDispatchMode):
         self.clock.kernel(kind, flops, nbytes, dtype)
         return out
 
+
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """A grouped matrix product (a mixture of experts' tokens, each group by its expert's matrix):
+    every row of ``a`` meets one group's matrix, whichever group it is in, so the FLOPs are those
+    of all rows against one matrix (the rows routed to the experts, top-k of each token's)."""
+    rows = 1
+    for size in a.shape[:-1]:
+        rows *= size
+    return 2 * rows * a.shape[-1] * b.shape[-1]
+
+
+#: FLOPs of kernels torch's counter does not count
+_FLOPS: dict[Any, Callable[..., int]] = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
 
 _ATTENTION = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 
