@@ -162,6 +162,12 @@ def _position(stage: int, layout: dict) -> int:
     return (stage if stage < pp else 2 * pp - 1 - stage) if layout["schedule"] == "zbv" else stage % pp
 
 
+def _why(lines: list[str]) -> str:
+    """The line of a refusal that says what would fit, else its first."""
+    found = next((line for line in lines if "at least" in line), lines[0] if lines else "")
+    return found.replace("lightning-antichain: error: ", "")[:160]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", help="the rows of this model only")
@@ -179,7 +185,7 @@ def main() -> None:
         rows.append(found)
         if "refused" in found:
             print(f"| {run.model} | {run.cluster} | {found['tokens']:,} | {found['plan_s']:.0f} | "
-                  f"{found['plan_peak_gb']:.1f} | refused: {found['refused'][-2][:120]} |  |  |  |  |  |  | "
+                  f"{found['plan_peak_gb']:.1f} | refused: {_why(found['refused'])} |  |  |  |  |  |  | "
                   f"{found['parameters_by_arithmetic'] / 1e9:.2f} B |")
             continue
         bound = " (communication-bound)" if found["communication_bound"] else ""

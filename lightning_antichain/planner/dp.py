@@ -140,13 +140,43 @@ def solve_bottleneck(
     """
     kinds = list(dict.fromkeys((s.speed, s.memory_bytes) for s in specs))
     counts = tuple(sum(1 for s in specs if (s.speed, s.memory_bytes) == k) for k in kinds)
-    held = {model.held_by(i) for i in range(len(specs))}
     times = {speed: stage_times(space, speed, model) for speed in {k[0] for k in kinds}}
-    by_held = {n: [stage_costs(space, DeviceSpec("", *k), model, _index_holding(model, n), times[k[0]])
-                   for k in kinds] for n in held}
+    # one held count's cost arrays at a time: a stage of a 1F1B pipeline of p stages holds p - i
+    # micro-batches, each count an array of states x states; all of them at once took 23 GB for
+    # a 405 B decoder in 64 stages. The program visits the stages in order, so each is made once a pass.
+    made: dict[tuple[int, int, bool], np.ndarray] = {}
+
+    def held_costs(kind: int, index: int, ceiling: float | None) -> np.ndarray:
+        key = (model.held_by(index), kind, ceiling is not None)
+        if key not in made:
+            if any(k[0] != key[0] for k in made):
+                made.clear()
+            limit = kinds[kind][1]
+            found = times[kinds[kind][0]]
+            if limit is not None:
+                found = np.where(memory_holding(key[0]) > limit, np.inf, found)
+            made[key] = found if ceiling is None else np.where(found <= ceiling, found, np.inf)
+        return made[key]
 
     def costs(kind: int, index: int) -> np.ndarray:
-        return by_held[model.held_by(index)][kind]
+        return held_costs(kind, index, None)
+
+    memories: dict[int, np.ndarray] = {}
+
+    def memory_holding(count: int) -> np.ndarray:
+        """Every stage's peak as a stage holding ``count`` micro-batches. Past two counts of two or
+        more, the peak is affine in the count (what a micro-batch keeps, or its input where it
+        recomputes, once more a micro-batch), so the rest follow from those two without the
+        program's arrays being made again for each of a long pipeline's stages."""
+        if count in memories:
+            return memories[count]
+        known = sorted(c for c in memories if c >= 2)
+        if count >= 2 and len(known) >= 2:
+            low, high = known[0], known[1]
+            slope = (memories[high] - memories[low]) / (high - low)
+            return memories[low] + (count - low) * slope
+        memories[count] = _stage_memory(space, model, _index_holding(model, count))
+        return memories[count]
 
     last = len(space) - 1
     start = np.full(len(space), np.inf)
@@ -157,10 +187,8 @@ def solve_bottleneck(
     if not math.isfinite(best):
         raise _infeasible(space, specs, model)
     ceiling = best * (1 + 1e-9) + 1e-15
-    once: dict[int, np.ndarray] = {}  # without memory limits, every count held shares one array
-    capped = {n: [once.setdefault(id(c), np.where(c <= ceiling, c, np.inf)) for c in arrays]
-              for n, arrays in by_held.items()}
-    total = _run_program(lambda kind, index: capped[model.held_by(index)][kind], counts, start, combine=np.add)
+    made.clear()
+    total = _run_program(lambda kind, index: held_costs(kind, index, ceiling), counts, start, combine=np.add)
     chain, kind_order = _backtrack(total, counts, last)
     pools = {k: [s for s in specs if (s.speed, s.memory_bytes) == k] for k in kinds}
     ordered = [pools[kinds[k]].pop(0) for k in kind_order]
