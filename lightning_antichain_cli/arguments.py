@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     f"costed on its roofline: one of {', '.join(TARGET_NAMES)}, or a JSON file "
                                     "describing another (see docs/planner.md)")
     plan.add_argument("--efficiencies", help="with --gpu: a JSON file of the shares of the GPU's peaks each kind of "
-                                             "kernel reaches (as benchmarks/roofline_gpu.py fits them on a GPU)")
+                                             "kernel reaches, as Efficiencies.save writes them (default: assumed, "
+                                             "see docs/planner.md)")
     plan.add_argument("--internode", type=_link_speed,
                       help="with --ranks: the link between nodes, e.g. 400Gb/s or 50GB/s (a bare number is GB/s; "
                            "default: --gpu's network adapter, else 25 GB/s from a GPU, else --bandwidth)")
