@@ -4,12 +4,13 @@
         --stages 4 --input-shape 3,32,32 --batch-size 32 --chunks 4 --json
     lightning-antichain plan torchvision.models.resnet50 --ranks 8 --per-node 4 --stages auto --schedule auto \
         --input-shape 3,32,32 --batch-size 64   # the layout of 8 processes on 2 nodes, as stages="auto" weighs it
-    lightning-antichain plan ~/models/Llama-3.1-8B --ranks 16 --per-node 8 --memory 80 --stages auto \
-        --batch-size 32 --sequence-length 1024   # a Hugging Face causal LM from its config, on meta
+    lightning-antichain plan ~/models/Llama-3.1-8B --gpu H100 --ranks 16 --per-node 8 --stages auto \
+        --batch-size 32 --sequence-length 1024   # a Hugging Face causal LM from its config, for H100s
     lightning-antichain consolidate checkpoints/epoch=0-step=6.ckpt   # shards -> one file for plain Lightning
 
 Progress and the table go to stderr and stdout respectively; with ``--json`` stdout holds exactly
-one JSON object, so the output can be piped.
+one JSON object, so the output can be piped. The arguments are read and checked by
+:mod:`lightning_antichain_cli.arguments`, before this module (and torch) is imported.
 """
 
 from __future__ import annotations
