@@ -36,7 +36,7 @@ from ..capture.devices import retarget_devices
 from ..capture.mutations import is_in_place
 from ..capture.opgraph import AttrFetch, identity, node_callable
 from ..capture.pytrees import iter_tensors, map_tensors
-from ..device import peak_memory_since, start_peak_memory
+from ..device import is_meta, peak_memory_since, start_peak_memory
 from ..measure.saved_tensors import CallMemory, SavedLedger, storage_of
 from ..weights.materialize import materialize, own_state, release
 from .repeated_blocks import Repeat, find_repeats
@@ -69,7 +69,7 @@ def profile_just_in_time(graph: OpGraph, args: tuple, kwargs: dict, device: torc
     work.train()
     retarget_devices(work, graph.capture_device, device)
     replay = graph.rebound(work, work)
-    ledger = SavedLedger(on_meta=device.type == "meta")
+    ledger = SavedLedger(on_meta=is_meta(device))
     run = _JustInTime(replay, work, device, find_repeats(replay, work) if repeats_once else [], ledger.names_of)
     result = StreamedProfile()
     position: dict[str, int] = {}
@@ -182,7 +182,7 @@ class _JustInTime:
         self._done = -1
         self._released: set[int] = set()  # storages of released state that kept values still view
         #: costed on shapes (a target GPU's): the state stays on meta, its storages the same throughout
-        self._on_meta = device.type == "meta"
+        self._on_meta = is_meta(device)
         self._meta_state = {storage_of(t)[0] for t in [*work.parameters(), *work.buffers()]} if self._on_meta else None
 
     def _modules_of(self, node: fx.Node) -> list[nn.Module]:

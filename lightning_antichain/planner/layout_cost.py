@@ -48,6 +48,7 @@ from ..plans.process_schedules import ProcessSchedule
 from ..plans.schedule import WEIGHT_GRADIENT, Schedule, Task, Timed
 from ..processes.replication import Regather, Replication
 from .contention import capacity_of_two
+from .ring_collectives import ring_all_gather_s, ring_all_reduce_s
 from .step_terms import StepTerms, step_terms
 
 BUCKET_BYTES = 25 * 2**20
@@ -114,22 +115,6 @@ def measured_links(per_node: int, measured: Mapping[Kind, CollectiveSpeed], with
 
     return Links(per_node, within, across, reduce.latency_s, kind("all_gather"), kind("reduce_scatter"),
                  kind("send") if "send" in measured else None)
-
-
-def ring_all_reduce_s(nbytes: float, ranks: int, gbps: float | None, latency_s: float = 0.0) -> float:
-    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` ranks on links of ``gbps``, one
-    collective of ``latency_s``."""
-    if ranks <= 1 or gbps is None or nbytes <= 0:
-        return 0.0
-    return 2.0 * ring_all_gather_s(nbytes, ranks, gbps) + latency_s
-
-
-def ring_all_gather_s(nbytes: float, ranks: int, gbps: float | None) -> float:
-    """Seconds of a ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``ranks`` ranks
-    on links of ``gbps``: each rank sends and receives all but its own share."""
-    if ranks <= 1 or gbps is None or nbytes <= 0:
-        return 0.0
-    return (ranks - 1) / ranks * nbytes / (gbps * 1e9)
 
 
 @dataclass(frozen=True)

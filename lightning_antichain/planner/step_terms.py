@@ -15,6 +15,7 @@ from ..plans.layout import Layout
 from ..plans.plan import Plan
 from ..plans.process_schedules import ProcessSchedule
 from ..processes.replication import Regather, Replication
+from .ring_collectives import ring_all_gather_s, ring_all_reduce_s
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,6 @@ def step_terms(plan: Plan, linked: Plan, schedule: ProcessSchedule, layout: Layo
     """The terms of ``plan``'s step in ``layout`` (``linked``: its stages with their transfers over
     the links), as :func:`~.layout_cost.layout_cost` predicted it (``step_s``, each rank's
     ``busy_s``, the longest ``optimizer_s`` and the replicas' ``reduction_s``)."""
-    from .layout_cost import ring_all_gather_s, ring_all_reduce_s
-
     dp, pp, chunks = layout.dp, layout.pp, plan.chunks
     found: list[tuple[dict[str, float], int]] = []
     for position in range(pp):
