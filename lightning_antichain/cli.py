@@ -265,9 +265,6 @@ def _plan(args: argparse.Namespace) -> int:
         raise ValueError("--stages, --chunks and --batch-size must be at least 1")
     if not auto and args.batch_size < args.chunks:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than --chunks {args.chunks}")
-    if auto and args.load_profile:
-        raise ValueError("--chunks auto (the default) profiles the model at each candidate micro-batch size; it "
-                         "cannot plan from --load-profile. Give --chunks as a number.")
     _check_device(args.device)
     _check_stage_devices(_stage_devices(args.device, args.stages))
     micro_batch = args.batch_size if auto else -(-args.batch_size // args.chunks)

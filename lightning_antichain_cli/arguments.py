@@ -48,6 +48,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(_values_may_start_with_minus(argv))
     if args.command == "plan":
         try:
+            if args.chunks == "auto" and args.load_profile and args.ranks is None:
+                raise ValueError("--chunks auto (the default) profiles the model at each candidate micro-batch size; "
+                                 "it cannot plan from --load-profile. Give --chunks as a number.")
             check_model_path(args.model)
             check_gpu(args.gpu)
             check_paths(args)
