@@ -49,30 +49,34 @@ class Depth:
         return total
 
 
+def repeating_tail(kinds: Sequence[Any]) -> tuple[int, int] | None:
+    """Where the layers of ``kinds`` (in order) begin to repeat and with what period, the shortest
+    period first and the earliest start: ``(first, period)``, or ``None`` where they do not."""
+    total = len(kinds)
+    for period in range(1, total // 2 + 1):
+        for first in range(0, total - 2 * period + 1):
+            tail = kinds[first:]
+            if all(tail[i] == tail[i % period] for i in range(len(tail))):
+                return first, period
+    return None
+
+
 def fewest_layers(kinds: Sequence[Any]) -> int:
     """The fewest leading layers of a model whose layers are of ``kinds`` (in order) from which
     the rest follow by repetition: a first part that does not repeat, then two periods of the
     part that does, plus what makes the layers left a whole number of periods; all of them where
     that is no fewer."""
-    total = len(kinds)
-    for period in range(1, total // 2 + 1):
-        for first in range(0, total - 2 * period + 1):
-            tail = kinds[first:]
-            if all(tail[i] == tail[i % period] for i in range(len(tail))):
-                fewest = first + 2 * period + (total - first) % period
-                return min(fewest, total)
-    return total
+    found = repeating_tail(kinds)
+    if found is None:
+        return len(kinds)
+    first, period = found
+    return min(first + 2 * period + (len(kinds) - first) % period, len(kinds))
 
 
 def period_of(kinds: Sequence[Any]) -> int:
     """The period with which ``kinds`` repeat after their first part (:func:`fewest_layers`)."""
-    total = len(kinds)
-    for period in range(1, total // 2 + 1):
-        for first in range(0, total - 2 * period + 1):
-            tail = kinds[first:]
-            if all(tail[i] == tail[i % period] for i in range(len(tail))):
-                return period
-    return 1
+    found = repeating_tail(kinds)
+    return 1 if found is None else found[1]
 
 
 def with_blocks_repeated(cost: nx.DiGraph, prefix: str, captured: int, wanted: int, period: int = 1) -> nx.DiGraph:
