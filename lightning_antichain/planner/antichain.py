@@ -108,6 +108,12 @@ class StateSpace:
                 self._contains = self._containment()
         return self._contains
 
+    def contains_between(self, rows: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        """``contains()[rows][:, columns]``, without the whole matrix where every state is a prefix."""
+        if self.prefixes_only:
+            return rows[:, None] > columns[None, :]
+        return self.contains()[np.ix_(rows, columns)]
+
     def subset(self, states: Sequence[int]) -> StateSpace:
         """The space of ``states`` alone (increasing indices, the first and the last state among
         them): a chain through them is a chain of this space."""
@@ -219,7 +225,11 @@ def build_state_space(graph: nx.DiGraph, max_states: int = DEFAULT_MAX_STATES) -
 
     Pinned nodes (model inputs) are in every state. See the module docstring for the compression.
     """
-    graph = normalize_cost_graph(graph)
+    return state_space_of_normalized(normalize_cost_graph(graph, copy=False), max_states)
+
+
+def state_space_of_normalized(graph: nx.DiGraph, max_states: int = DEFAULT_MAX_STATES) -> StateSpace:
+    """:func:`build_state_space` of a graph :func:`normalize_cost_graph` has made (a partition's)."""
     nodes = ordered_nodes(graph)
     if not any(not graph.nodes[v]["pinned"] for v in nodes):
         raise ValueError("the cost graph has no operations besides its inputs")

@@ -208,14 +208,15 @@ def evaluate_stages(
     seen: set[Any] = {v for v in graph.nodes if graph.nodes[v]["pinned"]}
     built: list[Stage] = []
 
-    def cut(inside: set[Any]) -> list[Any]:
+    def cut(candidates: set[Any], inside: set[Any]) -> list[Any]:
+        """Of ``candidates`` (in ``inside``), those whose outputs are needed outside ``inside``."""
         return [
             v
-            for v in ordered_nodes_of(graph, inside)
+            for v in ordered_nodes_of(graph, candidates)
             if v in outputs or any(s not in inside for s in graph.successors(v))
         ]
 
-    cut_in = cut(set(seen))
+    cut_in = cut(seen, seen)
     for k, (nodes, spec) in enumerate(zip(stage_nodes, specs, strict=False)):
         seen |= set(nodes)
         if not any(not graph.nodes[v]["pinned"] for v in nodes):
@@ -224,7 +225,7 @@ def evaluate_stages(
             missing = [p for p in graph.predecessors(v) if p not in seen]
             if missing:
                 raise InfeasiblePlanError(f"stage {k} runs {v!r} before its inputs {missing} are computed")
-        cut_out = cut(seen)
+        cut_out = cut(set(cut_in) | set(nodes), seen)  # what an earlier stage's cut did not need, nothing later does
         in_bytes = sum(graph.nodes[v]["output_bytes"] for v in cut_in)
         out_bytes = sum(graph.nodes[v]["output_bytes"] for v in cut_out)
         sum_attr = lambda key: sum(graph.nodes[v][key] for v in nodes if not graph.nodes[v]["pinned"])  # noqa: E731,B023

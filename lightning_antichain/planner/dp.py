@@ -18,48 +18,38 @@ from .antichain import StateSpace
 from .cost_model import CostModel, DeviceSpec, InfeasiblePlanError, evaluate_stages, memory_of
 
 
-def stage_costs(space: StateSpace, spec: DeviceSpec, model: CostModel, index: int | None = None,
-                times: np.ndarray | None = None) -> np.ndarray:
-    """``T[j, i]``: time of the stage ``D_j minus D_i`` on ``spec``; ``inf`` if not a valid stage.
-
-    Valid means ``D_i`` is a strict subset of ``D_j`` and the stage fits the device's memory as
-    stage ``index`` of the pipeline (under 1F1B, earlier stages hold more micro-batches).
-    ``times``: :func:`stage_times` for ``spec``'s speed, where the caller has them already.
-    """
-    cost = stage_times(space, spec.speed, model) if times is None else times
-    if spec.memory_bytes is not None:
-        cost = cost.copy()
-        memory = _stage_memory(space, model, index)
-        cost[memory > spec.memory_bytes] = np.inf
-    return cost
-
-
-def stage_times(space: StateSpace, speed: float, model: CostModel) -> np.ndarray:
+def stage_times(space: StateSpace, speed: float, model: CostModel, rows: np.ndarray | None = None,
+                columns: np.ndarray | None = None) -> np.ndarray:
     """``T[j, i]``: time of the stage ``D_j minus D_i`` on a device of ``speed`` per micro-batch,
     memory aside: its compute, its cuts' transfers and its adding into gradients; ``inf`` where it
-    is not a stage."""
+    is not a stage. ``rows`` and ``columns``: only those end and start states (default: all)."""
     # both are sums over a down-set, so a stage's is the difference of two states' totals
     work = space.compute / speed + model.accumulation_s(space.param_bytes - space.frozen_bytes)
-    compute = work[:, None] - work[None, :]
-    transfer = model.transfer_s(space.cut_bytes[:, None] + space.cut_bytes[None, :])
-    valid = space.contains() & ~space.forbidden[:, None] & ~space.forbidden[None, :]
+    ends, starts = _states(space, rows), _states(space, columns)
+    compute = work[ends][:, None] - work[starts][None, :]
+    transfer = model.transfer_s(space.cut_bytes[ends][:, None] + space.cut_bytes[starts][None, :])
+    contains = space.contains() if rows is None and columns is None else space.contains_between(ends, starts)
+    valid = contains & ~space.forbidden[ends][:, None] & ~space.forbidden[starts][None, :]
     return np.where(valid, compute + transfer, np.inf)
 
 
-def _stage_memory(space: StateSpace, model: CostModel, index: int | None = None, start: int | None = None
-                  ) -> np.ndarray:
+def _states(space: StateSpace, chosen: np.ndarray | None) -> np.ndarray:
+    return np.arange(len(space)) if chosen is None else chosen
+
+
+def _stage_memory(space: StateSpace, model: CostModel, index: int | None = None, rows: np.ndarray | None = None,
+                  columns: np.ndarray | None = None) -> np.ndarray:
     """Every stage's peak, from additive quantities: with counted saved tensors, what its operations
     made and something keeps, plus both its cuts (a cut tensor that is also kept counts twice); else
     every output and the input cut. Never below :func:`evaluate_stages`'s exact count but for views.
-    ``start``: only the stages from that state (one column, ``[j, 0]``)."""
-    columns = slice(None) if start is None else [start]
-    diff = lambda a: a[:, None] - a[None, columns]  # noqa: E731
-    width = len(space) if start is None else 1
-    inputs = np.broadcast_to(space.cut_bytes[None, columns], (len(space), width))
+    ``rows`` and ``columns``: only those end and start states (default: all)."""
+    ends, starts = _states(space, rows), _states(space, columns)
+    diff = lambda a: a[ends][:, None] - a[starts][None, :]  # noqa: E731
+    inputs = np.broadcast_to(space.cut_bytes[starts][None, :], (len(ends), len(starts)))
     activations = diff(space.activation_bytes) + inputs
     if space.graph.graph.get("saved_counted"):
-        activations = activations + space.cut_bytes[:, None]
-    first = (np.arange(len(space)) == 0)[None, columns]  # a stage from state 0, the empty down-set, is the first
+        activations = activations + space.cut_bytes[ends][:, None]
+    first = (starts == 0)[None, :]  # a stage from state 0, the empty down-set, is the first
     return model.memory_bytes(diff(space.param_bytes), diff(space.buffer_bytes), activations, inputs,
                               diff(space.frozen_bytes), index=index, first=first)
 
@@ -75,7 +65,7 @@ def _fitting_chain(space: StateSpace, specs: Sequence[DeviceSpec], model: CostMo
         room = last - (len(specs) - 1 - index)  # the farthest this stage may end
         fits = (after > state) & (after <= room) & ~space.forbidden
         if spec.memory_bytes is not None:
-            fits &= _stage_memory(space, model, index, state)[:, 0] <= spec.memory_bytes
+            fits &= _stage_memory(space, model, index, columns=np.array([state]))[:, 0] <= spec.memory_bytes
         if not fits.any() or (index == len(specs) - 1 and not fits[last]):
             return None
         state = last if index == len(specs) - 1 else int(np.flatnonzero(fits)[-1])
@@ -101,9 +91,13 @@ def solve_coarse_to_fine(space: StateSpace, specs: Sequence[DeviceSpec], model: 
                          ) -> tuple[list[int], list[DeviceSpec]]:
     """:func:`solve_bottleneck` for a space whose states form one chain (prefixes of the execution
     order): past :data:`COARSE_STATES`, the program first runs on one state per window of
-    consecutive states (the one with the smallest cut), then on every state within
-    :data:`FINE_MARGIN` windows of the cuts it chose. The program's tables grow with the square of
-    the states: a 70 B decoder has 5,000 prefixes, and a layout search cuts it dozens of times."""
+    consecutive states (the one with the smallest cut), then again with each cut free to move to
+    any state between where the first run put the cuts either side of it (and :data:`FINE_MARGIN`
+    windows further). The program's
+    tables grow with the square of the states it may cut at: a 70 B decoder has 5,000 prefixes, a
+    405 B one 8,000 cut into up to 128 stages, and a layout search cuts them dozens of times.
+    Where no split within those bands fits the memory limits, the second run takes every state
+    near any of the cuts."""
     count, width = len(space), coarse_window(space)
     if width is None:
         return solve_bottleneck(space, specs, model)
@@ -121,75 +115,97 @@ def solve_coarse_to_fine(space: StateSpace, specs: Sequence[DeviceSpec], model: 
             raise
         picks = sorted(set(picks) | set(fitting))
         chain, _ = solve_bottleneck(space.subset(picks), specs, model)
-    near = set(picks)
-    for state in (picks[i] for i in chain[:-1]):
-        near.update(range(max(1, state - FINE_MARGIN * width), min(count - 1, state + FINE_MARGIN * width + 1)))
-    fine = sorted(near)
-    chain, order = solve_bottleneck(space.subset(fine), specs, model)
-    return [fine[i] for i in chain], order
+    reach = FINE_MARGIN * width
+    cuts = [picks[i] for i in chain[:-1]]
+    around = [1, *cuts, count - 2]  # each cut ranges between its neighbours' first places
+    bands = [np.arange(max(1, around[k] - reach), min(count - 1, around[k + 2] + reach + 1)) for k in range(len(cuts))]
+    try:
+        return solve_bottleneck(space, specs, model, bands)
+    except InfeasiblePlanError:
+        near = sorted({0, count - 1}.union(*(band.tolist() for band in bands)))
+        chain, order = solve_bottleneck(space.subset(near), specs, model)
+        return [near[i] for i in chain], order
 
 
 def solve_bottleneck(
-    space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel
+    space: StateSpace, specs: Sequence[DeviceSpec], model: CostModel, bands: Sequence[np.ndarray] | None = None
 ) -> tuple[list[int], list[DeviceSpec]]:
     """The chain of states and the device order that minimise the slowest stage.
 
     The program runs over (devices used of each kind, state) pairs; a step appends one stage
     ``D_j minus D_i`` on a device of one kind. A second pass, with the bottleneck fixed, picks the
     split with the least total stage time (so the least transfer) among the optimal ones.
+    ``bands``: per cut between stages (one fewer than ``specs``), the states it may be at; the
+    program's tables then hold those states alone. ``None``: any state.
     """
     kinds = list(dict.fromkeys((s.speed, s.memory_bytes) for s in specs))
     counts = tuple(sum(1 for s in specs if (s.speed, s.memory_bytes) == k) for k in kinds)
-    times = {speed: stage_times(space, speed, model) for speed in {k[0] for k in kinds}}
+    last = len(space) - 1
+    if bands is not None and len(bands) != len(specs) - 1:
+        raise ValueError(f"{len(specs)} stages have {len(specs) - 1} cuts, got bands for {len(bands)}")
+    # per stage, the states it may end at, the last stage's the last state
+    ends = [None if bands is None else np.asarray(band) for band in (bands or [None] * (len(specs) - 1))]
+    ends.append(np.array([last]))
+    begins = [np.array([0]), *ends[:-1]]
+
+    def band_of(position: int) -> int | None:
+        """Positions whose stages range over the same states share a key (unbanded middle stages)."""
+        return None if bands is None and 0 < position < len(specs) - 1 else position
+
+    times: dict[tuple[float, int | None], np.ndarray] = {}
+
+    def times_of(speed: float, position: int) -> np.ndarray:
+        key = (speed, band_of(position))
+        if key not in times:
+            times[key] = stage_times(space, speed, model, ends[position], begins[position])
+        return times[key]
+
     # one held count's cost arrays at a time: a stage of a 1F1B pipeline of p stages holds p - i
     # micro-batches, each count an array of states x states; all of them at once took 23 GB for
     # a 405 B decoder in 64 stages. The program visits the stages in order, so each is made once a pass.
-    made: dict[tuple[int, int, bool], np.ndarray] = {}
+    made: dict[tuple[int, int, bool, int | None], np.ndarray] = {}
 
-    def held_costs(kind: int, index: int, ceiling: float | None) -> np.ndarray:
-        key = (model.held_by(index), kind, ceiling is not None)
+    def held_costs(kind: int, position: int, ceiling: float | None) -> np.ndarray:
+        key = (model.held_by(position), kind, ceiling is not None, band_of(position))
         if key not in made:
             if any(k[0] != key[0] for k in made):
                 made.clear()
             limit = kinds[kind][1]
-            found = times[kinds[kind][0]]
+            found = times_of(kinds[kind][0], position)
             if limit is not None:
-                found = np.where(memory_holding(key[0]) > limit, np.inf, found)
+                found = np.where(memory_holding(key[0], position) > limit, np.inf, found)
             made[key] = found if ceiling is None else np.where(found <= ceiling, found, np.inf)
         return made[key]
 
-    def costs(kind: int, index: int) -> np.ndarray:
-        return held_costs(kind, index, None)
+    memories: dict[tuple[int | None, int], np.ndarray] = {}
 
-    memories: dict[int, np.ndarray] = {}
-
-    def memory_holding(count: int) -> np.ndarray:
+    def memory_holding(count: int, position: int) -> np.ndarray:
         """Every stage's peak as a stage holding ``count`` micro-batches. Past two counts of two or
         more, the peak is affine in the count (what a micro-batch keeps, or its input where it
         recomputes, once more a micro-batch), so the rest follow from those two without the
         program's arrays being made again for each of a long pipeline's stages."""
-        if count in memories:
-            return memories[count]
-        known = sorted(c for c in memories if c >= 2)
+        band = band_of(position)
+        if (band, count) in memories:
+            return memories[band, count]
+        known = sorted(c for b, c in memories if b == band and c >= 2)
         if count >= 2 and len(known) >= 2:
-            low, high = known[0], known[1]
-            slope = (memories[high] - memories[low]) / (high - low)
-            return memories[low] + (count - low) * slope
-        memories[count] = _stage_memory(space, model, _index_holding(model, count))
-        return memories[count]
+            low, high = memories[band, known[0]], memories[band, known[1]]
+            return low + (count - known[0]) * (high - low) / (known[1] - known[0])
+        memories[band, count] = _stage_memory(space, model, _index_holding(model, count), ends[position],
+                                              begins[position])
+        return memories[band, count]
 
-    last = len(space) - 1
-    start = np.full(len(space), np.inf)
-    start[0] = 0.0
-
-    bottleneck = _run_program(costs, counts, start, combine=np.maximum)
-    best = bottleneck[counts][0][last]
+    start = np.zeros(1)  # the empty chain, at state 0
+    bottleneck = _run_program(lambda kind, position: held_costs(kind, position, None), counts, start,
+                              combine=np.maximum)
+    best = bottleneck[counts][0][0]
     if not math.isfinite(best):
         raise _infeasible(space, specs, model)
     ceiling = best * (1 + 1e-9) + 1e-15
     made.clear()
-    total = _run_program(lambda kind, index: held_costs(kind, index, ceiling), counts, start, combine=np.add)
-    chain, kind_order = _backtrack(total, counts, last)
+    total = _run_program(lambda kind, position: held_costs(kind, position, ceiling), counts, start, combine=np.add)
+    full = np.arange(len(space))
+    chain, kind_order = _backtrack(total, counts, [full if band is None else band for band in ends])
     pools = {k: [s for s in specs if (s.speed, s.memory_bytes) == k] for k in kinds}
     ordered = [pools[kinds[k]].pop(0) for k in kind_order]
     return chain, ordered
@@ -205,40 +221,44 @@ def _index_holding(model: CostModel, count: int) -> int | None:
 
 def _run_program(costs: Callable[[int, int], np.ndarray], counts: tuple[int, ...], start: np.ndarray,
                  combine: Any) -> Table:
-    """``best[u][j]``: the best value of a chain ending at state j using ``u[k]`` devices of kind k;
-    ``costs(k, i)`` are the stage costs on a device of kind k as the pipeline's stage i."""
+    """``best[u][j]``: the best value of a chain ending at the j-th state its last stage may end at,
+    using ``u[k]`` devices of kind k; ``costs(k, i)`` are the stage costs on a device of kind k as
+    the pipeline's stage i, from each state stage i - 1 may end at (``start``'s, for stage 0)."""
     table: Table = {tuple(0 for _ in counts): (start, np.zeros(len(start), int), np.zeros(len(start), int))}
     for used in sorted(product(*(range(c + 1) for c in counts)), key=sum):
         if sum(used) == 0:
             continue
-        value = np.full(len(start), np.inf)
-        back = np.zeros(len(start), int)
-        kind = np.zeros(len(start), int)
+        value = back = kind = None
         for k, n in enumerate(used):
             if n == 0:
                 continue
             prev = table[used[:k] + (n - 1,) + used[k + 1 :]][0]
             options = combine(costs(k, sum(used) - 1), prev[None, :])
+            if value is None:
+                value = np.full(len(options), np.inf)
+                back, kind = np.zeros(len(options), int), np.zeros(len(options), int)
             choice = options.argmin(axis=1)
-            candidate = options[np.arange(len(start)), choice]
+            candidate = options[np.arange(len(options)), choice]
             better = candidate < value
             value[better], back[better], kind[better] = candidate[better], choice[better], k
         table[used] = (value, back, kind)
     return table
 
 
-def _backtrack(table: Table, counts: tuple[int, ...], last: int) -> tuple[list[int], list[int]]:
-    chain, kinds, used, state = [last], [], counts, last
+def _backtrack(table: Table, counts: tuple[int, ...], ends: Sequence[np.ndarray]) -> tuple[list[int], list[int]]:
+    """The states each stage ends at and the kind of device of each, from the last stage back;
+    ``ends``: per stage, the states the program's table for it holds."""
+    chain, kinds, used, at = [], [], counts, 0
     while sum(used) > 0:
+        chain.append(int(ends[sum(used) - 1][at]))
         _, back, kind = table[used]
-        k = int(kind[state])
+        k = int(kind[at])
         kinds.append(k)
-        state = int(back[state])
+        at = int(back[at])
         used = used[:k] + (used[k] - 1,) + used[k + 1 :]
-        chain.append(state)
     chain.reverse()
     kinds.reverse()
-    return chain[1:], kinds
+    return chain, kinds
 
 
 def stage_nodes_of_chain(space: StateSpace, chain: Sequence[int]) -> list[list[Any]]:

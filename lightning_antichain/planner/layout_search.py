@@ -32,7 +32,7 @@ from ..plans.plan import Plan
 from ..plans.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_schedule
 from ..processes.replication import REGATHERS, Regather, Replication
 from .contention import capacity_of_two
-from .cost_graph import total_compute, with_loss, with_times_scaled
+from .cost_graph import normalize_cost_graph, total_compute, with_loss, with_times_scaled
 from .layout_cost import LayoutCost, Links, gradient_shards, layout_cost
 from .overhead import loss_seconds
 from .partition import InfeasiblePlanError
@@ -138,7 +138,7 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                                              options.progress, label)
                 else:
                     cost, key = target.profile(module, graph, *call, batch_dim, options.progress, label), ""
-                cost = cost.copy()
+                cost = normalize_cost_graph(cost)  # a copy, complete once for the many cuts of it
                 cost.graph.update(optimizer_step_s=optimizer_s, model=type(module).__name__)
                 if shared_cores is not None and shared_cores.model is not None:
                     cores = cost.graph.get("cpu_cores") or world_size

@@ -22,7 +22,7 @@ from ..capture.carried import pass_on
 from ..plans.options import PLANNING_METHODS, renamed_recompute
 from ..plans.plan import Plan, Stage
 from ..plans.schedule import in_flight, make_schedule, runs_in_process
-from .antichain import DEFAULT_MAX_STATES, build_state_space
+from .antichain import DEFAULT_MAX_STATES, state_space_of_normalized
 from .baselines import baseline_split
 from .cost_graph import node_compute, normalize_cost_graph, ordered_nodes, total_compute
 from .cost_model import CostModel, DeviceSpec, InfeasiblePlanError, checked_mode, device_specs, evaluate_stages
@@ -70,7 +70,7 @@ def partition(
     if stages < 1 or chunks < 1:
         raise ValueError(f"stages and chunks must be at least 1, got stages={stages}, chunks={chunks}")
     started = time.perf_counter()
-    graph = normalize_cost_graph(cost_graph)
+    graph = normalize_cost_graph(cost_graph, copy=False)
     specs = device_specs(stages, devices, speeds, memory_gb)
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
     if bandwidth <= 0:
@@ -105,7 +105,7 @@ def _solved(graph: nx.DiGraph, specs: list[DeviceSpec], model: CostModel, max_st
             ) -> tuple[list[list[Any]], list[DeviceSpec], list[str], int]:
     """The antichain DP's split: each stage's operations, the devices in the order it chose, what
     the state space compressed, and its size."""
-    space = build_state_space(graph, max_states)
+    space = state_space_of_normalized(graph, max_states)
     groups = tied_groups(graph) if colocate_tied else []
     for group in groups + [set(g) for g in graph.graph.get("together", [])]:
         space.forbidden = space.forbidden | space.splits(group)
