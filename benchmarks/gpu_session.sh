@@ -20,7 +20,7 @@ small=()
 # the GPU machine reaches no package index, so an editable install (which builds) fails there
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-steps=" ${STEPS:-gpu-one gpu-memory pytest-gpu gpu-breakdown large-model} "
+steps=" ${STEPS:-efficiencies gpu-one gpu-memory pytest-gpu gpu-breakdown large-model} "
 step() {  # step NAME SECONDS COMMAND...: run it bounded (if STEPS names it), keep its output, note how it ended
     local name=$1 limit=$2
     shift 2
@@ -30,6 +30,11 @@ step() {  # step NAME SECONDS COMMAND...: run it bounded (if STEPS names it), ke
     echo "$name: exit $? after $((SECONDS - started)) s (limit $limit s)" | tee -a "$out/summary.txt"
 }
 
+# the target cost model's efficiencies (issue 74, item 1): small shapes on the CPU; on a GPU named by GPU=
+gpu=${GPU:-H200}
+[ "$device" = cpu ] && gpu=H100
+step efficiencies 240 python benchmarks/fit_efficiencies.py --gpu "$gpu" --gpu-device "$device" "${small[@]}" \
+    --repeats 5 --out "$out/efficiencies-$gpu.json"
 step gpu-one 300 python benchmarks/gpu.py --device "$device" "${small[@]}" --repeats 5 --no-write --parts one
 step gpu-memory 65 python benchmarks/gpu.py --device "$device" "${small[@]}" --no-write --parts memory
 step pytest-gpu 110 python -m pytest -m gpu -q -p no:cacheprovider --gpu-device "$device"

@@ -14,6 +14,7 @@ from torch import nn
 from lightning_antichain.capture import trace
 from lightning_antichain.hf_models import causal_lm_on_meta
 from lightning_antichain.planner.deeper import Depth, fewest_layers
+from lightning_antichain.planner.efficiency_fit import TimedOperation, fit_efficiencies
 from lightning_antichain.planner.just_in_time import meta_copy, profile_just_in_time
 from lightning_antichain.planner.partition import partition
 from lightning_antichain.planner.profiler import _time_once, profile
@@ -301,3 +302,53 @@ def test_a_mixture_of_experts_costs_its_routed_tokens_against_one_expert_each_an
     assert experts + router <= clock.tally.flops < 1.1 * (experts + router)
     held = sum(p.numel() for p in moe.parameters())
     assert held == 4 * 3 * hidden * inter + hidden * 4  # all four experts' gate, up and down, and the router
+
+
+def _kernels_of(fn, *shapes, gpu=None):
+    """The kernels the roofline counts for ``fn``'s forward and backward on meta inputs."""
+    clock = RooflineClock(gpu or target_device("H100"))
+    inputs = [torch.empty(*s, device="meta", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+    _, out = clock(lambda: fn(*inputs))
+    forward = clock.tally
+    clock(lambda: torch.autograd.grad(out, inputs, torch.empty_like(out)))
+    return forward, clock.tally
+
+
+def test_the_roofline_priced_again_from_its_kernels_gives_what_it_tallied():
+    gpu = target_device("H100")
+    for forward in _kernels_of(lambda a, b: torch.nn.functional.linear(a, b).relu(), (512, 256), (1024, 256)):
+        op = TimedOperation("x", tuple(forward.kernels), forward.dispatches, 1.0)
+        assert op.predicted_s(gpu, Efficiencies()) == pytest.approx(forward.seconds, rel=1e-12)
+        assert {k.kind for k in forward.kernels} <= {"matmul", "elementwise"}
+
+
+def test_efficiencies_fitted_to_timings_made_at_known_efficiencies_recover_them():
+    """Timings priced at known shares (matmul 0.55 of the peak, attention 0.3, elementwise and
+    norm 0.6 and 0.5 of the bandwidth, 12 us of host time a call): fitted from the assumed shares,
+    each comes back and every operation is predicted at its time."""
+    gpu = target_device("H100")
+    truth = dataclasses.replace(Efficiencies(), compute={**Efficiencies().compute, "matmul": 0.55, "attention": 0.3},
+                                memory={**Efficiencies().memory, "elementwise": 0.6, "norm": 0.5}, dispatch_s=12e-6)
+    sdpa = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    cases = [(torch.nn.functional.linear, (4096, 4096), (4096, 4096)),
+             (torch.nn.functional.linear, (16384, 4096), (14336, 4096)),
+             (sdpa, (1, 32, 4096, 128), (1, 32, 4096, 128), (1, 32, 4096, 128)),
+             (torch.add, (16384, 4096), (16384, 4096)),
+             (lambda g, u: torch.nn.functional.silu(g) * u, (8192, 14336), (8192, 14336)),
+             (lambda x: torch.softmax(x, -1), (8192, 8192)),
+             (lambda x: x.view(4, -1).t().reshape(-1), (8,))]
+    timed = []
+    for fn, *shapes in cases:
+        for half in _kernels_of(fn, *shapes):
+            op = TimedOperation(str(fn), tuple(half.kernels), half.dispatches, 0.0)
+            timed.append(dataclasses.replace(op, measured_s=op.predicted_s(gpu, truth)))
+    fitted = fit_efficiencies(timed, gpu, "a test")
+    assert fitted.source == "a test"
+    for kind in ("matmul", "attention"):
+        assert fitted.compute[kind] == pytest.approx(truth.compute[kind], rel=0.02)
+    for kind in ("elementwise", "norm"):
+        assert fitted.memory[kind] == pytest.approx(truth.memory[kind], rel=0.02)
+    assert fitted.dispatch_s == pytest.approx(truth.dispatch_s, rel=0.02)
+    for op in timed:
+        assert op.predicted_s(gpu, fitted) == pytest.approx(op.measured_s, rel=0.03)
+    assert max(abs(op.predicted_s(gpu, Efficiencies()) / op.measured_s - 1) for op in timed) > 0.2

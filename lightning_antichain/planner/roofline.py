@@ -124,16 +124,39 @@ def _bytes(value: Any) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel as the roofline sees it: its kind (:data:`KINDS`), FLOPs, bytes and dtype."""
+
+    kind: str
+    flops: float
+    nbytes: float
+    dtype: torch.dtype
+
+    def seconds(self, device: TargetDevice, efficiencies: Efficiencies) -> float:
+        """Its time on ``device``: the longer of its compute and its memory traffic at the shares
+        of the peaks its kind reaches, and at least a kernel's launch."""
+        kind = self.kind
+        compute = self.flops / (device.peak_flops(self.dtype, kind in ("matmul", "attention"))
+                                * efficiencies.compute[kind])
+        memory = self.nbytes / (device.hbm_gbps * 1e9 * efficiencies.memory[kind])
+        return max(compute, memory, efficiencies.kernel_s)
+
+
 @dataclass
 class Tally:
     """The kernels of what ran under a :class:`RooflineClock`: GPU seconds, host seconds, FLOPs
-    and bytes, and GPU seconds by kind."""
+    and bytes, GPU seconds by kind, and the kernels themselves (to be priced again at other
+    efficiencies, as :mod:`.efficiency_fit` does)."""
 
     gpu_s: float = 0.0
     host_s: float = 0.0
     flops: float = 0.0
     bytes: float = 0.0
     by_kind: Counter = field(default_factory=Counter)
+    kernels: list[Kernel] = field(default_factory=list)
+    #: ATen calls the host dispatched, each :attr:`Efficiencies.dispatch_s`
+    dispatches: int = 0
 
     @property
     def seconds(self) -> float:
@@ -141,11 +164,16 @@ class Tally:
         kernels ahead of the GPU, so the two overlap)."""
         return max(self.gpu_s, self.host_s)
 
+    def dispatched(self, efficiencies: Efficiencies) -> None:
+        """One more ATen call issued by the host."""
+        self.dispatches += 1
+        self.host_s += efficiencies.dispatch_s
+
     def add(self, kind: str, flops: float, nbytes: float, dtype: torch.dtype, device: TargetDevice,
             efficiencies: Efficiencies) -> None:
-        compute = flops / (device.peak_flops(dtype, kind in ("matmul", "attention")) * efficiencies.compute[kind])
-        memory = nbytes / (device.hbm_gbps * 1e9 * efficiencies.memory[kind])
-        seconds = max(compute, memory, efficiencies.kernel_s)
+        kernel = Kernel(kind, flops, nbytes, dtype)
+        seconds = kernel.seconds(device, efficiencies)
+        self.kernels.append(kernel)
         self.gpu_s += seconds
         self.flops += flops
         self.bytes += nbytes
@@ -181,7 +209,7 @@ class _Kernels(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.clock.tally.host_s += self.clock.efficiencies.dispatch_s
+        self.clock.tally.dispatched(self.clock.efficiencies)
         kind = kind_of(func)
         if kind is None:
             return out
@@ -245,7 +273,7 @@ class _Attention(torch.autograd.Function):
         ctx.clock, ctx.flops = clock, attention_flops(query, key, value, causal)
         ctx.bytes = _bytes((query, key, value, mask, output, rows))
         if clock is not None:
-            clock.tally.host_s += clock.efficiencies.dispatch_s
+            clock.tally.dispatched(clock.efficiencies)
             clock.kernel("attention", ctx.flops, ctx.bytes, query.dtype)
         return output
 
@@ -256,7 +284,7 @@ class _Attention(torch.autograd.Function):
         query, key, value, _, _ = ctx.saved_tensors
         grads = [torch.empty_like(t) for t in (query, key, value)]
         if ctx.clock is not None:
-            ctx.clock.tally.host_s += ctx.clock.efficiencies.dispatch_s
+            ctx.clock.tally.dispatched(ctx.clock.efficiencies)
             ctx.clock.kernel("attention", 2.5 * ctx.flops, ctx.bytes + _bytes((grad, *grads)), grad.dtype)
         return (*grads, None, None, None)
 
