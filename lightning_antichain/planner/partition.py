@@ -122,8 +122,8 @@ def _solved(graph: nx.DiGraph, specs: list[DeviceSpec], model: CostModel, max_st
     compression = list(space.compression)
     width = coarse_window(space)
     if width is not None:
-        compression.append(f"{len(space)} prefixes: cut at one in each window of about {width} first, then at "
-                           "every prefix near those cuts")
+        compression.append(f"{len(space)} prefixes: cut at one in each window of about {width} first, then "
+                           "each cut at any prefix between its neighbours' first places")
     return stage_nodes_of_chain(space, chain), order, compression, len(space)
 
 
