@@ -173,6 +173,9 @@ def check_model_path(model: str) -> None:
                          "(package.module.function) with --input-shape")
     if path.suffix == ".json" and not path.is_file():
         raise ValueError(f"{model}: there is no such file; give a Hugging Face model's config.json or its directory")
+    if ("/" in model or model.startswith("~")) and not path.exists():  # an import path has no slash
+        raise ValueError(f"{model}: there is no such file or directory; give a Hugging Face model's directory or "
+                         "its config.json, or an import path of a model (package.module.function)")
 
 
 def check_gpu(gpu: str | None) -> None:

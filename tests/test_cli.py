@@ -196,6 +196,7 @@ RESNET = ["torchvision.models.resnet18", "--stages", "2", "--input-shape", "3,32
         ([*RESNET, "--ranks", "4", "--internode", "0"], "argument --internode: expected a speed above 0 like 400Gb/s"),
         (["tests", "--stages", "2"], "tests is a directory without config.json: give the directory of a Hugging Face"),
         (["missing/config.json", "--stages", "2"], "missing/config.json: there is no such file"),
+        (["/no/such/model", "--stages", "2"], "/no/such/model: there is no such file or directory"),
     ],
 )
 def test_every_user_error_is_one_line_and_status_2(args, message):
@@ -478,7 +479,8 @@ def test_the_command_reads_its_arguments_before_it_imports_torch(tmp_path):
               "print(code, loaded)\n")
     for args in (["plan", "x", "--stages", "2", "--memory", "-5"], ["plan", str(tmp_path), "--stages", "2"],
                  ["plan", "x", "--stages", "0"], ["plan", "m.json", "--stages", "2"],
-                 ["plan", "x", "--stages", "2", "--gpu", "V100"], ["plan", "x", "--stages", "2", "--output", "/no/x"]):
+                 ["plan", "x", "--stages", "2", "--gpu", "V100"], ["plan", "x", "--stages", "2", "--output", "/no/x"],
+                 ["plan", "/no/such/model", "--stages", "2"]):
         result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60)
         assert result.stdout.strip() == "2 []", (args, result.stdout, result.stderr)
         assert result.stderr.strip().splitlines()[-1].startswith(("lightning-antichain", "usage")), result.stderr
