@@ -128,8 +128,8 @@ def operations(s: Shapes) -> list[Operation]:
         ops.append(Operation(f"residual add {tokens} x {s.hidden}",
                              make(torch.add, tensor(tokens, s.hidden), tensor(tokens, s.hidden))))
         ops.append(Operation(f"rotary {tokens} x {s.heads} x {s.head_dim}",
-                             make(_rotary, tensor(tokens, s.heads, s.head_dim), tensor(tokens, 1, s.head_dim, grad=False),
-                                  tensor(tokens, 1, s.head_dim, grad=False))))
+                             make(_rotary, tensor(tokens, s.heads, s.head_dim),
+                                  *[tensor(tokens, 1, s.head_dim, grad=False)] * 2)))
     middle = s.tokens[len(s.tokens) // 2]
     ids = lambda device, dtype: torch.randint(0, s.vocab, (middle,), device=device)  # noqa: E731
     ops.append(Operation(f"embedding {middle} of {s.vocab} x {s.hidden}",
@@ -149,9 +149,13 @@ def _measured(op: Operation, device: torch.device, dtype: torch.dtype, repeats: 
     fn, inputs = op.make(device, dtype)
     wrt = _inputs_needing_grad(inputs)
     forwards, backwards = [], []
+    def backward_of(out: torch.Tensor) -> Callable[[], Any]:
+        grad = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, wrt, grad)
+
     for round_ in range(repeats + 2):
         forward, out = timed(device, lambda: fn(*inputs))
-        backward, _ = timed(device, lambda out=out, grad=torch.randn_like(out): torch.autograd.grad(out, wrt, grad))
+        backward, _ = timed(device, backward_of(out))
         if round_ >= 2:
             forwards.append(forward)
             backwards.append(backward)
