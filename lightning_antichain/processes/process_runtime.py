@@ -51,7 +51,7 @@ from ..stages.plan_capture import graph_for_plan
 from ..weights.held_elsewhere import explain_meta_read
 from ..weights.initialization import Initializer
 from ..weights.optimizer_state import state_sharded_like_parameters, state_with_parameters, with_replaced_parameters
-from .global_norm import clip_by_global_norm
+from .global_norm import clip_by_global_norm, clipping_over_ranks
 from .layout_choice import LayoutChoice
 from .micro_batch_steps import MicroBatchSteps
 from .process_pipeline import ProcessPipeline
@@ -116,6 +116,8 @@ class ProcessRuntime(RankHoldings, Runtime):
         self._whole_batch: WholeBatchCheck | None = None
         self._layout: Layout | None = None
         self._device_mesh: Any = None
+        #: the user's precision plugin, while the run's clips over every rank (:mod:`.global_norm`)
+        self._users_precision: Any = None
 
     @property
     def plan(self) -> Plan | None:
@@ -224,7 +226,7 @@ class ProcessRuntime(RankHoldings, Runtime):
 
     def setup(self, trainer: Any) -> None:
         """Make the module's forward answer inside the steps, and clipping by norm take every
-        rank's gradients."""
+        rank's gradients (through a copy of the precision plugin, :mod:`.global_norm`)."""
         strategy = self.strategy
         module = strategy.lightning_module
         if not module.automatic_optimization:
@@ -249,10 +251,12 @@ class ProcessRuntime(RankHoldings, Runtime):
                 "backward runs inside the step, unscaled. Use precision='bf16-mixed' (no loss scaling), or train "
                 "without schedule=."
             )
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_by_global_norm(  # type: ignore[method-assign]
-            plugin.main_params(optimizer), clip_val, strategy.root_device,
-            set() if self._run is None else self._run.pipeline.tied.counted_elsewhere(),
-            None if self.replication == "fsdp" else self._pipeline_group())  # shards: every rank counts its own
+        if self._users_precision is None:
+            self._users_precision = plugin
+            strategy.precision_plugin = clipping_over_ranks(plugin, lambda params, clip_val: clip_by_global_norm(
+                params, clip_val, strategy.root_device,
+                set() if self._run is None else self._run.pipeline.tied.counted_elsewhere(),
+                None if self.replication == "fsdp" else self._pipeline_group()))  # shards: every rank counts its own
         if trainer.state.fn == TrainerFn.FITTING:
             state_with_parameters(strategy.optimizers)
         self._forward_patch.install(strategy.target(), self.steps.forward)
@@ -303,7 +307,8 @@ class ProcessRuntime(RankHoldings, Runtime):
     def teardown(self) -> None:
         self._fault_watch.stop()
         self._forward_patch.uninstall()
-        vars(self.strategy.precision_plugin).pop("clip_grad_by_norm", None)
+        if self._users_precision is not None:
+            self.strategy.precision_plugin, self._users_precision = self._users_precision, None
 
     def _step(self, hook: str, target: nn.Module, args: tuple, accumulate: int) -> Any:
         assert self.steps is not None, "setup() first"
