@@ -14,18 +14,13 @@ from ..plans.plan import Plan
 def plot_plan(plan: Plan, path: str | os.PathLike[str], title: str | None = None) -> None:
     """Write a PNG (or any format matplotlib knows from the suffix) of ``plan`` to ``path``."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # a figure of its own: no pyplot, no backend chosen for the process
     except ImportError as exc:
         raise ImportError('plotting needs matplotlib: pip install "lightning-antichain[plot]"') from exc
 
     stages = plan.stages
-    fig, (loads, timeline) = plt.subplots(
-        1, 2, figsize=(13, 2.2 + (0.9 if stages[0].modules else 0.55) * len(stages)),
-        gridspec_kw={"width_ratios": [1, 2.2]}
-    )
+    fig = Figure(figsize=(13, 2.2 + (0.9 if stages[0].modules else 0.55) * len(stages)))
+    loads, timeline = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2.2]})
     names = [f"stage {s.index} ({s.device})" + (f"\n{_short(s.modules[0])} ..\n{_short(s.modules[-1])}"
                                                    if s.modules else "") for s in stages]
     ms = 1e3
@@ -68,7 +63,6 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str], title: str | None = None
     fig.suptitle(title or f"{plan.model or 'model'}: {plan.num_stages} stages, method {plan.method}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _short(module: str, keep: int = 3) -> str:

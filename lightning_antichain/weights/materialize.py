@@ -120,11 +120,6 @@ def has_meta_state(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
 
-def meta_names(module: nn.Module) -> list[str]:
-    """The names of ``module``'s parameters and buffers on the meta device."""
-    return [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
-
-
 def meta_attributes(module: nn.Module) -> list[str]:
     """Names of the tensors on the meta device that ``module`` and its children hold as plain
     attributes, not as parameters or buffers (a torchmetrics metric's states): nothing knows how to
