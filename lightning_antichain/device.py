@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+
+from .torch_private import pytree
 
 Device = str | torch.device
 

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from ..capture.isolation import attributes_restored, own_forward, side_effects_undone
 from ..capture.signature import original_forward
 from ..device import full_precision_float32
+from ..torch_private import pytree
 from . import microbatch
 from .batch_dims import BatchDim, batch_size_of, call_dims
 from .output_join import interleaved_rows_message

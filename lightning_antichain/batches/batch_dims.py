@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from ..capture import OpGraph
 from ..capture.signature import FlatSignature, FxSignature, original_forward
+from ..torch_private import pytree
 from . import microbatch
 
 BatchDim = int | Mapping[str, int]

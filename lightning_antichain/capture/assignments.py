@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
+from ..torch_private import pytree
 from .batch_axis import batch_dim_candidates
 from .isolation import plain_attributes
 from .signature import original_forward

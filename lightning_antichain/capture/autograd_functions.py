@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
+from ..torch_private import pytree
 from .errors import FrontendRefused
 
 _FUNCTION = torch.autograd.Function

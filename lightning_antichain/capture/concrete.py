@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..device import rng_forked
+from ..torch_private import OpOverload, pytree
 from .assignments import Assignment, assignments_of, recording_assignments
 from .errors import FrontendRefused, first_line, location_of, user_frame
 from .isolation import buffers_restored, side_effects_undone
@@ -93,7 +93,7 @@ def capture_concrete(
 
 def _is_value_read(node: fx.Node) -> bool:
     target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+    return node.op == "call_function" and isinstance(target, OpOverload) and (
         torch.Tag.data_dependent_output in target.tags
     )
 

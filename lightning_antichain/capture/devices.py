@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..device import is_meta, same_device
+from ..torch_private import pytree
 
 
 def retarget_devices(graph_module: fx.GraphModule, source: str | torch.device | None,
@@ -87,7 +88,7 @@ def on_module_device(module: torch.nn.Module, values: Any) -> Any:
     if len(devices) != 1:
         return values
     (device,) = devices
-    return torch.utils._pytree.tree_map(
+    return pytree.tree_map(
         lambda v: v.to(device) if isinstance(v, torch.Tensor) and not same_device(v.device, device) else v, values)
 
 
@@ -115,7 +116,7 @@ def state_on_meta(module: nn.Module, call: tuple[tuple, dict], inputs_too: bool
             for table, name, tensor in named_state(graph_module, recurse=False):
                 table[name] = originals.get(id(tensor), tensor)
 
-        yield (call if not inputs_too else torch.utils._pytree.tree_map(
+        yield (call if not inputs_too else pytree.tree_map(
             lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, call)), put_back
 
 

@@ -22,13 +22,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.fx.experimental._config as fx_config
-import torch.utils._pytree as pytree
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConverter
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 
+from ..torch_private import FakeTensor, FakeTensorConverter, fx_config, pytree
 from .assignments import Assignment, assignments_of, recording_assignments, symbolic_values
 from .errors import FrontendRefused, first_line, location_of
 from .lifted import rebuild_over_module

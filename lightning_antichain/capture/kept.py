@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from ..torch_private import pytree
 from .specialization import constant_key, input_key
 
 MISSING = object()

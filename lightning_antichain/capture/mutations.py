@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 from torch import nn
+
+from ..torch_private import OpOverload
 
 
 @dataclass
@@ -62,7 +63,7 @@ def ordering(graph_module: fx.GraphModule) -> MutationOrder:
 def written_arguments(module: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """The argument nodes ``node`` may change in place (``ReLU(inplace=True)``, ``x.add_``, ``aten.add_``)."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         arguments = target._schema.arguments
         return [node.args[i] for i, a in enumerate(arguments)
                 if a.alias_info is not None and a.alias_info.is_write and i < len(node.args)
@@ -94,7 +95,7 @@ def is_in_place(module: fx.GraphModule, node: fx.Node) -> bool:
 def may_alias(module: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node``'s result may share storage with its first argument (erring towards yes)."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         returns = target._schema.returns
         return bool(returns and returns[0].alias_info is not None) or "dropout" in target.name()
     if node.op == "call_module":

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+
+from ..torch_private import pytree
 
 _refused: set[type] = set()
 

@@ -15,6 +15,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..torch_private import HigherOrderOperator, OpOverload, OpOverloadPacket, torch_assert
+
 #: torch.nn modules that draw random numbers in training; other torch.nn modules draw none
 _RANDOM_MODULES: tuple[type, ...] = (
     nn.modules.dropout._DropoutNd,
@@ -63,14 +65,14 @@ def function_may_draw(fn: Any) -> bool:
     stands for another (``draws_like``) draws as that one does."""
     if getattr(fn, "draws_like", None) is not None:
         return function_may_draw(fn.draws_like)
-    if isinstance(fn, torch._ops.OpOverload):
+    if isinstance(fn, OpOverload):
         return torch.Tag.nondeterministic_seeded in fn.tags
-    if isinstance(fn, torch._ops.OpOverloadPacket):
+    if isinstance(fn, OpOverloadPacket):
         return _packet_may_draw(fn)
     module = getattr(fn, "__module__", None) or ""
-    if module in _DETERMINISTIC_MODULES or module.startswith("lightning_antichain.") or fn is torch._assert:
+    if module in _DETERMINISTIC_MODULES or module.startswith("lightning_antichain.") or fn is torch_assert:
         return False  # our own graph helpers (guards) draw nothing
-    if module.startswith("torch") and not isinstance(fn, torch._ops.HigherOrderOperator):
+    if module.startswith("torch") and not isinstance(fn, HigherOrderOperator):
         return _name_may_draw(getattr(fn, "__name__", ""))
     return True
 
@@ -81,10 +83,10 @@ def _name_may_draw(name: str) -> bool:
     if bare in _RANDOM_FUNCTIONS:
         return True
     packet = getattr(torch.ops.aten, bare, None)
-    return isinstance(packet, torch._ops.OpOverloadPacket) and _packet_may_draw(packet)
+    return isinstance(packet, OpOverloadPacket) and _packet_may_draw(packet)
 
 
-def _packet_may_draw(packet: torch._ops.OpOverloadPacket) -> bool:
+def _packet_may_draw(packet: OpOverloadPacket) -> bool:
     return any(torch.Tag.nondeterministic_seeded in getattr(packet, name).tags for name in packet.overloads())
 
 
@@ -98,7 +100,7 @@ def _switched_off(node: fx.Node, fn: Any) -> bool:
 
 
 def _argument_names(fn: Any) -> list[str]:
-    if isinstance(fn, torch._ops.OpOverload):
+    if isinstance(fn, OpOverload):
         return [a.name for a in fn._schema.arguments]
     if fn is None:
         return []

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..torch_private import HigherOrderOperator, OpOverload
 from .assignments import assign, per_sample
 from .errors import FrontendRefused
 from .isolation import side_effects_undone
@@ -115,7 +116,7 @@ def _only_first_does_is_pure(first: OpGraph, second: OpGraph) -> bool:
         return False
     for node in first.graph_module.graph.nodes:
         if node.op == "call_function" and node.target in extra:
-            if isinstance(node.target, torch._ops.HigherOrderOperator) or _writes_state(node):
+            if isinstance(node.target, HigherOrderOperator) or _writes_state(node):
                 return False
     return True
 
@@ -133,7 +134,7 @@ def _targets(graph_module: fx.GraphModule) -> list[Any]:
 def _writes_state(node: fx.Node) -> bool:
     """Whether ``node`` writes a parameter, a buffer or an input (or a view of one) in place."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     arguments = target._schema.arguments
     written = [i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
@@ -143,7 +144,7 @@ def _writes_state(node: fx.Node) -> bool:
 def _base_kind(value: Any) -> str | None:
     """The fx kind of the node whose storage ``value`` views (of ``value`` itself if it is no view)."""
     node = value
-    while isinstance(node, fx.Node) and isinstance(node.target, torch._ops.OpOverload):
+    while isinstance(node, fx.Node) and isinstance(node.target, OpOverload):
         returns = node.target._schema.returns
         if not (returns and returns[0].alias_info is not None and node.args):
             break

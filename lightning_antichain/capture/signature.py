@@ -14,8 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
+
+from ..torch_private import pytree
 
 
 def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:

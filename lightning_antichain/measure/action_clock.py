@@ -26,10 +26,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import schedules as torch_schedules
 
 from ..device import is_accelerator, synchronize
 from ..plans.schedule import Phase
+from ..torch_private import batch_waits_through
 
 #: torch's stage method -> the phase it runs (a backward without the weights' half: see _phase)
 _METHODS: dict[str, Phase] = {"forward_one_chunk": "forward", "backward_one_chunk": "backward",
@@ -52,7 +52,6 @@ class ActionClock:
         """Time the actions of ``stages`` (torch's ``PipelineStage`` objects of this rank) during
         the step run inside the block."""
         marks: list[tuple[ActionKey | None, float, float]] = []  # key (None: a wait), start, end
-        waited = torch_schedules._wait_batch_p2p
         on_device = is_accelerator(self.device)
 
         def now() -> float:
@@ -60,12 +59,14 @@ class ActionClock:
                 synchronize(self.device)
             return time.perf_counter()
 
-        def timed_wait(works: Any) -> Any:
-            started = now()
-            try:
-                return waited(works)
-            finally:
-                marks.append((None, started, now()))
+        def timed_wait(waited: Any) -> Any:
+            def wait(works: Any) -> Any:
+                started = now()
+                try:
+                    return waited(works)
+                finally:
+                    marks.append((None, started, now()))
+            return wait
 
         def timed(method: Any, name: str, index: int) -> Any:
             def run(*args: Any, **kwargs: Any) -> Any:
@@ -79,12 +80,11 @@ class ActionClock:
         for stage in stages:
             for name in _METHODS:
                 setattr(stage, name, timed(getattr(stage, name), name, stage.stage_index))
-        torch_schedules._wait_batch_p2p = timed_wait
         try:
-            yield
-            ended = now()
+            with batch_waits_through(timed_wait):
+                yield
+                ended = now()
         finally:
-            torch_schedules._wait_batch_p2p = waited
             for stage in stages:
                 for name in _METHODS:
                     vars(stage).pop(name, None)

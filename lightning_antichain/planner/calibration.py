@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
 from ..batches import microbatch
 from ..batches.batch_dims import call_dims
@@ -41,6 +40,7 @@ from ..device import is_accelerator, shares_host, synchronize
 from ..measure.op_clock import OpClock
 from ..plans.plan import Plan, recomputed_micro_batches
 from ..plans.schedule import Task, Timed, runs_in_process
+from ..torch_private import tree_map_only
 from ..weights.materialize import has_meta_state
 from .cache import DamagedEntry, entry_key, entry_path, read_entry, write_entry
 from .contention import runtime_capacity

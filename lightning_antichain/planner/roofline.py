@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from ..capture.pytrees import iter_tensors
+from ..torch_private import CONVOLUTION_IMPL, GROUPED_MM, SCALED_MM, OpOverload, TorchDispatchMode
 from .target_devices import TargetDevice
 
 KINDS = ("matmul", "attention", "elementwise", "norm", "other")
@@ -79,8 +79,8 @@ class Efficiencies:
 
 
 _MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-            torch.ops.aten._scaled_mm, torch.ops.aten.convolution, torch.ops.aten._convolution,
-            torch.ops.aten.convolution_backward, torch.ops.aten._grouped_mm}
+            SCALED_MM, torch.ops.aten.convolution, CONVOLUTION_IMPL,
+            torch.ops.aten.convolution_backward, GROUPED_MM}
 _NORMS = ("norm", "softmax", "sum", "mean", "var", "std", "amax", "amin", "max", "min", "cumsum", "prod", "logsumexp",
           "argmax", "argmin", "topk", "sort")
 _NO_KERNEL = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
@@ -88,7 +88,7 @@ _NO_KERNEL = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.em
               torch.ops.aten.detach, torch.ops.aten.lift_fresh, torch.ops.aten.alias}
 
 
-def kind_of(func: torch._ops.OpOverload) -> str | None:
+def kind_of(func: OpOverload) -> str | None:
     """The kind of kernel ``func`` runs (:data:`KINDS`), or ``None`` where it runs none (a view,
     a fresh tensor left uninitialised)."""
     packet = func.overloadpacket
@@ -105,7 +105,7 @@ def kind_of(func: torch._ops.OpOverload) -> str | None:
     return "other"
 
 
-def _is_view(func: torch._ops.OpOverload) -> bool:
+def _is_view(func: OpOverload) -> bool:
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
@@ -235,7 +235,7 @@ def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args: Any, out_val: Any
 
 
 #: FLOPs of kernels torch's counter does not count
-_FLOPS: dict[Any, Callable[..., int]] = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+_FLOPS: dict[Any, Callable[..., int]] = {GROUPED_MM: _grouped_mm_flops}
 
 _ATTENTION = {torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 

@@ -21,20 +21,14 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    _Action,
-    _add_send_recv,
-    _ComputationType,
-    _PipelineScheduleRuntime,
-)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from ..torch_private import Action, ComputationType, ScheduleRuntime, add_send_recv
 from .schedule import Schedule, Task, gpipe, one_f_one_b
 
 #: torch's kinds of action -> the phases of :class:`~lightning_antichain.plans.schedule.Task`
-_PHASES = {_ComputationType.FORWARD: "forward", _ComputationType.FULL_BACKWARD: "backward",
-           _ComputationType.BACKWARD_INPUT: "backward_input", _ComputationType.BACKWARD_WEIGHT: "backward_weight"}
+_PHASES = {ComputationType.FORWARD: "forward", ComputationType.FULL_BACKWARD: "backward",
+           ComputationType.BACKWARD_INPUT: "backward_input", ComputationType.BACKWARD_WEIGHT: "backward_weight"}
 
 #: name -> torch's class, the virtual stages per rank it takes (None: any count from 1), and the
 #: order of a rank's stages
@@ -77,7 +71,7 @@ class ProcessSchedule:
     def runs_by_table(self) -> bool:
         """Whether torch runs it from a table of actions per rank (ZBV), which its ``eval`` follows
         backward actions included: such a schedule evaluates by :meth:`evaluate_forward_only`."""
-        return issubclass(self.runs_with, _PipelineScheduleRuntime)
+        return issubclass(self.runs_with, ScheduleRuntime)
 
     @property
     def splits_backward(self) -> bool:
@@ -93,28 +87,28 @@ class ProcessSchedule:
             return chunks % max(1, chunks // ranks) == 0
         return True
 
-    def fill_drain_order(self, ranks: int, chunks: int, train: bool = True) -> dict[int, list[_Action]]:
+    def fill_drain_order(self, ranks: int, chunks: int, train: bool = True) -> dict[int, list[Action]]:
         """GPipe's order for this schedule's stages: on each rank, every micro-batch's forward
         through its stages in pipeline order, then (``train``) every backward in reverse. It runs
         any count of micro-batches on any placement of stages, since each task waits only on tasks
         of earlier stages (later, in backward) that their ranks run first: the order for a batch
         the schedule itself does not take (:meth:`takes`)."""
-        order: dict[int, list[_Action]] = {}
+        order: dict[int, list[Action]] = {}
         for rank in range(ranks):
             held = sorted(self.stages_of(rank, ranks))
-            order[rank] = [_Action(s, _ComputationType.FORWARD, m) for s in held for m in range(chunks)]
+            order[rank] = [Action(s, ComputationType.FORWARD, m) for s in held for m in range(chunks)]
             if train:
-                order[rank] += [_Action(s, _ComputationType.FULL_BACKWARD, m) for s in reversed(held)
+                order[rank] += [Action(s, ComputationType.FULL_BACKWARD, m) for s in reversed(held)
                                 for m in reversed(range(chunks))]
         return order
 
-    def evaluate_forward_only(self, runner: _PipelineScheduleRuntime, ranks: int, chunks: int) -> None:
+    def evaluate_forward_only(self, runner: ScheduleRuntime, ranks: int, chunks: int) -> None:
         """Make ``runner`` (torch's, for this schedule) run forwards only: every micro-batch through
         a rank's first stage, then through its next, so each stage waits only on stages run before
         it. torch's table for ZBV holds backward actions, which its ``eval`` would follow."""
-        actions = {rank: [_Action(stage, _ComputationType.FORWARD, m) for stage in sorted(self.stages_of(rank, ranks))
+        actions = {rank: [Action(stage, ComputationType.FORWARD, m) for stage in sorted(self.stages_of(rank, ranks))
                           for m in range(chunks)] for rank in range(ranks)}
-        runner.pipeline_order_with_comms = _add_send_recv(
+        runner.pipeline_order_with_comms = add_send_recv(
             actions, stage_to_rank=lambda s: runner.stage_index_to_group_rank[s], num_stages=runner._num_stages)
 
     def table(self, ranks: int, chunks: int) -> Schedule:
@@ -175,10 +169,10 @@ def process_schedule(name: str, virtual_stages: int | None = None) -> ProcessSch
 
 
 def fill_drain_runner(schedule: ProcessSchedule, stages: list[Any], ranks: int, chunks: int,
-                      loss_fn: Any, train: bool) -> _PipelineScheduleRuntime:
+                      loss_fn: Any, train: bool) -> ScheduleRuntime:
     """torch's runtime for tables of actions, running this rank's ``stages`` in
     :meth:`ProcessSchedule.fill_drain_order` (``scale_grads=False``, as :func:`schedule_runner`)."""
-    runner = _PipelineScheduleRuntime(stages, chunks, loss_fn=loss_fn, scale_grads=False)
+    runner = ScheduleRuntime(stages, chunks, loss_fn=loss_fn, scale_grads=False)
     prepare = getattr(runner, "_prepare_schedule_with_comms", None) or runner._load_actions  # torch < 2.8
     prepare(schedule.fill_drain_order(ranks, chunks, train=True))  # torch checks a training table's counts
     if not train:

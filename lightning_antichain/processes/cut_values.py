@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
 from ..batches.microbatch import same_value
 from ..capture.pytrees import flatten, unflatten
 from ..stages.split import StageModule
+from ..torch_private import FakeTensorMode, pytree, split_backward
 
 #: Python numbers crossing a cut, by type: the dtype of the 0-dim tensor that carries each
 NUMBERS: dict[type, torch.dtype] = {bool: torch.bool, int: torch.int64, float: torch.float64}
@@ -172,20 +171,15 @@ def weights_missed(inputs: list[Any], outputs: Any, weights: Any) -> bool:
     weight's groups share part of the graph, the weight pass runs through it twice and fails.
     This runs torch's two passes on the fake run's graph and checks that every weight the outputs
     reach got a gradient."""
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc,
-        construct_reverse_graph,
-        stage_backward_input,
-        stage_backward_weight,
-    )
+    grad_fn_of, construct_reverse_graph, stage_backward_input, stage_backward_weight = split_backward()
 
     # copies: torch's input pass detaches the outputs in place, and these go on to the next stage
     outputs = [t.clone() for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     weights = [w for w in weights if isinstance(w, torch.Tensor) and w.requires_grad]
     if not outputs or not weights:
         return False
-    reverse = construct_reverse_graph([fn for t in outputs if (fn := _get_grad_fn_or_grad_acc(t)) is not None])
-    reached = [w for w in weights if _get_grad_fn_or_grad_acc(w) in reverse]
+    reverse = construct_reverse_graph([fn for t in outputs if (fn := grad_fn_of(t)) is not None])
+    reached = [w for w in weights if grad_fn_of(w) in reverse]
     for w in weights:
         w.grad = None
     try:

@@ -12,12 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch.utils._pytree as pytree
 from lightning.pytorch import LightningModule
 from torch import nn
 
 from ..batches import microbatch
 from ..batches.batch_dims import BatchDim, call_dims
+from ..torch_private import pytree
 from .step_logs import StepLogs, discarded
 
 

@@ -16,7 +16,6 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -29,6 +28,7 @@ from ..planner.process_calibration import StepCalibration, from_records
 from ..plans.layout import Layout
 from ..plans.plan import Plan
 from ..plans.process_schedules import ProcessSchedule
+from ..torch_private import pytree
 from .micro_batch_steps import MicroBatchSteps, refuse_whole_batch_arguments
 from .process_pipeline import ProcessPipeline, equal_runs
 from .rank_holdings import everyone

@@ -17,9 +17,8 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed.pipelining import schedules as torch_schedules
-
 from ..plans.schedule import Task
+from ..torch_private import batch_waits_through
 
 #: the methods of torch's stages that run one task each
 _TASKS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
@@ -35,7 +34,6 @@ def transfers_watched(stages: Sequence[Any], order: Sequence[Task], rank: int, r
     """Within, a wait of this ``rank`` (running torch's ``stages`` in ``order``) that times out
     raises a :class:`TransferTimeout` naming it (``rank_of``: the rank holding a stage)."""
     done = [0]
-    waited = torch_schedules._wait_batch_p2p
 
     def counted(method: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -44,23 +42,24 @@ def transfers_watched(stages: Sequence[Any], order: Sequence[Task], rank: int, r
             return result
         return run
 
-    def wait(works: Any) -> Any:
-        try:
-            return waited(works)
-        except Exception as error:
-            if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
-                raise
-            raise TransferTimeout(_said(order, done[0], rank, rank_of, num_stages, timeout)) from error
+    def watched(waited: Any) -> Any:
+        def wait(works: Any) -> Any:
+            try:
+                return waited(works)
+            except Exception as error:
+                if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+                    raise
+                raise TransferTimeout(_said(order, done[0], rank, rank_of, num_stages, timeout)) from error
+        return wait
 
     previous = [(stage, name, vars(stage).get(name)) for stage in stages for name in _TASKS]
     for stage in stages:
         for name in _TASKS:
             setattr(stage, name, counted(getattr(stage, name)))
-    torch_schedules._wait_batch_p2p = wait
     try:
-        yield
+        with batch_waits_through(watched):
+            yield
     finally:
-        torch_schedules._wait_batch_p2p = waited
         for stage, name, method in previous:
             if method is None:
                 vars(stage).pop(name, None)

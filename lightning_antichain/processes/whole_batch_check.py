@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from ..batches import microbatch
 from ..batches.microbatch import MicroBatchError
 from ..capture.pytrees import flatten, unflatten
 from ..device import generator_states, rng_forked
+from ..torch_private import pytree
 from .micro_batch_steps import MicroBatchSteps
 from .step_logs import MetricLogged, StepLogs, metrics_kept
 from .step_loss import first_samples, loss_of

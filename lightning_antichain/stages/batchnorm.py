@@ -17,7 +17,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..torch_private import BatchNormBase
 
 _again = threading.local()
 """``active`` while a forward runs again for its backward (:func:`recomputing`), in this thread."""
@@ -31,7 +32,7 @@ class _Moments:
 
     NAMES = ("_deferred_total", "_deferred_squares", "_deferred_count")
 
-    def __init__(self, module: _BatchNorm) -> None:
+    def __init__(self, module: BatchNormBase) -> None:
         self.module = module
         device, channels = module.running_mean.device, module.running_mean.shape[0]
         module.register_buffer(self.NAMES[0], torch.zeros(channels, dtype=torch.float64, device=device), False)
@@ -67,7 +68,7 @@ def deferred_batch_norm(modules: Iterable[nn.Module]) -> Iterator[None]:
     """Within the block, BatchNorm layers in training mode normalise without touching their running
     statistics and record their inputs' moments; on leaving it, each updates its running statistics
     once, as the plain layer would have on the whole batch."""
-    norms = [m for m in modules if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    norms = [m for m in modules if isinstance(m, BatchNormBase) and m.training and m.track_running_stats]
     moments = {id(m): _Moments(m) for m in norms}
     for module in norms:
         module.forward = _recording_forward(module, moments[id(module)])  # instance attribute wins
@@ -94,7 +95,7 @@ class recomputing:  # noqa: N801 - used as a context manager, like contextlib's
 
     def __init__(self, modules: Iterable[nn.Module], buffers: Iterable[torch.Tensor] = (),
                  restore_later: bool = False) -> None:
-        self.norms = [m for m in modules if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+        self.norms = [m for m in modules if isinstance(m, BatchNormBase) and m.training and m.track_running_stats]
         self.buffers = list(buffers)
         self.restore_later = restore_later
         self._kept: list[list[tuple[float | None, torch.Tensor]]] = []
@@ -128,7 +129,7 @@ class recomputing:  # noqa: N801 - used as a context manager, like contextlib's
                     buffer.copy_(value)
 
 
-def _recording_forward(module: _BatchNorm, moments: _Moments):
+def _recording_forward(module: BatchNormBase, moments: _Moments):
     def forward(x: torch.Tensor) -> torch.Tensor:
         module._check_input_dim(x)
         if not getattr(_again, "active", False):
@@ -138,7 +139,7 @@ def _recording_forward(module: _BatchNorm, moments: _Moments):
     return forward
 
 
-def _update_running_stats(module: _BatchNorm, moments: _Moments) -> None:
+def _update_running_stats(module: BatchNormBase, moments: _Moments) -> None:
     n = moments.count
     if n == 0:
         return

@@ -36,13 +36,12 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..capture.opgraph import MethodCall
 from ..capture.random_ops import OFF_VALUES, function_may_draw, may_draw, module_may_draw
 from ..device import default_generator, has_generator
+from ..torch_private import OpOverload, TorchDispatchMode, pytree
 
 _local = threading.local()
 _swap_lock = threading.Lock()
@@ -186,7 +185,7 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
 
 
 @functools.cache
-def _generator_overload(func: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+def _generator_overload(func: OpOverload) -> OpOverload | None:
     """``func`` if it takes ``generator=``, else its overload that differs only by taking one."""
     names = [a.name for a in func._schema.arguments]
     if "generator" in names:

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
 from ..capture import OpGraph
@@ -32,6 +31,7 @@ from ..capture.pytrees import flatten, unflatten
 from ..device import StageStreams, stage_streams
 from ..measure.op_clock import OpClock, clocked_module, watching
 from ..plans.plan import Plan
+from ..torch_private import pytree
 from ..weights.initialization import Initializer
 from ..weights.materialize import materialize
 from .randomness import seed_random_nodes

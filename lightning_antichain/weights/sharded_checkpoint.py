@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from ..torch_private import load_state_dict_planned
 
 META_FILE = "meta.pt"
 """Lightning's name for the file beside the shards that holds everything but weights and optimizer
@@ -155,7 +156,7 @@ class ShardedCheckpoint:
                 assert isinstance(stored, BytesStorageMetadata)
                 target[key] = None
         try:
-            _load_state_dict(target, storage_reader=FileSystemReader(self.path), no_dist=True)
+            load_state_dict_planned(target, storage_reader=FileSystemReader(self.path), no_dist=True)
         except Exception as error:  # torch's CheckpointException names ranks, not files
             files = sorted({self._metadata.storage_data[i].relative_path for i in self._metadata.storage_data
                             if i.fqn in keys})
