@@ -57,7 +57,7 @@ from .micro_batch_steps import MicroBatchSteps
 from .process_pipeline import ProcessPipeline
 from .rank_faults import FaultWatch, StageProcessError, explained
 from .rank_holdings import RankHoldings
-from .rank_run import RankRun, agree, replica_share, skipped_message
+from .rank_run import RankRun, agree, pipeline_group, replica_share, replicas_group, skipped_message
 from .replica_batches import replica_loader
 from .replication import REPLICATIONS, Replication
 from .same_batches import same_order_everywhere
@@ -241,7 +241,7 @@ class ProcessRuntime(RankHoldings, Runtime):
             if self._run is not None and self._run.pipeline.graph.module is not strategy.target():
                 self._let_go()
         if self.layout_search is None or self.plan is not None:  # else once the layout is chosen
-            unsynced(module, self._replicas_group())
+            unsynced(module, replicas_group(self.layout, self.device_mesh))
         # every rank logs the whole batch's value already (step_logs): there is nothing to sync
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True`")
         plugin = strategy.precision_plugin
@@ -256,7 +256,8 @@ class ProcessRuntime(RankHoldings, Runtime):
             strategy.precision_plugin = clipping_over_ranks(plugin, lambda params, clip_val: clip_by_global_norm(
                 params, clip_val, strategy.root_device,
                 set() if self._run is None else self._run.pipeline.tied.counted_elsewhere(),
-                None if self.replication == "fsdp" else self._pipeline_group()))  # shards: every rank counts its own
+                # FSDP2's shards: every rank counts its own
+                None if self.replication == "fsdp" else pipeline_group(self.layout, self.device_mesh)))
         if trainer.state.fn == TrainerFn.FITTING:
             state_with_parameters(strategy.optimizers)
         self._forward_patch.install(strategy.target(), self.steps.forward)
@@ -328,14 +329,6 @@ class ProcessRuntime(RankHoldings, Runtime):
         if self._run is not None:
             self._plan, self.calibration, self._run = self._run.plan, self._run.calibration, None
 
-    def _pipeline_group(self) -> Any:
-        """The process group of this rank's pipeline (``None``, the world, where there is one pipeline)."""
-        return None if self.layout.dp == 1 else self.device_mesh["pp"].get_group()
-
-    def _replicas_group(self) -> Any:
-        """The process group of this rank's stages' replicas (``None`` where there are none)."""
-        return None if self.layout.dp == 1 else self.device_mesh["dp"].get_group()
-
     def _build(self, hook: str, target: nn.Module, batch: Any, rest: tuple) -> bool:
         """Plan on rank 0 (unless a plan was given) and send it to every rank, with the layout where
         the planner chose it (:mod:`.layout_choice`); build this rank's stages. ``batch`` is the
@@ -356,7 +349,7 @@ class ProcessRuntime(RankHoldings, Runtime):
             if self.layout_search is not None:
                 self.schedule = chosen.schedule
                 self.use_layout(chosen.layout, chosen.mesh)
-                unsynced(self.steps.module, self._replicas_group())
+                unsynced(self.steps.module, replicas_group(self.layout, self.device_mesh))
             ranks = self.layout.pp
             table = self.schedule.table(ranks, self._plan.chunks)
             rank_zero_info(f"{self._plan.table()}\nunder {self.schedule.name} on {ranks} processes "
@@ -398,7 +391,7 @@ class ProcessRuntime(RankHoldings, Runtime):
             plan.regather = self._choice().regather(plan, schedule, layout)
         plan.gradient_shards = gradient_shards(self.replication, plan.regather, layout.dp)
         pipeline = ProcessPipeline(graph, plan, schedule, layout.position(strategy.global_rank), layout.pp,
-                                   strategy.root_device, group=None if layout.dp == 1 else mesh["pp"].get_group(),
+                                   strategy.root_device, group=pipeline_group(layout, mesh),
                                    replication=replication,
                                    initializer=Initializer(target, self.options.param_init_fn),
                                    recompute=self.options.recompute == "always",

@@ -237,12 +237,22 @@ class RankRun:
             p.grad = grad if p.grad is None else p.grad + grad
 
     def pipeline_group(self) -> Any:
-        """The process group of this rank's pipeline (``None``, the world, where there is one pipeline)."""
-        return None if self.layout.dp == 1 else self.mesh["pp"].get_group()
+        return pipeline_group(self.layout, self.mesh)
 
     def replicas_group(self) -> Any:
-        """The process group of this rank's stages' replicas (``None`` where there are none)."""
-        return None if self.layout.dp == 1 else self.mesh["dp"].get_group()
+        return replicas_group(self.layout, self.mesh)
+
+
+def pipeline_group(layout: Layout, mesh: Any) -> Any:
+    """The process group of this rank's pipeline in ``layout`` on ``mesh`` (``None``, the world,
+    where there is one pipeline)."""
+    return None if layout.dp == 1 else mesh["pp"].get_group()
+
+
+def replicas_group(layout: Layout, mesh: Any) -> Any:
+    """The process group of this rank's stages' replicas in ``layout`` on ``mesh`` (``None`` where
+    there are none)."""
+    return None if layout.dp == 1 else mesh["dp"].get_group()
 
 
 def replica_share(batch: Any, layout: Layout, rank: int, searched: bool) -> Any:
