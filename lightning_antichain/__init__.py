@@ -4,7 +4,6 @@ Profile a model (:func:`profile`), cut it into balanced stages over its antichai
 (:func:`partition`), and inspect the resulting :class:`Plan`.
 """
 
-from . import moved_modules
 from .batches.batch_dependence import BatchDependenceError, check_micro_batchable
 from .batches.microbatch import MicroBatchError
 from .capture import OpGraph, UntraceableModelError, trace
@@ -26,12 +25,6 @@ from .weights.materialize import UninitializedTensorError, load_state_dict
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str) -> object:
-    return moved_modules.gone_package(name)  # la.runtime.pipeline, before the modules moved
-
-
-moved_modules.install()  # the old module paths still import, with a warning
 register()  # strategy="antichain_pipeline" works once the package is imported
 
 __all__ = [
