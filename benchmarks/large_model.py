@@ -26,7 +26,7 @@ Part 4 (``--part nodes``) plans the same Llama-2-70B shapes for training past on
 8 GPUs of 80 GB (NVLink within a node, one 200 Gb/s adapter per GPU across), AdamW in bf16-mixed
 (fp32 weights, gradients and both moments: 16 bytes a parameter), FSDP2 over each stage's
 replicas a decoder layer at a time. For 1, 2, 4, ... nodes (or ``--nodes N``) it runs
-``stages="auto"``'s search over every layout of replicas x stages, schedule, micro-batch count
+``pipeline_parallel_size="auto"``'s search over every layout of replicas x stages, schedule, micro-batch count
 and FSDP2 regather, and stops at the fewest nodes where a layout fits. It prints, for each node
 count, the candidate whose ranks need the least memory and the layout chosen, then each layout's
 best candidate and why it lost, the search's time and the process's peak resident set.

@@ -1,7 +1,7 @@
 """Every layout of replicas x stages of a few CPU processes, measured against the planner's predictions,
-with the one ``stages="auto"`` chooses marked.
+with the one ``pipeline_parallel_size="auto"`` chooses marked.
 
-Rank 0 plans each layout ``dp x pp`` of the ranks as ``stages="auto"`` weighs it (every schedule
+Rank 0 plans each layout ``dp x pp`` of the ranks as ``pipeline_parallel_size="auto"`` weighs it (every schedule
 and micro-batch count, :func:`~lightning_antichain.planner.layout_search.plan_layouts` with the
 processes per pipeline fixed), and once more with the layout free: the auto choice. Every rank
 then builds each layout on a copy of the model of its own (a ``(dp, pp)`` DeviceMesh, its stages

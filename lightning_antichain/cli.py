@@ -3,7 +3,7 @@
     lightning-antichain plan torchvision.models.resnet50 --model-kwargs '{"num_classes": 10}' \\
         --stages 4 --input-shape 3,32,32 --batch-size 32 --chunks 4 --json
     lightning-antichain plan torchvision.models.resnet50 --ranks 8 --per-node 4 --stages auto --schedule auto \
-        --input-shape 3,32,32 --batch-size 64   # the layout of 8 processes on 2 nodes, as stages="auto" weighs it
+        --input-shape 3,32,32 --batch-size 64   # 8 processes on 2 nodes, as pipeline_parallel_size="auto" weighs them
     lightning-antichain plan ~/models/Llama-3.1-8B --gpu H100 --ranks 16 --per-node 8 --stages auto \
         --batch-size 32 --sequence-length 1024   # a Hugging Face causal LM from its config, for H100s
     lightning-antichain consolidate checkpoints/epoch=0-step=6.ckpt   # shards -> one file for plain Lightning
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan_layout(args: argparse.Namespace) -> int:
-    """``plan --ranks N``: the layout search the strategy runs for ``stages="auto"`` (or a fixed
+    """``plan --ranks N``: the layout search the strategy runs for ``pipeline_parallel_size="auto"`` (or a fixed
     ``--stages`` with ``--schedule auto``), on a batch of ``--batch-size`` random samples."""
     from .planner.public import plan_layout
 

@@ -25,7 +25,8 @@ FOLDER_LAYERS = {"device": "device", "cpu_allocator": "device", "torch_private":
 MODULE_LAYERS = {"in_process.in_process_runtime": "runtimes", "in_process.planned_pipeline": "runtimes",
                  "processes.process_runtime": "runtimes", "processes.rank_holdings": "runtimes",
                  "processes.layout_trials": "runtimes", "processes.layout_choice": "runtimes",
-                 "processes.rank_run": "runtimes", "lightning.strategy": "strategy"}
+                 "processes.rank_run": "runtimes", "processes.rank_layout": "runtimes",
+                 "lightning.strategy": "strategy"}
 DEVICE_LAYER = "device"
 # Device-type tests allowed outside the device layer: the CLI checks what a user typed.
 DEVICE_BRANCH_ALLOWED = {"device.py", "cli.py"}

@@ -1,5 +1,5 @@
 """The layout of replicas x stages: what the cost model charges each layout, and what
-``stages="auto"`` weighs and chooses (the processes themselves: test_stage_processes_trainer.py)."""
+``pipeline_parallel_size="auto"`` weighs and chooses (the processes themselves: test_stage_processes_trainer.py)."""
 
 import dataclasses
 
@@ -228,7 +228,7 @@ def test_auto_weighs_every_layout_schedule_and_count_and_takes_the_fastest_that_
     assert plan.layout["dp"] * plan.layout["pp"] == 4 and plan.num_stages == plan.layout["pp"] * plan.layout[
         "virtual_stages"]
     assert plan.chunks == _chosen(plan)["chunks"] and plan.batch_size == 32
-    assert "stages=auto for batches of 32: chose" in plan.table()
+    assert "pipeline_parallel_size=auto for batches of 32: chose" in plan.table()
     again = Plan.from_dict(plan.to_dict())  # what rank 0 sends every rank
     assert again.layout == plan.layout and again.layouts == plan.layouts
 
@@ -328,9 +328,9 @@ def test_auto_options_are_checked_when_given():
     with pytest.raises(ValueError, match="a whole number of at least 1"):
         la.AntichainPipelineStrategy(pipeline_parallel_size="auto", schedule="auto", layout_trials=0)
     assert la.AntichainPipelineStrategy(pipeline_parallel_size="auto", schedule="1f1b", layout_trials=3
-                                        )._runtime.layout_trials == 3
+                                        )._runtime.process_options.layout_trials == 3
     strategy = la.AntichainPipelineStrategy(pipeline_parallel_size="auto", schedule="auto")
-    search = strategy._runtime.layout_search
+    search = strategy._runtime.ranks.search
     assert len(search.schedules) == 5 and search.pipeline_ranks is None
 
 

@@ -1,7 +1,6 @@
 """One options object: checked once, the same defaults everywhere, an option the runtime would ignore refused by
 name, and old names kept working."""
 
-import contextlib
 import json
 
 import pytest
@@ -39,11 +38,9 @@ def test_the_strategy_hands_its_options_to_the_pipeline():
     ({"schedule": "1f1b", "log_stage_times": True}, "log_stage_times=True logs the stage times of the in-process"),
     ({"schedule": "1f1b", "rebalance_rounds": 2}, "rebalance_rounds=2 cuts again"),
     ({"schedule": "1f1b", "recompute": "except_last"}, "recompute='except_last' is the in-process runtime's"),
-    ({"schedule": "1f1b", "checkpoint": "except_last"}, "recompute='except_last' is the in-process runtime's"),
 ])
 def test_an_option_the_chosen_runtime_would_ignore_is_refused_by_name(given, refused):
-    with pytest.warns(DeprecationWarning) if "checkpoint" in given else contextlib.nullcontext(), \
-            pytest.raises(ValueError, match=refused):
+    with pytest.raises(ValueError, match=refused):
         la.AntichainPipelineStrategy(**given)
 
 
@@ -62,30 +59,21 @@ def test_an_option_given_as_what_the_runtime_does_anyway_is_taken():
     assert strategy.options.schedule == "1f1b"
 
 
-def test_the_old_names_stages_and_use_profile_cache_still_work_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="stages= is now pipeline_parallel_size="):
-        strategy = la.AntichainPipelineStrategy(stages=2, schedule="1f1b")
-    assert strategy.pipeline_parallel_size == 2
-    with pytest.warns(DeprecationWarning, match="use_profile_cache= is now part of profile_cache="):
-        strategy = la.AntichainPipelineStrategy(use_profile_cache=False)
-    assert not strategy.options.use_profile_cache
-    with pytest.raises(ValueError, match="placement=.* each process holds one device"):  # refused under its new name
-        la.AntichainPipelineStrategy(schedule="1f1b", placement=[0])
-
-
-def test_the_old_name_checkpoint_still_sets_recompute_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="checkpoint= is now recompute="):
-        strategy = la.AntichainPipelineStrategy(checkpoint="always")
-    assert strategy.options.recompute == "always"
+def test_the_names_an_earlier_build_took_are_refused_not_guessed():
+    """``stages=``, ``use_profile_cache=`` and ``checkpoint=`` were renamed before any release
+    (CHANGELOG): a clear error names them, with nothing silently mapped."""
+    for old in ({"stages": 2}, {"use_profile_cache": False}, {"checkpoint": "always"}):
+        with pytest.raises(TypeError, match=next(iter(old))):
+            la.AntichainPipelineStrategy(**old)
     model = LongSkip()
     cost = la.profile(model, torch.randn(2, 12), repeats=1, warmup=0, progress=False)
-    with pytest.warns(DeprecationWarning):
-        plan = la.partition(cost, 2, chunks=2, checkpoint="except_last")
-    assert plan.recompute == "except_last"
-    with pytest.warns(DeprecationWarning), la.Pipeline(model, plan, checkpoint="always") as pipe:
-        assert pipe.recompute == "always"
+    with pytest.raises(TypeError, match="checkpoint"):
+        la.partition(cost, 2, chunks=2, checkpoint="except_last")
+    plan = la.partition(cost, 2, chunks=2, recompute="except_last")
+    with pytest.raises(TypeError, match="unknown pipeline option.*checkpoint"):
+        la.Pipeline(model, plan, checkpoint="always")
     saved = json.loads(plan.to_json())
-    saved["checkpoint"] = saved.pop("recompute")  # a plan saved before the rename
+    saved["checkpoint"] = saved.pop("recompute")  # a plan file saved before the rename still loads
     assert la.Plan.from_dict(saved).recompute == "except_last"
 
 
@@ -94,8 +82,7 @@ def test_every_argument_of_the_strategy_has_one_row_in_the_options_table():
     import re
     from pathlib import Path
 
-    old = {"self", "stages", "use_profile_cache", "checkpoint"}
-    names = [n for n in inspect.signature(la.AntichainPipelineStrategy.__init__).parameters if n not in old]
+    names = [n for n in inspect.signature(la.AntichainPipelineStrategy.__init__).parameters if n != "self"]
     doc = (Path(__file__).parents[1] / "docs" / "strategy.md").read_text()
     table = doc[doc.index("## Options"):doc.index("## Semantics")]
     rows = re.findall(r"^\| `(\w+)` \|", table, re.M)

@@ -152,7 +152,7 @@ def test_replicas_of_a_pipeline_of_processes_train_as_plain_lightning_on_the_glo
 
 @pytest.mark.slow  # the search itself is tested in test_layouts.py and through the plan command
 def test_stages_and_schedule_chosen_by_the_planner_train_as_plain_lightning(tmp_path, plain_with):
-    """stages="auto", schedule="auto" on 4 processes: rank 0 weighs every layout on the first batch,
+    """pipeline_parallel_size="auto", schedule="auto" on 4 processes: rank 0 weighs every layout on the first batch,
     every rank runs the one it chose (its mesh made then), and the fit equals plain Lightning."""
     plain = plain_with("--batch-size", "32")
     ranks = fit(tmp_path / "out", "--devices", "4", "--stages", "auto", "--schedule", "auto", "--batch-size", "32")
@@ -328,7 +328,7 @@ def test_process_mode_options_are_checked_when_given():
     with pytest.raises(ValueError, match="holds 1 stage"):
         la.AntichainPipelineStrategy(schedule="1f1b", virtual_stages=2)
     strategy = la.AntichainPipelineStrategy(schedule="zb-h1", chunks=8)
-    assert strategy.options.schedule == "1f1b" and strategy._runtime.schedule.virtual_stages == 2
+    assert strategy.options.schedule == "1f1b" and strategy._runtime.ranks.schedule.virtual_stages == 2
 
 
 @pytest.mark.parametrize("how, block", [

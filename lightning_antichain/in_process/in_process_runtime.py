@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,8 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from ..capture.signature import split_inputs
 from ..lightning.forward_patch import ForwardPatch
-from ..lightning.runtime import Host, Runtime
-from ..planner.planning import default_memory_gb
+from ..lightning.runtime import Holdings, Host, Ranks, Runtime
 from ..plans.plan import Plan
 from ..weights.optimizer_state import state_with_parameters
 from .pipeline import Pipeline
@@ -37,21 +36,8 @@ TRAINING = "training_step"
 class InProcessRuntime(Runtime):
     """One Pipeline per process, its stages in worker threads (see the module's docstring)."""
 
-    foreign_options = {
-        "replication": "keeps the stages of processes in step (schedule=); without schedule=, replicas of a "
-                       "pipeline are processes kept in step by DDP: leave it out, or give schedule=",
-        "virtual_stages": "is for schedule='interleaved-1f1b', 'zb-h1' or 'zbv'",
-        "layout_trials": "times the layouts of stages as processes that pipeline_parallel_size='auto' or "
-                         "schedule='auto' weighs (schedule=); without schedule= the devices form one pipeline: "
-                         "leave it out, or give schedule=",
-        "internode_gbps": "is the link between stages as processes on two nodes (schedule=); without schedule= "
-                          "every stage of a pipeline is on one node: leave it out, or give schedule=",
-    }
-
-    def __init__(self, strategy: Host, log_stage_times: bool,
-                 memory_gb: float | tuple[float | None, ...] | None) -> None:
-        super().__init__(strategy)
-        self._memory_gb = memory_gb  # per device, as given
+    def __init__(self, strategy: Host, log_stage_times: bool) -> None:
+        super().__init__(strategy, InProcessRanks(strategy), Holdings())
         self.planned = PlannedPipeline(strategy)
         self.log_stage_times = log_stage_times
         self.tasks_before: Counter[tuple[int, int]] = Counter()
@@ -61,10 +47,6 @@ class InProcessRuntime(Runtime):
         self._in_training_step = False
         self._leftovers_placed = False
         self._stage_groups: list[Any] = []  # a process group over the replicas per stage
-
-    @classmethod
-    def from_arguments(cls, strategy: Host, arguments: Mapping[str, Any]) -> InProcessRuntime:
-        return cls(strategy, arguments["log_stage_times"], arguments["memory_gb"])
 
     @property
     def plan(self) -> Plan | None:
@@ -80,48 +62,9 @@ class InProcessRuntime(Runtime):
 
     @property
     def tasks_run(self) -> Counter[tuple[int, int]]:
+        """Micro-batch tasks run, by stage and worker thread, over every run so far."""
         current = self.pipeline.tasks_run if self.pipeline is not None else Counter()
         return self.tasks_before + current
-
-    def devices_per_process(self, requested: int | None, node_devices: int) -> int:
-        return requested or node_devices
-
-    @property
-    def shards_data(self) -> bool:
-        return self.strategy.multi_process  # each replica is a process with its share, as under DDP
-
-    def check_devices(self, stages: int | None, what: str) -> None:
-        strategy = self.strategy
-        placement, per_pipeline = strategy.placement, strategy.devices_per_pipeline
-        if placement is not None and max(placement) >= per_pipeline:
-            raise ValueError(f"placement={placement} names device {max(placement)}, but each pipeline has "
-                             f"{per_pipeline} devices (0 to {per_pipeline - 1}); give more devices or name fewer")
-        if stages is not None and stages != len(strategy.stage_devices):
-            if placement is not None:
-                raise ValueError(f"{what} has {stages} stages but placement={placement} has {len(placement)}; give "
-                                 "one device index per stage")
-            raise ValueError(
-                f"{what} has {stages} stages but the Trainer gives {per_pipeline} devices per pipeline; set "
-                f"devices={stages} (one device per stage), or placement= with a device for each of {stages} stages")
-        if placement is not None:
-            strategy.options = strategy.options.replace(memory_gb=self._shared_memory_gb(placement))
-
-    def _shared_memory_gb(self, placement: list[int]) -> tuple[float | None, ...]:
-        """Each stage's memory budget: stages placed on one device split it equally."""
-        devices = self.strategy.pipeline_devices
-        given = self._memory_gb
-        per_device = (list(given) if isinstance(given, tuple) else [given] * len(devices)) if given is not None else (
-            default_memory_gb(devices))
-        if len(per_device) != len(devices):
-            raise ValueError(f"memory_gb lists {len(per_device)} values for {len(devices)} devices")
-        sharing = Counter(placement)
-        return tuple(None if per_device[i] is None else per_device[i] / sharing[i] for i in placement)
-
-    def environment_ready(self) -> None:
-        """CPU devices are one torch device: each stage is named by its device's index."""
-        strategy = self.strategy
-        strategy.options = strategy.options.replace(
-            device_slots=tuple(strategy.placement or range(strategy.devices_per_pipeline)))
 
     def setup(self, trainer: Any) -> None:
         """Build on ``example_input_array`` where the module has one; make the forward the pipeline's."""
@@ -244,3 +187,32 @@ class InProcessRuntime(Runtime):
             self.pipeline.reduction = None
             self.tasks_before += self.pipeline.tasks_run
             self.planned.close()  # modules go back to the CPU after; the plan is kept for the next run
+
+
+class InProcessRanks(Ranks):
+    """One process per pipeline replica, driving its pipeline's devices: each stage on one of
+    them (or as ``placement`` says)."""
+
+    def __init__(self, strategy: Host) -> None:
+        self.strategy = strategy
+
+    def devices_per_process(self, requested: int | None, node_devices: int) -> int:
+        return requested or node_devices
+
+    @property
+    def shards_data(self) -> bool:
+        return self.strategy.multi_process  # each replica is a process with its share, as under DDP
+
+    def check_devices(self, stages: int | None, what: str) -> None:
+        strategy = self.strategy
+        placement, per_pipeline = strategy.placement, strategy.devices_per_pipeline
+        if placement is not None and max(placement) >= per_pipeline:
+            raise ValueError(f"placement={placement} names device {max(placement)}, but each pipeline has "
+                             f"{per_pipeline} devices (0 to {per_pipeline - 1}); give more devices or name fewer")
+        if stages is not None and stages != len(strategy.stage_devices):
+            if placement is not None:
+                raise ValueError(f"{what} has {stages} stages but placement={placement} has {len(placement)}; give "
+                                 "one device index per stage")
+            raise ValueError(
+                f"{what} has {stages} stages but the Trainer gives {per_pipeline} devices per pipeline; set "
+                f"devices={stages} (one device per stage), or placement= with a device for each of {stages} stages")

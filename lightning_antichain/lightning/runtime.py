@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -27,9 +26,6 @@ from torch import nn
 
 from ..plans.options import PipelineOptions
 from ..plans.plan import Plan
-
-#: an option the user gave, by the strategy's argument name, and its value
-GivenOptions = Mapping[str, Any]
 
 
 class Host(Protocol):
@@ -81,38 +77,9 @@ class Host(Protocol):
     def post_backward(self, closure_loss: torch.Tensor) -> None: ...
 
 
-class Runtime(ABC):
-    """Runs a LightningModule's steps through a planned pipeline, for the strategy ``strategy``."""
-
-    #: the strategy's arguments that mean nothing to this runtime, and why: asking for what one
-    #: would do is an error (``0``, ``False``, ``None``: asking for nothing, which is taken)
-    foreign_options: Mapping[str, str] = {}
-
-    def __init__(self, strategy: Host) -> None:
-        self.strategy = strategy
-
-    @classmethod
-    @abstractmethod
-    def from_arguments(cls, strategy: Host, arguments: Mapping[str, Any]) -> Runtime:
-        """The runtime of ``strategy``, made from the strategy's ``arguments`` (current names)."""
-
-    @property
-    def options(self) -> PipelineOptions:
-        """The strategy's options (one copy, the strategy's)."""
-        return self.strategy.options
-
-    def adapt_options(self, options: PipelineOptions) -> PipelineOptions:
-        """``options`` as this runtime plans and runs them."""
-        return options
-
-    @classmethod
-    def refuse_foreign(cls, given: GivenOptions) -> None:
-        """A clear error, when the strategy is made, for an option this runtime would ignore."""
-        for name, why in cls.foreign_options.items():
-            if given.get(name) not in (None, False, 0):
-                raise ValueError(f"{name}={given[name]!r} {why}")
-
-    # -- processes and devices -------------------------------------------------------------------
+class Ranks(ABC):
+    """How a runtime lays its stages over processes and devices: what the strategy asks of it
+    while Lightning starts the processes and hands out the data."""
 
     @abstractmethod
     def devices_per_process(self, requested: int | None, node_devices: int) -> int:
@@ -123,10 +90,6 @@ class Runtime(ABC):
     @abstractmethod
     def shards_data(self) -> bool:
         """Whether Lightning gives each process its own share of the data (as under DDP)."""
-
-    def process_dataloader(self, dataloader: object) -> object:
-        """The loader a process iterates (``dataloader``: as Lightning made it)."""
-        return dataloader
 
     @property
     def needs_process_group(self) -> bool:
@@ -141,9 +104,55 @@ class Runtime(ABC):
     def environment_ready(self) -> None:  # noqa: B027 (a runtime may need nothing then)
         """The processes are connected and the strategy knows its devices."""
 
+    def process_dataloader(self, dataloader: object) -> object:
+        """The loader a process iterates (``dataloader``: as Lightning made it)."""
+        return dataloader
+
     @property
     def device_mesh(self) -> Any:
-        raise RuntimeError("the device mesh is made in setup_environment, with schedule= only")
+        """The ranks' ``DeviceMesh`` where the runtime makes one (else ``None``)."""
+        return None
+
+
+class Holdings:
+    """What a rank holds of the module and its optimizers, as checkpoints save it: here, all of
+    it (one process drives every stage); a runtime whose ranks hold shares overrides each."""
+
+    #: whether checkpoints are shards unless ``save_distributed_checkpoint`` says
+    sharded_by_default = False
+
+    def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The module's ``state`` as rank 0 saves it whole (every rank calls it)."""
+        return state
+
+    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """``optimizer``'s state as rank 0 saves it whole (every rank calls it)."""
+        return state
+
+    def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of the module's ``state`` in a checkpoint of shards."""
+        return state
+
+    def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's share of ``optimizer``'s state in a checkpoint of shards."""
+        return state
+
+    def stepped(self, optimizer: Any) -> set[int] | None:
+        """The indices of the parameters of ``optimizer`` this rank steps (``None``: all)."""
+        return None
+
+
+class Runtime(ABC):
+    """Runs a LightningModule's steps through a planned pipeline, for the strategy ``strategy``:
+    its :attr:`ranks` (processes and devices) and :attr:`holdings` (what checkpoints save), the
+    plan and the pipeline, and the hooks of a run."""
+
+    def __init__(self, strategy: Host, ranks: Ranks, holdings: Holdings) -> None:
+        self.strategy = strategy
+        #: how the stages lie over processes and devices
+        self.ranks = ranks
+        #: what this rank holds, as checkpoints save it
+        self.holdings = holdings
 
     # -- the plan and the pipeline -------------------------------------------------------------
 
@@ -160,11 +169,6 @@ class Runtime(ABC):
     def pipeline(self) -> Any:
         """What runs this process's stages, once built."""
         return None
-
-    @property
-    def tasks_run(self) -> Counter[tuple[int, int]]:
-        """Micro-batch tasks run, by stage and worker thread, where a runtime counts them."""
-        return Counter()
 
     # -- a run ------------------------------------------------------------------------------------
 
@@ -197,33 +201,6 @@ class Runtime(ABC):
     @abstractmethod
     def teardown(self) -> None:
         """The run ends: let go of what the run holds; the plan stays for the next run."""
-
-    # -- checkpoint state ------------------------------------------------------------------------
-
-    @property
-    def default_sharded_checkpoint(self) -> bool:
-        """Whether checkpoints are shards unless ``save_distributed_checkpoint`` says."""
-        return False
-
-    def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The module's ``state`` as rank 0 saves it whole (every rank calls it)."""
-        return state
-
-    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-        """``optimizer``'s state as rank 0 saves it whole (every rank calls it)."""
-        return state
-
-    def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of the module's ``state`` in a checkpoint of shards."""
-        return state
-
-    def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of ``optimizer``'s state in a checkpoint of shards."""
-        return state
-
-    def stepped(self, optimizer: Any) -> set[int] | None:
-        """The indices of the parameters of ``optimizer`` this rank steps (``None``: all)."""
-        return None
 
 
 def rank_zeros_plan(make: Callable[[], Plan], host: Host, shared: bool) -> Plan:

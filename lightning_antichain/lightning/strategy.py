@@ -30,8 +30,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..in_process.in_process_runtime import InProcessRuntime
-from ..measure.cpu_threads import stage_threads
-from ..planner.planning import AUTO
+from ..plans.options import AUTO
 from ..plans.plan import Plan
 from ..processes.process_runtime import ProcessRuntime
 from ..processes.rank_faults import StageProcessError
@@ -44,7 +43,7 @@ from .module_placement import real_to_cpu, to_root_device
 from .process_ranks import ProcessesStrategy, group_timeout
 from .runtime import Runtime
 from .strategy_checkpoints import StrategyCheckpoints
-from .strategy_options import current_arguments, pipeline_options
+from .strategy_options import current_arguments, pipeline_options, process_options, run_options
 
 CHECKPOINT_KEY = "antichain_pipeline"
 
@@ -99,8 +98,6 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         virtual_stages: stages per process for ``"interleaved-1f1b"`` and ``"zb-h1"`` (``"zbv"`` holds 2).
         save_distributed_checkpoint: save shards per rank (default with ``schedule=``) or one file.
         compile_stages: run each stage's graph through ``torch.compile`` (``True``, or its arguments).
-        stages: old name of ``pipeline_parallel_size``; ``use_profile_cache=False``: of ``profile_cache=False``;
-            ``checkpoint``: of ``recompute``. They still work, with a deprecation warning.
     """
 
     strategy_name = "antichain_pipeline"
@@ -139,33 +136,31 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         virtual_stages: int | None = None,
         save_distributed_checkpoint: bool | None = None,
         compile_stages: bool | dict[str, Any] = False,
-        stages: int | Literal["auto"] | None = None,
-        use_profile_cache: bool | None = None,
-        checkpoint: Literal["never", "except_last", "always"] | None = None,
     ) -> None:
         super().__init__()
-        arguments, given = current_arguments(AntichainPipelineStrategy.__init__, locals())
-        runtime_class: type[Runtime] = InProcessRuntime if schedule is None else ProcessRuntime
-        runtime_class.refuse_foreign(given)
-        placement = arguments["placement"]
+        arguments, _ = current_arguments(AntichainPipelineStrategy.__init__, locals())
         self.module_path = module
         self.placement = None if placement is None else list(placement)
         self.empty_init = empty_init
         self.plan_path = plan
         #: devices (in process) or processes (schedule=) per pipeline, as given
-        self.pipeline_parallel_size = arguments["pipeline_parallel_size"]
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.start_method = start_method
         self.process_group_backend = process_group_backend
         #: how long a rank waits on another before it stops (every process group the strategy makes)
         self.timeout = group_timeout(timeout)
         self._num_nodes = 1
-        #: the planning and runtime settings: one copy, which the runtime and the planner read
-        self.options = pipeline_options(arguments)
+        #: the planning and running settings as given; each run reads them resolved for its devices
+        self._given_options = pipeline_options(arguments)
+        #: the settings every part reads: as given until the Trainer sets the strategy up, then
+        #: those of the run (:func:`~.strategy_options.run_options`)
+        self.options = self._given_options
+        processes = process_options(arguments)
         #: what runs the steps, chosen once: one process driving every stage, or a process per stage
-        self._runtime = runtime_class.from_arguments(self, arguments)
-        self.options = self._runtime.adapt_options(self.options)
+        self._runtime: Runtime = InProcessRuntime(self, log_stage_times) if processes is None else (
+            ProcessRuntime(self, processes))
         #: checkpoints of the plain module's keys: one file, or shards from every rank
-        self.checkpoints = StrategyCheckpoints(self._runtime, self._runtime.default_sharded_checkpoint if (
+        self.checkpoints = StrategyCheckpoints(self._runtime.holdings, self._runtime.holdings.sharded_by_default if (
             save_distributed_checkpoint is None) else save_distributed_checkpoint)
 
     @property
@@ -187,12 +182,13 @@ class AntichainPipelineStrategy(ProcessesStrategy):
     def tasks_run(self) -> Counter[tuple[int, int]]:
         """Micro-batch tasks the in-process pipelines ran, by stage and worker thread (see
         :attr:`Pipeline.tasks_run`), over every ``fit``/``validate``/``test``/``predict`` so far."""
-        return self._runtime.tasks_run
+        runtime = self._runtime
+        return runtime.tasks_run if isinstance(runtime, InProcessRuntime) else Counter()
 
     @property
     def devices_per_pipeline(self) -> int:
         """Devices this process drives: its pipeline's (in process), or one (a process per stage)."""
-        return self._runtime.devices_per_process(
+        return self._runtime.ranks.devices_per_process(
             None if self.pipeline_parallel_size == AUTO else self.pipeline_parallel_size,
             len(self.parallel_devices or [None]))
 
@@ -201,12 +197,15 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         """Whether Lightning shards the data over the processes with a DistributedSampler: for
         replicas of an in-process pipeline; where each stage is a process, every process gets
         the same batches (replicas split each)."""
-        return self._runtime.shards_data
+        return self._runtime.ranks.shards_data
 
     @property
     def device_mesh(self) -> Any:
         """With ``schedule=``: the ranks' ``DeviceMesh``, dims ``("dp", "pp")`` (after setup_environment)."""
-        return self._runtime.device_mesh
+        mesh = self._runtime.ranks.device_mesh
+        if mesh is None:
+            raise RuntimeError("the device mesh is made in setup_environment, with schedule= only")
+        return mesh
 
     @property
     def pipeline_devices(self) -> list[torch.device]:
@@ -228,7 +227,7 @@ class AntichainPipelineStrategy(ProcessesStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        return self._runtime.process_dataloader(dataloader)
+        return self._runtime.ranks.process_dataloader(dataloader)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -242,10 +241,8 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         if devices % per_pipeline:
             raise ValueError(f"devices={devices} is not a multiple of pipeline_parallel_size={per_pipeline}; each "
                              f"pipeline replica needs {per_pipeline} devices")
-        if self.options.cpu_threads is None and self.num_processes > 1:  # replicas share the node's cores too
-            self.options = self.options.replace(cpu_threads=stage_threads(self.parallel_devices))
-        self._runtime.check_devices(self._requested_stages(), "the plan" if self.plan_path else "the balance")
-        if self.multi_process or self._runtime.needs_process_group:
+        self._runtime.ranks.check_devices(self._requested_stages(), "the plan" if self.plan_path else "the balance")
+        if self.multi_process or self._runtime.ranks.needs_process_group:
             self.set_world_ranks()
             backend = self.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
             if not torch.distributed.is_initialized():
@@ -255,7 +252,7 @@ class AntichainPipelineStrategy(ProcessesStrategy):
                 # "terminate called without an active exception")
                 atexit.register(_destroy_dist_connection)
         super().setup_environment()
-        self._runtime.environment_ready()
+        self._runtime.ranks.environment_ready()
 
     def _requested_stages(self) -> int | None:
         if self.options.balance is not None:
@@ -287,8 +284,11 @@ class AntichainPipelineStrategy(ProcessesStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        # the plan charges what adding into the gradients of the window's earlier batches costs
-        self.options = self.options.replace(accumulate_grad_batches=trainer.accumulate_grad_batches)
+        assert self.parallel_devices is not None
+        self.options = run_options(self._given_options, devices=self.parallel_devices,
+                                   pipeline_devices=self.pipeline_devices, placement=self.placement,
+                                   processes=self.num_processes, in_process=isinstance(self._runtime, InProcessRuntime),
+                                   accumulate_grad_batches=trainer.accumulate_grad_batches)
         self._runtime.setup(trainer)
 
     def target(self) -> nn.Module:

@@ -10,7 +10,7 @@ knows which parameters it steps (from shards it reads only theirs).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,25 +27,17 @@ from ..weights.sharded_checkpoint import (
     remove_sharded,
     save_sharded,
 )
+from .runtime import Holdings
 
 OptimizerStates = list[dict[str, Any]] | ShardedOptimizerStates
-
-
-class StateShares(Protocol):
-    """What a runtime tells about the state each rank holds (both runtimes have it)."""
-
-    def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]: ...
-    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]: ...
-    def own_state(self, state: dict[str, Any]) -> dict[str, Any]: ...
-    def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]: ...
-    def stepped(self, optimizer: Any) -> set[int] | None: ...
 
 
 class StrategyCheckpoints:
     """The strategy's checkpoint hooks, kept apart from its devices and steps."""
 
-    def __init__(self, runtime: StateShares, sharded: bool) -> None:
-        self.runtime = runtime
+    def __init__(self, holdings: Holdings, sharded: bool) -> None:
+        #: what this rank holds (the runtime's)
+        self.holdings = holdings
         #: whether a checkpoint is saved as a directory of shards, one share per rank
         self.sharded = sharded
         self._waiting: OptimizerStates | None = None
@@ -58,14 +50,14 @@ class StrategyCheckpoints:
         into any layout."""
         state = type(state)((k, self._saved(v) if isinstance(v, torch.Tensor) and not v.is_meta else v)
                             for k, v in state.items())  # on meta: another rank's stage, saved by that rank
-        return self.runtime.own_state(state) if self.sharded else self.runtime.gathered_state(state)
+        return self.holdings.own_state(state) if self.sharded else self.holdings.gathered_state(state)
 
     def whole_model_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The LightningModule's whole ``state``, every tensor whole on the CPU with the value its
         rank trained, on rank 0 (every rank calls it; the others get theirs back as it is)."""
         state = type(state)((k, full(v).detach().cpu() if isinstance(v, torch.Tensor) and not v.is_meta else v)
                             for k, v in state.items())
-        return self.runtime.gathered_state(state)
+        return self.holdings.gathered_state(state)
 
     def _saved(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach() if self.sharded and is_shard(tensor) else full(tensor).detach().cpu()
@@ -77,8 +69,8 @@ class StrategyCheckpoints:
             i = optimizers.index(optimizer)
             return self._waiting.read(i) if isinstance(self._waiting, ShardedOptimizerStates) else self._waiting[i]
         state = map_tensors(self._saved, state)
-        return (self.runtime.own_optimizer_state(optimizer, state) if self.sharded
-                else self.runtime.gathered_optimizer_state(optimizer, state))
+        return (self.holdings.own_optimizer_state(optimizer, state) if self.sharded
+                else self.holdings.gathered_optimizer_state(optimizer, state))
 
     def saved_as_shards(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> bool:
         """Save ``checkpoint`` at ``path`` as shards from every rank, if so set; otherwise clear
@@ -130,7 +122,7 @@ class StrategyCheckpoints:
         states, self._waiting = self._waiting, None
         for i, optimizer in enumerate(optimizers if states is not None else ()):
             assert states is not None
-            state = (states.read(i, self.runtime.stepped(optimizer)) if isinstance(states, ShardedOptimizerStates)
+            state = (states.read(i, self.holdings.stepped(optimizer)) if isinstance(states, ShardedOptimizerStates)
                      else states[i])
             optimizer.load_state_dict(state)
         state_with_parameters(optimizers)

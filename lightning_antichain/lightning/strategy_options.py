@@ -1,82 +1,96 @@
-"""The strategy's arguments: their current names, their checks, and the one options object they make.
+"""The strategy's arguments as the frozen options every part reads, made in two moments only.
 
-LightningCLI passes the strategy's arguments flat, as its YAML holds them. Here they become
-:class:`~lightning_antichain.plans.options.PipelineOptions`, the one copy the planner and the
-runtime read; old names keep working with a deprecation warning; and which arguments a user gave
-(those that differ from their defaults) is known, so that a runtime can refuse the ones it would
-ignore (:meth:`~lightning_antichain.lightning.runtime.Runtime.refuse_foreign`).
+LightningCLI passes the strategy's arguments flat, as its YAML holds them. When the strategy is
+made, they are checked (:func:`~lightning_antichain.plans.options.check_strategy_arguments`) and
+become :class:`~lightning_antichain.plans.options.PipelineOptions` (what the planner and the
+stages read), and, with ``schedule=``, :class:`~lightning_antichain.plans.options.ProcessOptions`.
+What only the Trainer knows (the devices, how many batches it accumulates) is folded in once per
+run, when the Trainer sets the strategy up (:func:`run_options`), from the options as made: nothing
+else writes them.
 """
 
 from __future__ import annotations
 
 import inspect
-import warnings
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..planner.planning import AUTO
-from ..plans.options import PipelineOptions
+import torch
 
-#: old argument name: (its current name, how an old value reads under it, what to tell the user)
-RENAMED: dict[str, tuple[str, Callable[[Any], Any], str]] = {
-    "stages": ("pipeline_parallel_size", lambda value: value,
-               "stages= is now pipeline_parallel_size= (it counts devices, or processes, per pipeline; a pipeline "
-               "can hold more stages than that)"),
-    "use_profile_cache": ("profile_cache", lambda value: True if value else False,
-                          "use_profile_cache= is now part of profile_cache=: give profile_cache=False to cache no "
-                          "profile"),
-    "checkpoint": ("recompute", lambda value: value,
-                   "checkpoint= is now recompute= (it recomputes activations in backward; Lightning's checkpoints are "
-                   "something else)"),
-}
+from ..measure.cpu_threads import stage_threads
+from ..planner.planning import default_memory_gb
+from ..plans.options import PipelineOptions, ProcessOptions, check_strategy_arguments
 
 
 def current_arguments(init: Callable[..., None], arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``arguments`` of ``init`` (its ``locals()``) under their current names, with a warning for
-    each old name given, and those of them that differ from their defaults (what the user gave)."""
+    """``arguments`` of ``init`` (its ``locals()``), checked, and those of them that differ from
+    their defaults (what the user gave)."""
     parameters = {n: p for n, p in inspect.signature(init).parameters.items() if n != "self"}
-    current = {name: arguments[name] for name in parameters if name not in RENAMED}
-    for old, (new, value_of, message) in RENAMED.items():
-        if arguments[old] is not None:
-            warnings.warn(f"{message}. The old name still works for now.", DeprecationWarning, stacklevel=3)
-            if new == "profile_cache" and arguments[old] and current[new] is not True:
-                continue  # use_profile_cache=True beside a directory: the directory
-            current[new] = value_of(arguments[old])
+    current = {name: arguments[name] for name in parameters}
     given = {name: value for name, value in current.items() if value != parameters[name].default}
-    check_arguments(current)
+    check_strategy_arguments(current, given)
     return current, given
 
 
-def check_arguments(arguments: dict[str, Any]) -> None:
-    """Clear errors for arguments that contradict each other, or a value of the wrong kind."""
-    size, placement = arguments["pipeline_parallel_size"], arguments["placement"]
-    if arguments["plan"] is not None and arguments["balance"] is not None:
-        raise ValueError("give either plan= or balance=, not both")
-    if size is not None and size != AUTO and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise ValueError(f'pipeline_parallel_size must be a whole number of at least 1, or "auto", got {size!r}')
-    trials = arguments["layout_trials"]
-    if trials is not None and (isinstance(trials, bool) or not isinstance(trials, int) or trials < 1):
-        raise ValueError(f"layout_trials is how many of the layouts predicted fastest to time on the first batch: a "
-                         f"whole number of at least 1 (1: the prediction's choice), got {trials!r}")
-    if arguments["schedule"] is None and size == AUTO:
-        raise ValueError('pipeline_parallel_size="auto" chooses the layout of stages as processes: give schedule= too '
-                         '(a name, or "auto" to choose it as well)')
-    if placement is not None and (not placement or any(not isinstance(i, int) or i < 0 for i in placement)):
-        raise ValueError(f"placement must list a device index (0, 1, ...) for each stage, got {placement}")
-
-
 def pipeline_options(arguments: dict[str, Any]) -> PipelineOptions:
-    """The planning and running settings the strategy's ``arguments`` (current names) give."""
+    """The planning and running settings the strategy's ``arguments`` give. Stages as processes
+    are planned for the memory their schedule keeps, on micro-batch counts torch's schedules take,
+    and not calibrated in process (they time their own first steps)."""
     cache = arguments["profile_cache"]
     taken = ("chunks", "recompute", "batch_dim", "check_batch", "deferred_batch_norm", "method", "bandwidth_gbps",
              "internode_gbps", "memory_gb", "optimizer_multiplier", "calibrate", "rebalance_rounds", "cpu_threads",
              "param_init_fn", "compile_stages")
     balance = arguments["balance"]
-    return PipelineOptions(
+    options = PipelineOptions(
         **{name: arguments[name] for name in taken},
         leaf_modules=tuple(arguments["leaf_modules"] or ()),
         balance=None if balance is None else tuple(balance),
         profile_cache=None if isinstance(cache, bool) else Path(cache),
         use_profile_cache=cache is not False,
     )
+    processes = process_options(arguments)
+    if processes is None:
+        return options
+    return options.replace(schedule=processes.memory_schedule, calibrate=False, even_chunks=True)
+
+
+def process_options(arguments: dict[str, Any]) -> ProcessOptions | None:
+    """The settings of stages as processes (``None`` without ``schedule=``)."""
+    if arguments["schedule"] is None:
+        return None
+    return ProcessOptions(schedule=arguments["schedule"], virtual_stages=arguments["virtual_stages"],
+                          pipeline_ranks=arguments["pipeline_parallel_size"], replication=arguments["replication"],
+                          layout_trials=arguments["layout_trials"] or 1, calibrate_steps=arguments["calibrate"])
+
+
+def run_options(options: PipelineOptions, *, devices: Sequence[torch.device], pipeline_devices: Sequence[torch.device],
+                placement: Sequence[int] | None, processes: int, in_process: bool,
+                accumulate_grad_batches: int) -> PipelineOptions:
+    """``options`` (as made with the strategy) for one run on ``devices`` (the node's), of which
+    this process drives ``pipeline_devices``, each stage on ``placement``'s index among them:
+    replicas share the node's cores; in process, stages placed on one device split its memory,
+    and each stage is named by its device's index (CPU devices are one torch device)."""
+    changes: dict[str, Any] = {"accumulate_grad_batches": accumulate_grad_batches}
+    if options.cpu_threads is None and processes > 1:
+        changes["cpu_threads"] = stage_threads(devices)
+    if in_process:
+        changes["device_slots"] = tuple(placement if placement is not None else range(len(pipeline_devices)))
+        if placement is not None:
+            changes["memory_gb"] = shared_memory_gb(options.memory_gb, pipeline_devices, placement)
+    return options.replace(**changes)
+
+
+def shared_memory_gb(given: float | tuple[float | None, ...] | None, devices: Sequence[torch.device],
+                     placement: Sequence[int]) -> tuple[float | None, ...]:
+    """Each stage's memory budget, of the ``given`` one per device (``None``: the devices'):
+    stages placed on one device split it equally."""
+    per_device = (list(given) if isinstance(given, tuple) else [given] * len(devices)) if given is not None else (
+        default_memory_gb(devices))
+    if len(per_device) != len(devices):
+        raise ValueError(f"memory_gb lists {len(per_device)} values for {len(devices)} devices per pipeline; give one "
+                         "per device, or one number for every device")
+    sharing = Counter(placement)
+    return tuple(None if per_device[i] is None else per_device[i] / sharing[i] for i in placement)
+

@@ -1,5 +1,5 @@
-"""``stages="auto"``: the layout of replicas x stages, the schedule and the micro-batch count that
-train fastest in memory, as the cost model predicts them.
+"""``pipeline_parallel_size="auto"``: the layout of replicas x stages, the schedule and the
+micro-batch count that train fastest in memory, as the cost model predicts them.
 
 Every rank gets the whole batch and each of ``dp`` replicas runs an equal ``1/dp`` of it, so a
 layout never changes what training computes and the planner may choose it. For every
@@ -98,8 +98,8 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
     batch_dim = options.batch_dim
     size = batch_size_of(module, args, kwargs, batch_dim)
     if not size:
-        raise ValueError('stages="auto" needs a batch with samples on its batch dim (batch_dim=) to weigh how to '
-                         "split it; give stages= as a number instead")
+        raise ValueError('pipeline_parallel_size="auto" needs a batch with samples on its batch dim (batch_dim=) to '
+                         "weigh how to split it; give pipeline_parallel_size= as a number instead")
     graph = captured_and_checked(module, args, kwargs, options)
     multiplier = optimizer_multiplier_for(options, optimizers)
     if target is None:
@@ -459,7 +459,7 @@ def _per_device(memory_gb: float | tuple[float | None, ...], count: int) -> list
 
 @dataclass(frozen=True)
 class LayoutSearch:
-    """What ``stages="auto"`` or ``schedule="auto"`` leaves to the planner: the processes per
+    """What ``pipeline_parallel_size="auto"`` or ``schedule="auto"`` leaves to the planner: the processes per
     pipeline (``None``: every divisor of the ranks) and the schedules to weigh."""
 
     pipeline_ranks: int | None

@@ -19,7 +19,7 @@ import networkx as nx
 import numpy as np
 
 from ..capture.carried import pass_on
-from ..plans.options import PLANNING_METHODS, renamed_recompute
+from ..plans.options import PLANNING_METHODS
 from ..plans.plan import Plan, Stage
 from ..plans.schedule import in_flight, make_schedule, runs_in_process
 from .antichain import DEFAULT_MAX_STATES, state_space_of_normalized
@@ -45,7 +45,6 @@ def partition(
     max_states: int = DEFAULT_MAX_STATES,
     colocate_tied: bool = False,
     recompute: str = "never",
-    checkpoint: str | None = None,
     schedule: str = "gpipe",
     accumulate_grad_batches: int = 1,
 ) -> Plan:
@@ -75,7 +74,7 @@ def partition(
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
     if bandwidth <= 0:
         raise ValueError(f"bandwidth_gbps must be positive, got {bandwidth_gbps}")
-    model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)),
+    model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(recompute),
                       held_micro_batches(schedule, stages, chunks), *batch_loss_bytes(graph, chunks, schedule),
                       accumulate_s_per_byte=float(graph.graph.get("accumulate_s_per_byte") or 0.0),
                       accumulate_grad_batches=accumulate_grad_batches)
@@ -143,7 +142,6 @@ def plan_from_balance(
     bandwidth_gbps: float | None = None,
     optimizer_multiplier: float = 2.0,
     recompute: str = "never",
-    checkpoint: str | None = None,
     memory_gb: float | Sequence[float | None] | None = None,
     schedule: str = "gpipe",
     accumulate_grad_batches: int = 1,
@@ -168,7 +166,7 @@ def plan_from_balance(
         )
     specs = device_specs(len(balance), devices, None, memory_gb)
     bandwidth = math.inf if bandwidth_gbps is None else bandwidth_gbps * 1e9
-    model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(renamed_recompute(recompute, checkpoint)),
+    model = CostModel(chunks, bandwidth, optimizer_multiplier, checked_mode(recompute),
                       held_micro_batches(schedule, len(balance), chunks), *batch_loss_bytes(graph, chunks, schedule),
                       accumulate_s_per_byte=float(graph.graph.get("accumulate_s_per_byte") or 0.0),
                       accumulate_grad_batches=accumulate_grad_batches)

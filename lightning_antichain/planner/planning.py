@@ -30,7 +30,7 @@ from ..cpu_allocator import keep_freed_memory
 from ..device import is_accelerator, same_device
 from ..device import memory_gb as device_memory_gb
 from ..measure.cpu_threads import intra_op_threads, stage_threads
-from ..plans.options import PipelineOptions
+from ..plans.options import AUTO, PipelineOptions
 from ..plans.plan import Plan
 from ..weights.materialize import has_meta_state
 from . import calibration
@@ -74,8 +74,6 @@ def default_memory_gb(devices: Sequence[torch.device]) -> list[float | None]:
     return [device_memory_gb(d) for d in devices]
 
 
-AUTO = "auto"
-"""``chunks="auto"``: the micro-batch count with the best predicted step that fits in memory."""
 
 
 def chunk_candidates(batch_size: int, stages: int, even: bool = False) -> list[int]:

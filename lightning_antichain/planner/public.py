@@ -91,7 +91,7 @@ def plan_layout(
     **settings: Any,
 ) -> Plan:
     """The plan of the fastest layout of ``ranks`` processes that fits, for whole batches like
-    ``batch``: ``stages="auto"`` weighs every ``dp x pp``, ``schedule="auto"`` every schedule (both
+    ``batch``: ``pipeline_parallel_size="auto"`` weighs every ``dp x pp``, ``schedule="auto"`` every schedule (both
     the defaults, as in the ``plan`` command), and each even micro-batch count, as the strategy does
     with those settings (``plan.layout`` the
     layout, ``plan.layouts`` every candidate and why it lost). ``device``: the kind of device each

@@ -34,8 +34,9 @@ class Layout:
         pp = pipeline_ranks or world_size
         if pp < 1 or world_size % pp:
             raise ValueError(
-                f"stages={pp} processes per pipeline do not divide the {world_size} processes (devices x num_nodes); "
-                f"give stages= a divisor of {world_size}, or leave it out for one pipeline over all of them")
+                f"pipeline_parallel_size={pp} processes per pipeline do not divide the {world_size} processes "
+                f"(devices x num_nodes); give pipeline_parallel_size= a divisor of {world_size}, or leave it out "
+                "for one pipeline over all of them")
         return cls(world_size // pp, pp)
 
     @property

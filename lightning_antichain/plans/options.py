@@ -1,15 +1,17 @@
-"""The settings of one pipeline, planning and running alike, in one checked object.
+"""The settings of one pipeline, planning and running alike, in checked frozen objects, and every
+check of what a user gives for them.
 
 The strategy and the CLI build a :class:`PipelineOptions` from what the user gave and hand the same
 object to the planner (:func:`~lightning_antichain.planner.planning.plan_model`) and to the
 :class:`~lightning_antichain.in_process.pipeline.Pipeline`, so a setting has one name, one default and
-one check, wherever it is used.
+one check, wherever it is used. The process runtime's own settings are a :class:`ProcessOptions`.
+The strategy's arguments are checked here too (:func:`check_strategy_arguments`), each error
+naming the argument, so that no other module judges what a user gave.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,10 @@ from .schedule import SCHEDULES
 
 PLANNING_METHODS = ("antichain", "uniform", "parameters", "blocks")
 FALLBACKS = (None, "children")
+#: how a stage is kept in step with its replicas where stages are processes
+REPLICATIONS = ("ddp", "fsdp")
+#: asking the planner to choose (``chunks``, ``pipeline_parallel_size``, ``schedule``)
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +59,11 @@ class PipelineOptions:
     at least, as torch's schedules need), ``bandwidth_gbps`` (within a node), ``internode_gbps``
     (across nodes, for stages as processes) and ``memory_gb`` (``None``: from the devices),
     ``optimizer_multiplier`` (optimizer state per parameter byte; ``None``: from the optimizers,
-    else 2), ``profile_cache`` and ``use_profile_cache``, ``calibrate`` (time a few steps of CPU
-    stages), ``rebalance_rounds`` (after calibration, cut again on the measured stage times for at
-    most this many rounds, keeping the best split measured; 0: keep the profile's split),
+    else 2), ``profile_cache`` and ``use_profile_cache``, ``calibrate`` (time a few in-process
+    steps of CPU stages and plan on those times; stages as processes time their own first steps
+    instead, :attr:`ProcessOptions.calibrate_steps`), ``rebalance_rounds`` (after calibration,
+    cut again on the measured stage times for at most this many rounds, keeping the best split
+    measured; 0: keep the profile's split),
     ``accumulate_grad_batches`` (the batches Lightning accumulates gradients over, which the
     predicted step charges their adding for; the strategy takes it from the Trainer),
     ``fallback`` (``"children"`` plans a model no frontend captures, for a look only) and
@@ -136,9 +144,6 @@ class PipelineOptions:
 
     def replace(self, **changes: Any) -> PipelineOptions:
         """These options with ``changes``, checked again; an unknown name is a clear error."""
-        if "checkpoint" in changes:
-            old = changes.pop("checkpoint")
-            changes["recompute"] = renamed_recompute(changes.get("recompute", self.recompute), old)
         fields = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - fields)
         if unknown:
@@ -200,10 +205,106 @@ def compile_arguments(compile_stages: bool | tuple[tuple[str, Any], ...]) -> dic
     return {k: dict(v) if k == "options" and isinstance(v, tuple) else v for k, v in compile_stages}
 
 
-def renamed_recompute(recompute: str, checkpoint: str | None) -> str:
-    """``recompute``, or the mode given by its old name ``checkpoint=``, with a warning."""
-    if checkpoint is None:
-        return recompute
-    warnings.warn("checkpoint= is now recompute= (it recomputes activations in backward; Lightning's checkpoints "
-                  "are something else). The old name still works for now.", DeprecationWarning, stacklevel=3)
-    return checkpoint
+@dataclasses.dataclass(frozen=True)
+class ProcessOptions:
+    """How stages as processes run (the strategy's ``schedule=`` and what goes with it).
+
+    ``schedule``: torch's schedule by name, or ``"auto"`` (the planner weighs each);
+    ``virtual_stages``: stages per process for the interleaved schedules; ``pipeline_ranks``:
+    processes per pipeline (``None``: every rank; ``"auto"``: the planner weighs each layout);
+    ``replication``: how a stage is kept in step with its replicas (``"ddp"`` or ``"fsdp"``);
+    ``layout_trials``: how many of the layouts predicted fastest the ranks time on the first batch;
+    ``calibrate_steps``: time the actions of the first training steps and plan again on them.
+    """
+
+    schedule: str
+    virtual_stages: int | None = None
+    pipeline_ranks: int | str | None = None
+    replication: str = "ddp"
+    layout_trials: int = 1
+    calibrate_steps: bool = True
+
+    def __post_init__(self) -> None:
+        if self.replication not in REPLICATIONS:
+            raise ValueError(f"replication={self.replication!r} is not one of {', '.join(map(repr, REPLICATIONS))}")
+        check_count("layout_trials", self.layout_trials, "how many of the layouts predicted fastest to time on the "
+                    "first batch")
+
+    @property
+    def searched(self) -> bool:
+        """Whether the planner chooses the layout or the schedule."""
+        return AUTO in (self.schedule, self.pipeline_ranks)
+
+    @property
+    def memory_schedule(self) -> str:
+        """The schedule the planner charges each stage's memory and step by (:mod:`.schedule`):
+        GPipe's, or 1F1B's for torch's others (where the planner weighs them, the first weighed)."""
+        return "gpipe" if self.schedule in ("gpipe", AUTO) else "1f1b"
+
+
+def check_count(name: str, value: Any, what: str) -> None:
+    """A clear error naming ``name`` unless ``value`` is a whole number of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} is {what}: a whole number of at least 1, got {value!r}")
+
+
+#: the strategy's arguments that one runtime ignores, and why: asking for what one would do is an
+#: error (``0``, ``False``, ``None``: asking for nothing, which is taken). By runtime: in process
+#: (``schedule=None``) and as processes.
+FOREIGN_ARGUMENTS: dict[bool, dict[str, str]] = {
+    True: {
+        "replication": "keeps the stages of processes in step (schedule=); without schedule=, replicas of a "
+                       "pipeline are processes kept in step by DDP: leave it out, or give schedule=",
+        "virtual_stages": "is for schedule='interleaved-1f1b', 'zb-h1' or 'zbv'",
+        "layout_trials": "times the layouts of stages as processes that pipeline_parallel_size='auto' or "
+                         "schedule='auto' weighs (schedule=); without schedule= the devices form one pipeline: "
+                         "leave it out, or give schedule=",
+        "internode_gbps": "is the link between stages as processes on two nodes (schedule=); without schedule= "
+                          "every stage of a pipeline is on one node: leave it out, or give schedule=",
+    },
+    False: {
+        "placement": "places stages on a process's devices; with schedule=, each process holds one device: leave "
+                     "it out",
+        "log_stage_times": "logs the stage times of the in-process runtime; with schedule=, each rank times its "
+                           "actions in its first steps (calibrate=): leave it out",
+        "rebalance_rounds": "cuts again on the stage times the in-process runtime measures; with schedule=, the "
+                            "plan takes its stage times from the ranks' first steps (calibrate=): leave it out",
+    },
+}
+
+
+def check_strategy_arguments(arguments: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+    """Clear errors, when the strategy is made, for its ``arguments`` (every one, by name) that
+    contradict each other, have a value of the wrong kind, or ask a runtime for what it would
+    ignore (``given``: those that differ from their defaults). The planning settings among them are
+    checked by :class:`PipelineOptions` and :class:`ProcessOptions` as they are made."""
+    size, placement, schedule = arguments["pipeline_parallel_size"], arguments["placement"], arguments["schedule"]
+    in_process = schedule is None
+    if arguments["plan"] is not None and arguments["balance"] is not None:
+        raise ValueError("give either plan= or balance=, not both")
+    if size is not None and size != AUTO and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f'pipeline_parallel_size must be a whole number of at least 1, or "auto", got {size!r}')
+    if arguments["layout_trials"] is not None:
+        check_count("layout_trials", arguments["layout_trials"], "how many of the layouts predicted fastest to time "
+                    "on the first batch (1: the prediction's choice)")
+    if in_process and size == AUTO:
+        raise ValueError('pipeline_parallel_size="auto" chooses the layout of stages as processes: give schedule= too '
+                         '(a name, or "auto" to choose it as well)')
+    if placement is not None and (not placement or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in placement)):
+        raise ValueError(f"placement must list a device index (0, 1, ...) for each stage, got {placement}")
+    for name, why in FOREIGN_ARGUMENTS[in_process].items():
+        if given.get(name) not in (None, False, 0):
+            raise ValueError(f"{name}={given[name]!r} {why}")
+    if in_process:
+        return
+    if given.get("recompute") == "except_last":
+        raise ValueError("recompute='except_last' is the in-process runtime's; with schedule= use 'always' (every "
+                         "stage keeps only its inputs) or 'never'")
+    searched = AUTO in (schedule, size)
+    if given.get("layout_trials") not in (None, 1) and not searched:
+        raise ValueError(f"layout_trials={given['layout_trials']!r} times the layouts the planner weighs: give "
+                         'pipeline_parallel_size="auto" or schedule="auto" too, or leave it out')
+    if (given.get("plan") is not None or given.get("balance") is not None) and searched:
+        raise ValueError('pipeline_parallel_size="auto" and schedule="auto" plan the layout: leave out plan= and '
+                         "balance=, or give pipeline_parallel_size= and schedule= as you planned them")

@@ -146,7 +146,7 @@ class Plan:
     predicted step and peak stage memory. ``calibration`` holds what a few steps of this plan
     measured in the runtime, when its stage times and parallel capacity were taken from them
     (:mod:`lightning_antichain.planner.calibration`), with the profiled values they replaced.
-    ``layout`` is the layout of replicas x stages that ``stages="auto"`` chose (``dp``, ``pp``,
+    ``layout`` is the layout of replicas x stages that ``pipeline_parallel_size="auto"`` chose (``dp``, ``pp``,
     ``schedule``, ``virtual_stages``, ``replication``), and ``layouts`` every candidate it weighed,
     each with its predicted step and peak memory per rank, or why it could not run, and why it lost
     (:mod:`lightning_antichain.planner.layout_search`).

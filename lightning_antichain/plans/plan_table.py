@@ -120,8 +120,8 @@ def _choice_lines(plan: Any) -> list[str]:
                         f"peak {row['peak_memory_bytes'] / 1e6:.1f} MB")
             lines.append(f"  chunks {row['chunks']:>3} (micro-batches of {row['micro_batch_size']}): {step}")
     if plan.layout:
-        lines.append(f"stages=auto for batches of {plan.batch_size}: chose {_layout_name(plan.layout)}, "
-                     f"{plan.chunks} micro-batches")
+        lines.append(f"pipeline_parallel_size=auto for batches of {plan.batch_size}: chose "
+                     f"{_layout_name(plan.layout)}, {plan.chunks} micro-batches")
         lines += [f"  {_layout_name(row)}{_chunks_of(row, count)}: " + _weighed(row)
                   for row, count in _best_per_layout(plan.layouts)]
         lines += _near_ties(plan.layouts)

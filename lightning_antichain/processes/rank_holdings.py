@@ -10,14 +10,14 @@ first replica writes them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..capture.pytrees import iter_tensors
-from ..lightning.runtime import Host
+from ..lightning.runtime import Holdings, Host
 from ..plans.layout import Layout
 from ..weights.held_elsewhere import equal_by_identity, mark_held_by
 from ..weights.materialize import release_tensors
@@ -25,14 +25,43 @@ from .process_pipeline import ProcessPipeline
 from .replication import is_shard
 
 
-class RankHoldings:
-    """The state methods of :class:`~.process_runtime.ProcessRuntime`: what this rank trains
-    (``pipeline``: its stages; ``steps.module``: the LightningModule) and what it saves."""
+class HeldBy(Protocol):
+    """The runtime whose rank holds the state: its strategy, its stages (``pipeline``, once
+    built), its steps (``steps.module``: the LightningModule) and its ranks' layout."""
 
     strategy: Host
-    pipeline: ProcessPipeline | None
     steps: Any
-    layout: Layout
+
+    @property
+    def pipeline(self) -> ProcessPipeline | None: ...
+
+    @property
+    def layout(self) -> Layout: ...
+
+
+class RankHoldings(Holdings):
+    """What a rank of :class:`~.process_runtime.ProcessRuntime` trains and what it saves."""
+
+    sharded_by_default = True
+
+    def __init__(self, runtime: HeldBy) -> None:
+        self.runtime = runtime
+
+    @property
+    def strategy(self) -> Host:
+        return self.runtime.strategy
+
+    @property
+    def pipeline(self) -> ProcessPipeline | None:
+        return self.runtime.pipeline
+
+    @property
+    def steps(self) -> Any:
+        return self.runtime.steps
+
+    @property
+    def layout(self) -> Layout:
+        return self.runtime.layout
 
     def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The LightningModule's ``state`` (keys of its ``state_dict``) as rank 0 saves it: each
@@ -106,7 +135,7 @@ class RankHoldings:
             mine |= {id(t) for t in [*module.parameters(), *module.buffers()] if id(t) not in self.pipeline.staged}
         return mine
 
-    def _hold_own_only(self) -> None:
+    def hold_own_only(self) -> None:
         """Free what this rank does not train: the parameters and buffers of other ranks' stages,
         and, but on the last stage's rank, the trainable parameters no stage uses. They go to the
         meta device in place, so that reading one fails loudly instead of giving a value training

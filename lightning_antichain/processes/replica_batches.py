@@ -1,6 +1,6 @@
 """Each pipeline replica loads only its share of the step's batch.
 
-With replicas of a pipeline of processes (``schedule=`` and ``stages=`` fewer than the ranks), a
+With replicas of a pipeline of processes (``schedule=`` and ``pipeline_parallel_size=`` fewer than the ranks), a
 step trains on the batch the DataLoader gives plain Lightning (its ``batch_size``), and replica
 ``r`` of ``dp`` on its ``r``-th share. Each replica's processes load that share only: the loader's
 batches, drawn in the order its sampler gives (rank 0's draw where it shuffles,

@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 from torch import nn
 
+from ..plans.options import REPLICATIONS
+
 Replication = Literal["ddp", "fsdp"]
-REPLICATIONS: tuple[Replication, ...] = ("ddp", "fsdp")
 Regather = Literal["micro_batch", "step"]
 """How often FSDP2 gathers a block's parameters: for each micro-batch's forward and again for its
 backward, its gradients reduce-scattered in each backward (the least memory: a block or two
