@@ -87,7 +87,8 @@ def test_a_calibrated_plan_predicts_from_the_measured_stage_times_and_is_read_ba
     for stage, f, b in zip(plan.stages, found["forward_s"], found["backward_s"]):
         assert stage.forward_s == pytest.approx(max(0.0, f - plan.task_overhead_s))
         # the micro-batches run alone add into the gradients of the runs before them
-        assert stage.backward_s == pytest.approx(max(0.0, b - plan.task_overhead_s - plan.accumulation_s(stage)))
+        adding = plan.prediction.accumulation_s(stage)
+        assert stage.backward_s == pytest.approx(max(0.0, b - plan.task_overhead_s - adding))
     assert found["profiled_compute_s"] == [s.compute_s for s in
                                            planning.plan_model(model, (micro,), {}, ["cpu", "cpu"], chunks=4,
                                                                profile_cache=tmp_path, progress=False,
@@ -203,12 +204,12 @@ def test_action_costs_averaged_over_a_step_come_back_as_the_timeline_s_mean_task
     cost.graph.update(task_overhead_s=1e-4, accumulate_s_per_byte=5e-8)
     table = process_schedule(name, virtual).table(2, 4)
     plan = la.partition(cost, table.stages, chunks=4)
-    assert sum(plan.accumulation_s(s) > 0 for s in plan.stages) >= 2
+    assert sum(plan.prediction.accumulation_s(s) > 0 for s in plan.stages) >= 2
     phases = {t.phase for tasks in table.order for t in tasks}
     costs = {(phase, k): 0.01 * (1 + k) + 0.001 * i for k in range(plan.num_stages)
              for i, phase in enumerate(sorted(phases))}
     calibrated = _timed_as(plan, costs, {})
-    duration = calibrated.durations(table)
+    duration = calibrated.prediction.durations(table)
     for (phase, k), measured in costs.items():
         tasks = [t for order in table.order for t in order if t.phase == phase and t.stage == k]
         assert sum(duration(t) for t in tasks) / len(tasks) == pytest.approx(measured), (phase, k)

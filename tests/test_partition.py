@@ -99,13 +99,13 @@ def test_dp_weighs_each_stage_s_adding_into_its_gradients(seed):
     stages = min(2 + seed % 3, sum(1 for v in graph.nodes if not graph.nodes[v].get("pinned")))
     plan = la.partition(graph, stages, chunks=4)
     assert plan.accumulate_s_per_byte == 2e-4
-    dp = max(s.time_s + 0.75 * plan.accumulation_s(s) for s in plan.stages)
+    dp = max(s.time_s + 0.75 * plan.prediction.accumulation_s(s) for s in plan.stages)
     assert dp == pytest.approx(brute_force_bottleneck(graph, [1.0] * stages, chunks=4, accumulate=2e-4), rel=1e-9)
     assert_valid(plan, graph)
     window = 2 + seed % 3  # Lightning accumulating over batches: a batch's first backward adds too, but the first's
     plan = la.partition(graph, stages, chunks=4, accumulate_grad_batches=window)
     assert plan.accumulate_grad_batches == window
-    dp = max(s.time_s + (4 - 1 / window) / 4 * plan.accumulation_s(s) for s in plan.stages)
+    dp = max(s.time_s + (4 - 1 / window) / 4 * plan.prediction.accumulation_s(s) for s in plan.stages)
     assert dp == pytest.approx(brute_force_bottleneck(graph, [1.0] * stages, chunks=4, accumulate=2e-4,
                                                       window=window), rel=1e-9)
 

@@ -115,6 +115,7 @@ def test_a_habit_processes_cannot_follow_stops_every_rank_with_what_to_do(tmp_pa
 REPLICAS = ("--samples", "79", "--batch-size", "40", "--shuffle")  # shares of 20 and 19 in the second batch
 
 
+@pytest.mark.slow  # ~35 s of 4 processes (the quick suite is near its 15 minutes); CI runs it with the slow tests
 def test_each_replica_loads_only_its_share_and_the_layout_trains_as_plain_lightning(tmp_path):
     """4 processes, 2 replicas of a pipeline of 2 (1F1B): a shuffled loader's batches of 40 (the
     order plain Lightning draws, drawn by rank 0) are cut in two shares, and each replica's

@@ -202,10 +202,10 @@ def test_a_round_whose_measured_stages_left_no_time_is_printed_not_divided_by():
 
     m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     plan = la.partition(la.profile(m, torch.randn(2, 4), repeats=1, warmup=0, progress=False), 2, chunks=2)
-    plan.rounds = [dict(balance=[2, 2], profiled_bottleneck_s=1.0, profiled_lower_bound_s=1.0,
+    plan = dataclasses.replace(plan, rounds=[dict(balance=[2, 2], profiled_bottleneck_s=1.0, profiled_lower_bound_s=1.0,
                         measured_bottleneck_s=0.0, measured_lower_bound_s=0.0),
                    dict(balance=[1, 3], profiled_bottleneck_s=1.0, profiled_lower_bound_s=0.5,
-                        measured_bottleneck_s=0.2, measured_lower_bound_s=0.1)]
+                        measured_bottleneck_s=0.2, measured_lower_bound_s=0.1)])
     table = plan.table()
     assert "round 0: [2, 2] ops, predicted x1.000, measured bottleneck 0.00 ms (x1.000)" in table
     assert "round 1: [1, 3] ops, predicted x2.000, measured bottleneck 200.00 ms (x2.000)" in table

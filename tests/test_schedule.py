@@ -1,5 +1,7 @@
 """The schedule as data: the engine runs the order it lists, and the prediction simulates it."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from models import LongSkip
@@ -67,7 +69,7 @@ def test_the_engine_runs_each_stage_in_the_order_the_schedule_lists(name, monkey
     x = torch.randn(10, 12, dtype=torch.float64)
     cost = la.profile(model, x[:2], repeats=1, warmup=0, progress=False)
     plan = la.partition(cost, 3, chunks=5)
-    plan.schedule = name
+    plan = replace(plan, schedule=name)
     expected = model(x)
     expected.square().sum().backward()
     want = [p.grad.clone() for p in model.parameters()]
@@ -102,11 +104,11 @@ def test_the_plan_predicts_its_step_from_the_schedule_it_names(monkeypatch):
     assert plan.parallel_capacity is not None and plan.task_overhead_s == 2e-4
     forward = [s.forward_s + s.transfer_s / 2 + plan.task_overhead_s for s in plan.stages]
     backward = [s.backward_s + s.transfer_s / 2 + plan.task_overhead_s for s in plan.stages]
-    simulated = timeline(gpipe(3, 4), schedule.stage_durations(forward, backward), capacity=plan.capacity(),
+    simulated = timeline(gpipe(3, 4), schedule.stage_durations(forward, backward), capacity=plan.prediction.capacity(),
                          shared=[True] * 3)
     assert plan.predicted_step_s == pytest.approx(max(t.end for t in simulated) + plan.step_overhead_s)
     assert max(t.end for t in plan.timeline()) + plan.step_overhead_s == pytest.approx(plan.predicted_step_s)
-    plan.schedule = "reversed"
+    plan = replace(plan, schedule="reversed")
     assert {t.task for t in plan.timeline()} == {t for tasks in reversed_forwards(3, 4).order for t in tasks}
 
 
@@ -128,7 +130,7 @@ def test_every_weight_gradient_of_a_stage_but_its_first_adds_into_the_stage_s_tr
     rate = 1e-6
     spans = {}
     for charged in (0.0, rate):
-        plan.accumulate_s_per_byte = charged
+        plan = replace(plan, accumulate_s_per_byte=charged)
         spans[charged] = {t.task: t.end - t.start for t in plan.timeline(table)}
     first = {}
     for tasks in table.order:
@@ -144,7 +146,8 @@ def test_every_weight_gradient_of_a_stage_but_its_first_adds_into_the_stage_s_tr
         adds = task.phase in ("backward", "backward_weight") and first[task.stage] != task
         assert span == pytest.approx(spans[0.0][task] + (rate * trainable[task.stage] if adds else 0.0)), task
     assert "adding into gradients" in plan.table()
-    plan.accumulate_grad_batches = 4  # accumulating over batches: the first adds into the earlier batches' in 3 of 4
+    # accumulating over batches: the first adds into the earlier batches' in 3 of 4
+    plan = replace(plan, accumulate_grad_batches=4)
     for task in plan.timeline(table):
         before = spans[rate][task.task]
         if first.get(task.task.stage) == task.task:
@@ -201,10 +204,10 @@ def test_a_task_held_after_its_work_delays_what_waits_for_it_and_shares_no_core(
 def test_each_cpu_stage_beyond_the_first_adds_the_profiled_gain_while_there_are_cores():
     cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
     plan = la.partition(cost, 4, chunks=2)
-    plan.parallel_capacity, plan.cpu_cores = 1.5, 2
-    assert plan.capacity() == [1.0, 1.5, 1.5, 1.5]
-    plan.cpu_cores = 8
-    assert plan.capacity() == [1.0, 1.5, 2.0, 2.5]
+    plan = replace(plan, parallel_capacity=1.5, cpu_cores=2)
+    assert plan.prediction.capacity() == [1.0, 1.5, 1.5, 1.5]
+    plan = replace(plan, cpu_cores=8)
+    assert plan.prediction.capacity() == [1.0, 1.5, 2.0, 2.5]
 
 
 def test_one_f_one_b_fills_then_alternates_then_drains():
@@ -234,6 +237,6 @@ def test_a_schedule_with_a_loss_per_micro_batch_starts_backward_before_the_batch
 def test_the_in_process_pipeline_refuses_a_schedule_it_cannot_run():
     cost = la.profile(LongSkip(), torch.randn(2, 12), repeats=1, warmup=0, progress=False)
     plan = la.partition(cost, 2, chunks=4)
-    plan.schedule = "1f1b"
-    with pytest.raises(ValueError, match="one process per stage.*plan.schedule = 'gpipe'"):
+    plan = replace(plan, schedule="1f1b")
+    with pytest.raises(ValueError, match="one process per stage.*replace\\(plan, schedule='gpipe'\\)"):
         la.Pipeline(LongSkip(), plan, chunks=4)

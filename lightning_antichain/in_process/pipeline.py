@@ -45,8 +45,9 @@ from ..device import shares_host
 from ..measure.cpu_threads import stage_threads
 from ..measure.saved_tensors import HeldMemory, state_storages
 from ..plans.options import PipelineOptions, compile_arguments
-from ..plans.plan import Plan, recomputed_micro_batches
+from ..plans.plan import Plan
 from ..plans.schedule import make_schedule, runs_in_process
+from ..plans.step_prediction import recomputed_micro_batches
 from ..stages.batchnorm import deferred_batch_norm
 from ..stages.randomness import step_seed
 from ..stages.split import PlanMismatchError, run_eagerly
@@ -152,7 +153,8 @@ class Pipeline(nn.Module):
         if not runs_in_process(plan.schedule):
             raise ValueError(f"the plan's schedule {plan.schedule!r} computes the loss per micro-batch, which runs "
                              "with one process per stage; this Pipeline runs the whole batch's loss in one process "
-                             "under 'gpipe': set plan.schedule = 'gpipe', or plan again without a schedule")
+                             "under 'gpipe': run dataclasses.replace(plan, schedule='gpipe'), or plan again without a "
+                             "schedule")
         #: every capture of the module made ready to run
         self._captures = Captures(module, plan, self._devices, chunks, batch_dim, self.leaf_modules,
                                   options.param_init_fn, options.device_slots,

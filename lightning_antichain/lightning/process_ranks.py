@@ -111,7 +111,13 @@ class ProcessesStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
+        """As DDPStrategy's: NCCL's barrier on this rank's own GPU (else NCCL guesses one by rank,
+        which with several devices per process is another process's)."""
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
             torch.distributed.barrier()
 
     @override

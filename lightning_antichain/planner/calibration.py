@@ -38,8 +38,9 @@ from ..capture.opgraph import OpGraph
 from ..capture.pytrees import iter_tensors
 from ..device import is_accelerator, shares_host, synchronize
 from ..measure.op_clock import OpClock
-from ..plans.plan import Plan, recomputed_micro_batches
+from ..plans.plan import Plan
 from ..plans.schedule import Task, Timed, runs_in_process
+from ..plans.step_prediction import recomputed_micro_batches
 from ..torch_private import tree_map_only
 from ..weights.materialize import has_meta_state
 from .cache import DamagedEntry, entry_key, entry_path, read_entry, write_entry
@@ -257,7 +258,7 @@ def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) ->
     # the micro-batches run alone add their gradients into those of the runs before them
     stages = [
         replace(s, forward_s=max(0.0, f - plan.task_overhead_s - s.transfer_s / 2),
-                backward_s=max(0.0, b - plan.task_overhead_s - s.transfer_s / 2 - plan.accumulation_s(s)))
+                backward_s=max(0.0, b - plan.task_overhead_s - s.transfer_s / 2 - plan.prediction.accumulation_s(s)))
         for s, f, b in zip(plan.stages, found.forward_s, found.backward_s)
     ]
     profiled = sum(s.compute_s for s in plan.stages)
@@ -277,8 +278,7 @@ def calibrated(plan: Plan, found: Calibration, read_from: Path | None = None) ->
     )
     if all(is_accelerator(s.device) for s in stages):
         new = _fitted_to_pipelined_step(new, found.pipelined_step_s)
-    new.predicted_step_s = new.predict_step()
-    return new
+    return replace(new, predicted_step_s=new.predict_step())
 
 
 def _fitted_to_pipelined_step(plan: Plan, pipelined_s: float) -> Plan:
@@ -302,8 +302,7 @@ def _fitted_to_pipelined_step(plan: Plan, pipelined_s: float) -> Plan:
         stages = [replace(s, forward_s=s.forward_s * scale, backward_s=s.backward_s * scale) for s in plan.stages]
         plan = replace(plan, stages=stages, bottleneck_s=max(s.time_s for s in stages),
                        lower_bound_s=plan.lower_bound_s * scale, total_compute_s=plan.total_compute_s * scale)
-    plan.step_overhead_s = max(0.0, pipelined_s - explained(plan))
-    return plan
+    return replace(plan, step_overhead_s=max(0.0, pipelined_s - explained(plan)))
 
 
 def calibration_key(profile_key: str, plan: Plan, recompute: str) -> str:

@@ -197,7 +197,7 @@ def layout_cost(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Li
         # collectives copy, timed with every rank in a collective at once (a pipeline's ranks in
         # turn: their mean), and the collectives' waiting, which takes no core
         ranks = layout.world_size
-        capacity = linked.capacity(dp)[min(ranks, linked.num_stages * dp) - 1]
+        capacity = linked.prediction.capacity(dp)[min(ranks, linked.num_stages * dp) - 1]
         moved = (sum(reductions) - sum(waits)) / pp
         end = max(end, dp * _work_s(linked, table) / capacity + moved + max(waits, default=0.0))
     step = end + added + linked.step_overhead_s
@@ -247,14 +247,14 @@ def _ddp_reductions(plan: Plan, schedule: ProcessSchedule, layout: Layout, links
         buckets = math.ceil(grads / BUCKET_BYTES)
         whole = ring_all_reduce_s(grads, dp, gbps) + buckets * links.latency_s  # DDP: a collective a bucket
         tail = ring_all_reduce_s(min(grads, BUCKET_BYTES), dp, gbps, links.latency_s)
-        hidden = 0.0 if shares_host(stage.device) else plan.task_seconds(stage, task.phase)
+        hidden = 0.0 if shares_host(stage.device) else plan.prediction.task_seconds(stage, task.phase)
         found[task] = (max(whole - hidden, tail), whole, buckets * links.latency_s)
     return found
 
 
 def _work_s(plan: Plan, table: Schedule) -> float:
     """The seconds of all of ``table``'s tasks, each as it takes alone: a pipeline's work."""
-    duration = plan.durations(table)
+    duration = plan.prediction.durations(table)
     return sum(duration(t) for tasks in table.order for t in tasks)
 
 
@@ -285,11 +285,11 @@ def _optimizer_ends(plan: Plan, schedule: ProcessSchedule, layout: Layout, repli
     if not any(shares_host(s.device) for s in plan.stages) or plan.measured_together:
         return [start + w for start, w in zip(starts, work)]
     ranks = layout.world_size
-    curve = plan.capacity(layout.dp)
+    curve = plan.prediction.capacity(layout.dp)
     if plan.optimizer_slowdown:  # the optimizers' own sharing, as the model's is shaped
         stepping = dataclasses.replace(plan, parallel_capacity=capacity_of_two(
             ranks / plan.optimizer_slowdown, ranks, plan.cpu_cores or ranks))
-        curve = stepping.capacity(layout.dp)
+        curve = stepping.prediction.capacity(layout.dp)
     others = [(t.start, t.end) for t in timed] + [(e, s) for e, s in zip(last_task_ends, starts) if s > e]
     return shared_ends(starts, work, layout.dp, lambda n: curve[min(n, len(curve)) - 1], others)
 

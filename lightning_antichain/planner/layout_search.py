@@ -292,25 +292,23 @@ def _chosen(rows: list[dict[str, Any]], best: tuple[Plan, dict[str, Any], nx.DiG
     plan, chosen, cost = best
     others = []
     for other, row, _ in timeable(candidates, chosen)[:alternatives]:
-        other = dataclasses.replace(other, layouts=[])  # a copy: candidates of one stage count share their cut
-        in_layout(other, row, size)
-        others.append(other)
+        others.append(dataclasses.replace(in_layout(other, row, size), layouts=[]))
     with_verdicts(rows, chosen)
-    in_layout(plan, chosen, size)
-    plan.layouts = rows
-    return Planned(plan, graph, cost, alternatives=tuple(others))
+    return Planned(dataclasses.replace(in_layout(plan, chosen, size), layouts=rows), graph, cost,
+                   alternatives=tuple(others))
 
 
 LAYOUT_KEYS = ("dp", "pp", "schedule", "virtual_stages", "replication", "regather")
 
 
-def in_layout(plan: Plan, row: dict[str, Any], size: int) -> None:
-    """Make ``plan`` the plan of the layout of ``row`` (a candidate the search weighed) for batches of ``size``."""
-    plan.layout = {k: row[k] for k in LAYOUT_KEYS if k in row}
-    plan.predicted_step_s = row["predicted_step_s"]  # in its layout
-    plan.regather = row.get("regather")
-    plan.gradient_shards = gradient_shards(row.get("replication", "ddp"), plan.regather, row["dp"])
-    plan.batch_size = size
+def in_layout(plan: Plan, row: dict[str, Any], size: int) -> Plan:
+    """``plan`` as the plan of the layout of ``row`` (a candidate the search weighed) for batches of ``size``."""
+    regather = row.get("regather")
+    return dataclasses.replace(
+        plan, layout={k: row[k] for k in LAYOUT_KEYS if k in row},
+        predicted_step_s=row["predicted_step_s"],  # in its layout
+        regather=regather, gradient_shards=gradient_shards(row.get("replication", "ddp"), regather, row["dp"]),
+        batch_size=size)
 
 
 def same_layout(row: dict[str, Any], plan: Plan) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import networkx as nx
@@ -255,8 +256,7 @@ def _make_plan(
         optimizer_tensor_s=float(meta.get("optimizer_tensor_s") or 0.0),
         repeated_blocks=dict(meta.get("repeated_blocks") or {}),
     )
-    plan.predicted_step_s = plan.predict_step()
-    return plan
+    return replace(plan, predicted_step_s=plan.predict_step())
 
 
 def _refusals(graph: nx.DiGraph) -> str:

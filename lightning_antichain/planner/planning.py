@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +281,7 @@ class _ModelPlanning:
             self.options.even_chunks, self.profiled,
             lambda cost, count, key: self.measured(self.cut(cost, count), key, args, kwargs))
         plan = self.best_measured(self.cut(cost, chosen.chunks), cost, key, args, kwargs, first=chosen)
-        plan.candidates, plan.batch_size = chosen.candidates, chosen.batch_size
+        plan = replace(plan, candidates=chosen.candidates, batch_size=chosen.batch_size)
         return Planned(plan, self.graph, cost, cached_from)
 
 
@@ -381,9 +381,8 @@ def _choose_chunks(
     if best is None:
         assert refusal is not None
         raise InfeasiblePlanError(f"no micro-batch count from 1 to {rows[-1]['chunks']} fits: {refusal}")
-    best[0].candidates = rows
-    best[0].batch_size = size
-    return best
+    plan, cost, cached_from, key = best
+    return replace(plan, candidates=rows, batch_size=size), cost, cached_from, key
 
 
 def _runs_on(module: nn.Module, device: torch.device | None) -> bool:

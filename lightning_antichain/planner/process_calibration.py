@@ -23,8 +23,9 @@ import torch
 
 from ..device import synchronize
 from ..measure.action_clock import ActionClock, ActionKey
-from ..plans.plan import Plan, recomputed_micro_batches
+from ..plans.plan import Plan
 from ..plans.schedule import Schedule
+from ..plans.step_prediction import recomputed_micro_batches
 
 #: steps of the process runtime timed before its plan's times are taken from them (after the first,
 #: in which torch's stages learn their shapes)
@@ -56,9 +57,8 @@ def process_calibrated(plan: Plan, steps: Sequence[Mapping[ActionKey, float]], l
     # what the timeline of the actions leaves unexplained of a step (a rank ready to run while the
     # cores are busy with others; torch's work before the first action and after the last)
     unexplained = [length - _explained(_timed_as(plan, step, record), schedule) for step, length in zip(steps, lengths)]
-    new.step_overhead_s = max(0.0, statistics.median(unexplained))
-    new.predicted_step_s = new.predict_step(schedule)
-    return new
+    new = replace(new, step_overhead_s=max(0.0, statistics.median(unexplained)))
+    return replace(new, predicted_step_s=new.predict_step(schedule))
 
 
 def _timed_as(plan: Plan, costs: Mapping[ActionKey, float], record: dict[str, Any]) -> Plan:
@@ -77,7 +77,7 @@ def _timed_as(plan: Plan, costs: Mapping[ActionKey, float], record: dict[str, An
         k, overhead, half = stage.index, plan.task_overhead_s, stage.transfer_s / 2
         forward = max(0.0, costs["forward", k] - overhead - half)
         recomputed = again * forward  # a recomputing stage's backward runs its forward again
-        accumulated = adding * plan.accumulation_s(stage)
+        accumulated = adding * plan.prediction.accumulation_s(stage)
         if ("backward", k) in costs:
             backward = max(0.0, costs["backward", k] - overhead - half - recomputed - accumulated)
             stages.append(replace(stage, forward_s=forward, backward_s=backward, backward_input_s=None,

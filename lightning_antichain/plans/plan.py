@@ -9,32 +9,18 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..device import shares_host
+from .plan_records import CalibrationRecord, ChosenLayout, ChunkCount, RebalanceRound, WeighedLayout
 from .plan_table import plan_table
-from .schedule import (
-    GRADIENT_OUT,
-    INPUT_SHARE,
-    WEIGHT_GRADIENT,
-    Phase,
-    Schedule,
-    Task,
-    Timed,
-    make_schedule,
-    timeline,
-)
+from .schedule import INPUT_SHARE, Schedule, Task, Timed
+from .step_prediction import StepPrediction
 
 PLAN_FORMAT = "lightning-antichain/plan/1"
 RECOMPUTE_MODES = ("never", "except_last", "always")
 """Activation recomputation: none, every micro-batch but the last, or every one."""
-
-
-def recomputed_micro_batches(recompute: str, chunks: int) -> int:
-    """How many micro-batches, from the first, the runtime recomputes in backward under ``recompute``."""
-    return {"never": 0, "except_last": chunks - 1, "always": chunks}[recompute]
 
 
 def check_chunks(chunks: object, auto: bool = False) -> int | str:
@@ -127,9 +113,10 @@ class Stage:
         return {**asdict(self), "compute_s": self.compute_s, "time_s": self.time_s}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """Stages in pipeline order with the predicted cost of a training step.
+    """Stages in pipeline order with the predicted cost of a training step; frozen: a plan made
+    for another layout or from measured times is a new one (``dataclasses.replace``).
 
     ``bottleneck_s`` is the slowest stage's time per micro-batch; ``lower_bound_s`` is
     ``max(total compute / total device speed, slowest single operation)``, which no split can beat;
@@ -185,13 +172,13 @@ class Plan:
     #: what a parameter tensor adds to the optimizer's step as a DTensor (FSDP2), seconds, where the
     #: ranks measured it; 0: not measured
     optimizer_tensor_s: float = 0.0
-    candidates: list[dict[str, Any]] = field(default_factory=list)
+    candidates: list[ChunkCount] = field(default_factory=list)
     batch_size: int | None = None
-    calibration: dict[str, Any] | None = None
-    rounds: list[dict[str, Any]] = field(default_factory=list)
+    calibration: CalibrationRecord | None = None
+    rounds: list[RebalanceRound] = field(default_factory=list)
     repeated_blocks: dict[str, list[str]] = field(default_factory=dict)
-    layout: dict[str, Any] | None = None
-    layouts: list[dict[str, Any]] = field(default_factory=list)
+    layout: ChosenLayout | None = None
+    layouts: list[WeighedLayout] = field(default_factory=list)
     #: how often FSDP2 gathers each block's parameters where replicas shard the stages:
     #: ``"micro_batch"`` or ``"step"`` (:data:`~lightning_antichain.processes.replication.Regather`),
     #: as the layout search or the planner for a given layout chose it; ``None``: nothing sharded
@@ -271,73 +258,6 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
-    def timeline(self, schedule: Schedule | None = None, replicas: int = 1,
-                 others: Sequence[tuple[float, float]] = (), held: Mapping[Task, float] | None = None
-                 ) -> list[Timed]:
-        """The predicted start and end of every task of one step (:func:`schedule.timeline`), each
-        task as long as :meth:`durations` says. ``schedule``: the
-        tasks as run (torch's table for a rank's virtual stages,
-        :meth:`~lightning_antichain.plans.process_schedules.ProcessSchedule.table`); default,
-        the plan's own schedule over one worker per stage. ``replicas``: pipelines running the
-        same step at once, whose CPU stages share the machine with these; ``others``: spans of
-        other work sharing it meanwhile (a rank's reduction and optimizer step); ``held``: seconds
-        a task keeps its stage after its work, sharing nothing (a replicated stage's reduction)."""
-        schedule = schedule or make_schedule(self.schedule, self.num_stages, self.chunks)
-        if schedule.stages != self.num_stages or schedule.chunks != self.chunks:
-            raise ValueError(f"a schedule of {schedule.stages} stages and {schedule.chunks} micro-batches does not "
-                             f"run this plan of {self.num_stages} stages and {self.chunks}")
-        return timeline(
-            schedule,
-            self.durations(schedule),
-            capacity=self.capacity(replicas),
-            shared=[shares_host(self.stages[tasks[0].stage].device) and not self.measured_together if tasks else False
-                    for tasks in schedule.order],
-            copies=replicas,
-            others=others,
-            held=held,
-        )
-
-    def durations(self, schedule: Schedule) -> Callable[[Task], float]:
-        """Each task's seconds alone in ``schedule`` (:meth:`task_seconds`), with the forward again
-        in the backward of a micro-batch that ``recompute`` recomputes, and the adding of its
-        gradients into its stage's (:meth:`accumulation_s`) in every backward of the weights but
-        the stage's first of the step, and in that one on average over the batches of
-        ``accumulate_grad_batches`` (all but the window's first add)."""
-        recomputed = recomputed_micro_batches(self.recompute, self.chunks)
-        first: dict[int, Task] = {}
-        for tasks in schedule.order:
-            for task in tasks:
-                if task.phase in WEIGHT_GRADIENT:
-                    first.setdefault(task.stage, task)
-
-        def duration(task: Task) -> float:
-            stage = self.stages[task.stage]
-            seconds = self.task_seconds(stage, task.phase)
-            if task.phase in GRADIENT_OUT and task.micro_batch < recomputed:
-                seconds += stage.forward_s
-            if task.phase in WEIGHT_GRADIENT:
-                later = first.get(task.stage) != task
-                seconds += self.accumulation_s(stage) * (1.0 if later else 1.0 - 1.0 / self.accumulate_grad_batches)
-            return seconds
-
-        return duration
-
-    def accumulation_s(self, stage: Stage) -> float:
-        """What a backward on ``stage`` adds where it adds into the gradients of an earlier one (its
-        rank's share of them, :attr:`gradient_shards`)."""
-        return self.accumulate_s_per_byte * max(0, stage.param_bytes - stage.frozen_bytes) / self.gradient_shards
-
-    def task_seconds(self, stage: Stage, phase: Phase) -> float:
-        """What one task of ``phase`` on ``stage`` takes alone: its compute, half the stage's transfer
-        (the input's gradient carries the backward's half), and the runtime's ``task_overhead_s``."""
-        half = stage.transfer_s / 2
-        if phase == "forward":
-            return stage.forward_s + half + self.task_overhead_s
-        if phase == "backward":
-            return stage.backward_s + half + self.task_overhead_s
-        input_s, weight_s = stage.backward_halves()
-        return (input_s + half if phase == "backward_input" else weight_s) + self.task_overhead_s
-
     @property
     def measured_together(self) -> bool:
         """Whether the stage times were measured while the stages ran at once (each a process of its
@@ -345,26 +265,20 @@ class Plan:
         sharing the CPU already."""
         return bool(self.calibration) and self.calibration.get("runtime") == "processes"
 
-    def capacity(self, replicas: int = 1) -> list[float]:
-        """Work done by 1, 2, ... CPU stages (of ``replicas`` pipelines) running at once, in units
-        of one alone: each stage beyond the first adds what the second added in the profile, while
-        there are cores for it."""
-        count = self.num_stages * replicas
-        if self.parallel_capacity is None:
-            return [float(n) for n in range(1, count + 1)]
-        cores = self.cpu_cores or count
-        extra = self.parallel_capacity - 1.0
-        return [1.0 + extra * (min(n, cores) - 1) for n in range(1, count + 1)]
+    @property
+    def prediction(self) -> StepPrediction:
+        """What this plan predicts of a training step, task by task (:mod:`.step_prediction`)."""
+        return StepPrediction(self)
+
+    def timeline(self, schedule: Schedule | None = None, replicas: int = 1,
+                 others: Sequence[tuple[float, float]] = (), held: Mapping[Task, float] | None = None
+                 ) -> list[Timed]:
+        """The predicted start and end of every task of one step (:meth:`StepPrediction.timeline`)."""
+        return self.prediction.timeline(schedule, replicas, others, held)
 
     def predict_step(self, schedule: Schedule | None = None, replicas: int = 1) -> float:
-        """Seconds of one training step (under ``schedule``, with ``replicas`` pipelines at once,
-        see :meth:`timeline`): the end of the timeline plus the per-step costs."""
-        return max(t.end for t in self.timeline(schedule, replicas)) + self.step_overhead_s + self.optimizer_step_s
-
-
-
-
-
+        """Seconds of one training step (:meth:`StepPrediction.step_s`)."""
+        return self.prediction.step_s(schedule, replicas)
 
 
 def _json_number(value: Any) -> Any:

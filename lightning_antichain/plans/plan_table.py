@@ -69,7 +69,7 @@ def _cost_lines(plan: Any) -> list[str]:
     """What the predicted step includes besides the stages, and what calibration changed."""
     lines: list[str] = []
     costs = [f"runtime {1e3 * plan.task_overhead_s:.2f} ms per task, {1e3 * plan.step_overhead_s:.2f} ms per step"]
-    adding = max((plan.accumulation_s(s) for s in plan.stages), default=0.0)
+    adding = max((plan.prediction.accumulation_s(s) for s in plan.stages), default=0.0)
     if adding:
         costs.append(f"adding into gradients up to {1e3 * adding:.2f} ms a backward after a stage's first")
     if plan.optimizer_step_s:

@@ -10,6 +10,7 @@ answer is one :class:`Chosen`, which the runtime takes as a whole.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -158,8 +159,8 @@ class LayoutChoice:
         with torch.enable_grad(), metrics_kept(self.steps.module):
             args, kwargs = planning_call(target, *whole, options, count_items=False)
             planned = planned_for_call(target, args, kwargs, devices, options, strategy.optimizers, loss)
-        planned.plan.regather = self.regather(planned.plan, schedule, layout, measured)
-        return planned
+        return dataclasses.replace(planned, plan=dataclasses.replace(
+            planned.plan, regather=self.regather(planned.plan, schedule, layout, measured)))
 
     def _alternatives(self, planned: Planned | None) -> list[Plan]:
         """The plans of the layouts to time against rank 0's choice (:mod:`.layout_trials`), on every rank."""
@@ -212,8 +213,7 @@ class LayoutChoice:
                 if same_layout(row, plan):
                     row["measured_step_s"] = seconds
         with_verdicts(rows, next(row for row in rows if same_layout(row, plans[kept])))
-        chosen = plans[kept]
-        chosen.layouts = rows
+        chosen = dataclasses.replace(plans[kept], layouts=rows)
         rank_zero_info(trial_report(plans, turns))
         return chosen, graphs[kept], mesh
 

@@ -22,6 +22,7 @@ come.)
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 import warnings
 from collections.abc import Callable
@@ -249,6 +250,7 @@ class ProcessRuntime(Runtime):
             self.calibration = None  # a plan timed under this schedule (a resumed one) is kept as it is
         pipeline, _ = self._pipeline_for(plan, self.ranks.schedule, self.layout, self._mesh(), target, hook, batch,
                                          rest, graph)
+        plan = pipeline.plan  # in this layout
         if self._whole_batch is None:
             self._whole_batch = WholeBatchCheck(strategy.options.check_batch)
         self._run = RankRun(strategy, self.steps, pipeline, plan, self.ranks.schedule, self.layout, self._mesh(),
@@ -268,8 +270,9 @@ class ProcessRuntime(Runtime):
 
     def _pipeline_for(self, plan: Plan, schedule: ProcessSchedule, layout: Layout, mesh: Any, target: nn.Module,
                       hook: str, batch: Any, rest: tuple, graph: OpGraph | None) -> tuple[ProcessPipeline, OpGraph]:
-        """This rank's part of ``plan`` in ``layout`` on ``mesh`` under ``schedule``, and the graph
-        it is cut from (``graph`` where it holds for the plan's micro-batches)."""
+        """This rank's part of ``plan`` in ``layout`` on ``mesh`` under ``schedule`` (its ``plan``:
+        ``plan`` with the replicas' regathering of that layout), and the graph it is cut from
+        (``graph`` where it holds for the plan's micro-batches)."""
         assert self.steps is not None
         strategy = self.strategy
         searched = self.ranks.search is not None
@@ -278,9 +281,11 @@ class ProcessRuntime(Runtime):
         options = strategy.options
         graph = graph_for_plan(target, first, plan, options.leaf_modules, options.batch_dim, reuse=graph)
         replication = None if layout.dp == 1 else (self.process_options.replication, mesh["dp"])
-        if plan.regather is None:  # a plan given, for this layout: the same choice on every rank
-            plan.regather = self._choice().regather(plan, schedule, layout)
-        plan.gradient_shards = gradient_shards(self.process_options.replication, plan.regather, layout.dp)
+        regather = plan.regather
+        if regather is None:  # a plan given, for this layout: the same choice on every rank
+            regather = self._choice().regather(plan, schedule, layout)
+        plan = dataclasses.replace(plan, regather=regather, gradient_shards=gradient_shards(
+            self.process_options.replication, regather, layout.dp))
         pipeline = ProcessPipeline(graph, plan, schedule, layout.position(strategy.global_rank), layout.pp,
                                    strategy.root_device, group=pipeline_group(layout, mesh),
                                    replication=replication,
