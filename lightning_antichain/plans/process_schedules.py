@@ -173,8 +173,8 @@ def fill_drain_runner(schedule: ProcessSchedule, stages: list[Any], ranks: int, 
     """torch's runtime for tables of actions, running this rank's ``stages`` in
     :meth:`ProcessSchedule.fill_drain_order` (``scale_grads=False``, as :func:`schedule_runner`)."""
     runner = ScheduleRuntime(stages, chunks, loss_fn=loss_fn, scale_grads=False)
-    prepare = getattr(runner, "_prepare_schedule_with_comms", None) or runner._load_actions  # torch < 2.8
-    prepare(schedule.fill_drain_order(ranks, chunks, train=True))  # torch checks a training table's counts
+    # torch checks a training table's counts
+    runner._prepare_schedule_with_comms(schedule.fill_drain_order(ranks, chunks, train=True))
     if not train:
         schedule.evaluate_forward_only(runner, ranks, chunks)
     return runner
