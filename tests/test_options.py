@@ -2,6 +2,7 @@
 name, and old names kept working."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -87,3 +88,18 @@ def test_every_argument_of_the_strategy_has_one_row_in_the_options_table():
     table = doc[doc.index("## Options"):doc.index("## Semantics")]
     rows = re.findall(r"^\| `(\w+)` \|", table, re.M)
     assert sorted(rows) == sorted(names)
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    ({"start_method": "thread"}, "start_method='thread' is not one of"),
+    ({"timeout": -1}, "timeout is how long a rank waits"),
+    ({"schedule": "zbv", "virtual_stages": 3}, "virtual_stages=3"),
+    ({"schedule": "1f2b"}, "schedule='1f2b' is not one of"),
+    ({"schedule": "1f1b", "replication": "zero"}, "replication='zero' is not one of"),
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be"),
+    ({"placement": [0, -1]}, "placement must list"),
+    ({"plan": "p.json", "balance": [1, 1]}, "either plan= or balance="),
+])
+def test_each_bad_argument_is_refused_when_the_strategy_is_made_naming_it(given, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        la.AntichainPipelineStrategy(**given)

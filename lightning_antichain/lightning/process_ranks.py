@@ -132,11 +132,9 @@ class ProcessesStrategy(ParallelStrategy):
 
 def group_timeout(timeout: float | timedelta | None) -> timedelta:
     """``timeout`` (seconds or a ``timedelta``; ``None``: torch's default for gloo and NCCL groups,
-    30 minutes) as the ``timedelta`` every process group of the strategy gets."""
+    30 minutes) as the ``timedelta`` every process group of the strategy gets (checked with the
+    strategy's other arguments, :func:`~lightning_antichain.plans.options.check_strategy_arguments`)."""
     if timeout is None:
         return dist.default_pg_timeout
-    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"timeout is how long a rank waits on another: seconds (> 0) or a timedelta, got {timeout!r}")
-    return timedelta(seconds=seconds)
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 

@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from ..batches.batch_dims import check_batch_dim
 from .plan import RECOMPUTE_MODES, check_chunks
+from .process_schedules import SCHEDULE_NAMES, process_schedule
 from .schedule import SCHEDULES
 
 PLANNING_METHODS = ("antichain", "uniform", "parameters", "blocks")
 FALLBACKS = (None, "children")
 #: how a stage is kept in step with its replicas where stages are processes
 REPLICATIONS = ("ddp", "fsdp")
+#: how the strategy's processes start: as Lightning's DDP (a new interpreter each), or by multiprocessing
+START_METHODS = ("popen", "spawn", "fork")
 #: asking the planner to choose (``chunks``, ``pipeline_parallel_size``, ``schedule``)
 AUTO = "auto"
 
@@ -229,6 +233,10 @@ class ProcessOptions:
             raise ValueError(f"replication={self.replication!r} is not one of {', '.join(map(repr, REPLICATIONS))}")
         check_count("layout_trials", self.layout_trials, "how many of the layouts predicted fastest to time on the "
                     "first batch")
+        searched = self.schedule == AUTO
+        for name in SCHEDULE_NAMES if searched else (self.schedule,):  # a clear error for what torch cannot run
+            process_schedule(name, self.virtual_stages if not searched or name in ("interleaved-1f1b", "zb-h1")
+                             else None)
 
     @property
     def searched(self) -> bool:
@@ -293,6 +301,14 @@ def check_strategy_arguments(arguments: Mapping[str, Any], given: Mapping[str, A
     if placement is not None and (not placement or any(
             isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in placement)):
         raise ValueError(f"placement must list a device index (0, 1, ...) for each stage, got {placement}")
+    if arguments["start_method"] not in START_METHODS:
+        methods = ", ".join(map(repr, START_METHODS))
+        raise ValueError(f"start_method={arguments['start_method']!r} is not one of {methods} (popen: as Lightning's "
+                         "DDP, a new interpreter per process)")
+    timeout = arguments["timeout"]
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if timeout is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0):
+        raise ValueError(f"timeout is how long a rank waits on another: seconds (> 0) or a timedelta, got {timeout!r}")
     for name, why in FOREIGN_ARGUMENTS[in_process].items():
         if given.get(name) not in (None, False, 0):
             raise ValueError(f"{name}={given[name]!r} {why}")
