@@ -10,6 +10,7 @@ from torch import nn
 import lightning_antichain as la
 from lightning_antichain.measure.link_speed import CollectiveSpeed
 from lightning_antichain.planner.contention import capacity_of_two
+from lightning_antichain.planner.cores_shared import optimizer_slowdown
 from lightning_antichain.planner.cost_graph import with_loss
 from lightning_antichain.planner.layout_cost import (
     BUCKET_BYTES,
@@ -24,7 +25,6 @@ from lightning_antichain.planner.layout_cost import (
 from lightning_antichain.planner.layout_search import (
     LayoutSearch,
     layout_search,
-    optimizer_slowdown,
     plan_layouts,
     same_layout,
     with_verdicts,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +30,8 @@ from ..plans.options import PipelineOptions
 from ..plans.plan import Plan
 from ..plans.process_schedules import SCHEDULE_NAMES, ProcessSchedule, process_schedule
 from ..processes.replication import REGATHERS, Regather, Replication
-from .contention import capacity_of_two
-from .cost_graph import normalize_cost_graph, total_compute, with_loss, with_times_scaled
+from .cores_shared import contention_of
+from .cost_graph import normalize_cost_graph, with_loss, with_times_scaled
 from .layout_cost import LayoutCost, Links, gradient_shards, layout_cost
 from .overhead import loss_seconds
 from .partition import InfeasiblePlanError
@@ -48,8 +47,8 @@ from .planning import (
     profile_cache_dir,
     timed_optimizer_step_s,
 )
-from .robust_choice import CAPACITY_SPREAD, least_regret, regrets, steps_as_cores_vary
-from .shared_cores import SharedCores, share_of
+from .robust_choice import CAPACITY_SPREAD
+from .shared_cores import SharedCores
 from .target_profile import TargetModel
 
 #: the devices of a layout's stages (its first replica's), under a schedule
@@ -110,17 +109,17 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
     raw_profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
     profiles: dict[int, tuple[nx.DiGraph, str] | Exception] = {}
 
+    contention = contention_of(shared_cores, loss is not None)
+
     @functools.cache
     def speed() -> float:
-        """The factor of :func:`probe_over_profile`; a replica's share is profiled for it only where
-        the ranks probed their step (``shared_cores``) and the batch splits evenly over them."""
-        if shared_cores is None or not shared_cores.model_alone_s or size % world_size:
-            return 1.0
-        return probe_over_profile(shared_cores, raw(size // world_size), loss is not None)
+        """The factor the ranks' sharing of the cores scales the profiles by (:mod:`.cores_shared`);
+        a replica's share is profiled for it only where the batch splits evenly over them."""
+        return 1.0 if size % world_size else contention.speed(lambda: raw(size // world_size))
 
     def profiled(micro: int) -> tuple[nx.DiGraph, str] | Exception:
         """The profile of micro-batches of ``micro`` samples, its times at the machine's speed when
-        the ranks probed it (:func:`probe_over_profile`)."""
+        the ranks probed it (:func:`~.cores_shared.probe_over_profile`)."""
         if micro not in profiles:
             found = raw(micro)
             profiles[micro] = found if isinstance(found, Exception) or speed() == 1.0 else (
@@ -140,11 +139,7 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                     cost, key = target.profile(module, graph, *call, batch_dim, options.progress, label), ""
                 cost = normalize_cost_graph(cost)  # a copy, complete once for the many cuts of it
                 cost.graph.update(optimizer_step_s=optimizer_s, model=type(module).__name__)
-                if shared_cores is not None and shared_cores.model is not None:
-                    cores = cost.graph.get("cpu_cores") or world_size
-                    cost.graph["parallel_capacity"] = capacity_of_two(shared_cores.model, world_size, cores)
-                if shared_cores is not None and shared_cores.optimizer_tensor_s is not None:
-                    cost.graph["optimizer_tensor_s"] = shared_cores.optimizer_tensor_s
+                contention.profiled(cost, world_size)
                 timed_loss = None if loss is None or target is not None else loss_seconds(module, *call, loss)
                 if timed_loss is not None:
                     with_loss(cost, *timed_loss)
@@ -157,7 +152,6 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
     candidates: list[tuple[Plan, dict[str, Any], nx.DiGraph]] = []
     steps: list[tuple[float, float, float]] = []  # each candidate's, as measured and as the cores vary
     cuts: dict[Hashable, Plan | InfeasiblePlanError] = {}  # schedules of one stage count share their cuts
-    varies = shared_cores is not None and (shared_cores.model is not None or shared_cores.optimizer is not None)
     for pp in search.pipeline_counts(world_size):
         layout = Layout(world_size // pp, pp)
         for schedule in schedules:
@@ -165,47 +159,23 @@ def _search(module: nn.Module, args: tuple, kwargs: dict, world_size: int, devic
                                             lambda cost, layout, schedule, chunks: _candidate(
                                                 cost, layout, schedule, chunks, devices_of, links, options,
                                                 multiplier, replication, cuts,
-                                                optimizer_slowdown(shared_cores, layout, replication, world_size))):
+                                                contention.optimizer_slowdown(layout, replication, world_size))):
                 rows.append(row)
                 if plan is None:
                     continue
                 candidates.append((plan, row, cost))
-                if varies:
-                    assert shared_cores is not None
-                    step_of = functools.partial(_step_of, schedule=schedule, layout=layout, links=links,
-                                                replication=replication, regather=row.get("regather") or "step")
-                    worse, better = steps_as_cores_vary(plan, step_of, shared_cores, world_size,
-                                                        share_of(layout, replication))
-                    row["predicted_step_as_cores_vary_s"] = [worse, better]
-                    steps.append((row["predicted_step_s"], worse, better))
-    best = None
-    if candidates:
-        if varies:
-            for (_, row, _), regret in zip(candidates, regrets(steps)):
-                row["regret_s"] = regret
-            best = candidates[least_regret(steps)]
-        else:
-            best = min(candidates, key=lambda c: c[1]["predicted_step_s"])
+                step_of = functools.partial(_step_of, schedule=schedule, layout=layout, links=links,
+                                            replication=replication, regather=row.get("regather") or "step")
+                spread = contention.spread(plan, step_of, layout, replication, world_size)
+                if spread is not None:
+                    row["predicted_step_as_cores_vary_s"] = list(spread)
+                steps.append((row["predicted_step_s"], *(spread or (row["predicted_step_s"],) * 2)))
+    for (_, row, _), regret in zip(candidates, contention.regrets(steps) or ()):
+        row["regret_s"] = regret
+    best = candidates[contention.best(steps)] if candidates else None
     for row in rows if speed() != 1.0 else ():
         row["profile_scaled_by"] = speed()
     return _chosen(rows, best, world_size, size, graph, candidates, alternatives)
-
-
-def probe_over_profile(shared: SharedCores | None, found: tuple[nx.DiGraph, str] | Exception | None,
-                       with_a_loss: bool) -> float:
-    """The factor that brings the profile's times halfway (geometrically) to the ranks' probe's
-    (``found``: the profile of one replica's share of the batch, what the probe ran), where both
-    time the same work: 1.0 where either is missing. Both take the quickest of several rounds of
-    one rank's step alone, moments apart on a shared machine, and read 0.82-1.19 of each other
-    (docs/benchmark-runs.md, "The reduction in the last backward"); every layout of the model then
-    came out off alike. Neither lay reliably nearer the training steps that followed (scaled
-    wholly to the probe, the rows missed where the profile had been nearer), so the search takes
-    both readings of the machine's speed at equal weight."""
-    if (shared is None or not shared.model_alone_s or found is None or isinstance(found, Exception)
-            or shared.with_loss != with_a_loss):
-        return 1.0
-    total = total_compute(found[0])
-    return math.sqrt(shared.model_alone_s / total) if total > 0 else 1.0
 
 
 def _step_of(plan: Plan, schedule: ProcessSchedule, layout: Layout, links: Links, replication: Replication,
@@ -375,14 +345,6 @@ def _key(row: dict[str, Any]) -> tuple:
     """What a layout runs: one stage per rank runs its micro-batches in the same order under any schedule."""
     alone = row.get("pp") == 1 and row.get("virtual_stages", 1) == 1
     return tuple(None if alone and k == "schedule" else row.get(k) for k in (*LAYOUT_KEYS, "chunks"))
-
-
-def optimizer_slowdown(shared: SharedCores | None, layout: Layout, replication: Replication, world_size: int
-                       ) -> float | None:
-    """How much slower the ranks of ``layout`` step the optimizer all at once than one alone, as
-    measured with each stepping its share of the parameters (``None``: not measured)."""
-    capacity = None if shared is None else shared.optimizer_at(share_of(layout, replication))
-    return None if capacity is None else world_size / capacity
 
 
 def _candidate(cost: nx.DiGraph, layout: Layout, schedule: ProcessSchedule, chunks: int, devices_of: DevicesOf,
