@@ -203,6 +203,10 @@ class InProcessRanks(Ranks):
     def shards_data(self) -> bool:
         return self.strategy.multi_process  # each replica is a process with its share, as under DDP
 
+    def stage_slots(self) -> tuple[int, ...]:
+        """Each stage's device by its index among the pipeline's (CPU devices are one torch device)."""
+        return tuple(self.strategy.placement or range(self.strategy.devices_per_pipeline))
+
     def check_devices(self, stages: int | None, what: str) -> None:
         strategy = self.strategy
         placement, per_pipeline = strategy.placement, strategy.devices_per_pipeline

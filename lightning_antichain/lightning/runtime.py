@@ -113,6 +113,11 @@ class Ranks(ABC):
         """The ranks' ``DeviceMesh`` where the runtime makes one (else ``None``)."""
         return None
 
+    def stage_slots(self) -> tuple[int, ...] | None:
+        """Which of this process's devices each stage runs on, where stages on one torch device
+        stand for different ones (CPU devices); ``None``: one stage per process."""
+        return None
+
 
 class Holdings:
     """What a rank holds of the module and its optimizers, as checkpoints save it: here, all of

@@ -286,8 +286,8 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         super().setup(trainer)
         assert self.parallel_devices is not None
         self.options = run_options(self._given_options, devices=self.parallel_devices,
-                                   pipeline_devices=self.pipeline_devices, placement=self.placement,
-                                   processes=self.num_processes, in_process=isinstance(self._runtime, InProcessRuntime),
+                                   pipeline_devices=self.pipeline_devices, slots=self._runtime.ranks.stage_slots(),
+                                   processes=self.num_processes,
                                    accumulate_grad_batches=trainer.accumulate_grad_batches)
         self._runtime.setup(trainer)
 

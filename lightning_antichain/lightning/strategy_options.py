@@ -66,19 +66,18 @@ def process_options(arguments: dict[str, Any]) -> ProcessOptions | None:
 
 
 def run_options(options: PipelineOptions, *, devices: Sequence[torch.device], pipeline_devices: Sequence[torch.device],
-                placement: Sequence[int] | None, processes: int, in_process: bool,
-                accumulate_grad_batches: int) -> PipelineOptions:
+                slots: Sequence[int] | None, processes: int, accumulate_grad_batches: int) -> PipelineOptions:
     """``options`` (as made with the strategy) for one run on ``devices`` (the node's), of which
-    this process drives ``pipeline_devices``, each stage on ``placement``'s index among them:
-    replicas share the node's cores; in process, stages placed on one device split its memory,
-    and each stage is named by its device's index (CPU devices are one torch device)."""
+    this process drives ``pipeline_devices``, each stage on the one of them ``slots`` names
+    (``None``: a process per stage): replicas share the node's cores; stages placed on one device
+    split its memory."""
     changes: dict[str, Any] = {"accumulate_grad_batches": accumulate_grad_batches}
     if options.cpu_threads is None and processes > 1:
         changes["cpu_threads"] = stage_threads(devices)
-    if in_process:
-        changes["device_slots"] = tuple(placement if placement is not None else range(len(pipeline_devices)))
-        if placement is not None:
-            changes["memory_gb"] = shared_memory_gb(options.memory_gb, pipeline_devices, placement)
+    if slots is not None:
+        changes["device_slots"] = tuple(slots)
+        if tuple(slots) != tuple(range(len(pipeline_devices))):  # placed: each stage its device's share
+            changes["memory_gb"] = shared_memory_gb(options.memory_gb, pipeline_devices, slots)
     return options.replace(**changes)
 
 
