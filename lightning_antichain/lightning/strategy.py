@@ -138,7 +138,7 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         compile_stages: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__()
-        arguments, _ = current_arguments(AntichainPipelineStrategy.__init__, locals())
+        arguments = current_arguments(AntichainPipelineStrategy.__init__, locals())
         self.module_path = module
         self.placement = None if placement is None else list(placement)
         self.empty_init = empty_init
@@ -150,12 +150,12 @@ class AntichainPipelineStrategy(ProcessesStrategy):
         #: how long a rank waits on another before it stops (every process group the strategy makes)
         self.timeout = group_timeout(timeout)
         self._num_nodes = 1
+        processes = process_options(arguments)
         #: the planning and running settings as given; each run reads them resolved for its devices
-        self._given_options = pipeline_options(arguments)
+        self._given_options = pipeline_options(arguments, processes)
         #: the settings every part reads: as given until the Trainer sets the strategy up, then
         #: those of the run (:func:`~.strategy_options.run_options`)
         self.options = self._given_options
-        processes = process_options(arguments)
         #: what runs the steps, chosen once: one process driving every stage, or a process per stage
         self._runtime: Runtime = InProcessRuntime(self, log_stage_times) if processes is None else (
             ProcessRuntime(self, processes))

@@ -24,20 +24,21 @@ from ..planner.planning import default_memory_gb
 from ..plans.options import PipelineOptions, ProcessOptions, check_strategy_arguments
 
 
-def current_arguments(init: Callable[..., None], arguments: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``arguments`` of ``init`` (its ``locals()``), checked, and those of them that differ from
-    their defaults (what the user gave)."""
+def current_arguments(init: Callable[..., None], arguments: dict[str, Any]) -> dict[str, Any]:
+    """``arguments`` of ``init`` (its ``locals()``), once checked (:func:`check_strategy_arguments`,
+    told which the user gave: those that differ from their defaults)."""
     parameters = {n: p for n, p in inspect.signature(init).parameters.items() if n != "self"}
     current = {name: arguments[name] for name in parameters}
     given = {name: value for name, value in current.items() if value != parameters[name].default}
     check_strategy_arguments(current, given)
-    return current, given
+    return current
 
 
-def pipeline_options(arguments: dict[str, Any]) -> PipelineOptions:
+def pipeline_options(arguments: dict[str, Any], processes: ProcessOptions | None) -> PipelineOptions:
     """The planning and running settings the strategy's ``arguments`` give. Stages as processes
-    are planned for the memory their schedule keeps, on micro-batch counts torch's schedules take,
-    and not calibrated in process (they time their own first steps)."""
+    (``processes``: their settings) are planned for the memory their schedule keeps, on
+    micro-batch counts torch's schedules take, and not calibrated in process (they time their own
+    first steps)."""
     cache = arguments["profile_cache"]
     taken = ("chunks", "recompute", "batch_dim", "check_batch", "deferred_batch_norm", "method", "bandwidth_gbps",
              "internode_gbps", "memory_gb", "optimizer_multiplier", "calibrate", "rebalance_rounds", "cpu_threads",
@@ -50,7 +51,6 @@ def pipeline_options(arguments: dict[str, Any]) -> PipelineOptions:
         profile_cache=None if isinstance(cache, bool) else Path(cache),
         use_profile_cache=cache is not False,
     )
-    processes = process_options(arguments)
     if processes is None:
         return options
     return options.replace(schedule=processes.memory_schedule, calibrate=False, even_chunks=True)

@@ -20,14 +20,11 @@ from ..plans.layout import Layout
 from ..plans.plan import Plan
 from .contention import capacity_of_two
 from .cost_graph import total_compute
-from .robust_choice import least_regret, regrets, steps_as_cores_vary
+from .robust_choice import StepOf, least_regret, regrets, steps_as_cores_vary
 from .shared_cores import SharedCores, share_of
 
 #: a profile of micro-batches of some size and its cache key, or why it failed
 Profiled = tuple[nx.DiGraph, str] | Exception
-
-#: a plan's predicted step in its layout
-StepOf = Callable[[Plan], float]
 
 
 class Contention:

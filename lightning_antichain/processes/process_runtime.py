@@ -277,8 +277,8 @@ class ProcessRuntime(Runtime):
         strategy = self.strategy
         searched = self.ranks.search is not None
         whole = self.steps.call_of(hook, replica_share(batch, layout, strategy.global_rank, searched), rest)
-        first = first_micro_batch(target, *whole, plan.chunks, strategy.options.batch_dim)
         options = strategy.options
+        first = first_micro_batch(target, *whole, plan.chunks, options.batch_dim)
         graph = graph_for_plan(target, first, plan, options.leaf_modules, options.batch_dim, reuse=graph)
         replication = None if layout.dp == 1 else (self.process_options.replication, mesh["dp"])
         regather = plan.regather
