@@ -10,6 +10,7 @@ each for the reason its comment gives.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -62,3 +63,39 @@ def batch_waits_through(wrap: Callable[[Callable[[Any], Any]], Callable[[Any], A
         yield
     finally:
         _torch_schedules._wait_batch_p2p = waited
+
+
+def wrap_shape_inference(stage: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Have torch's pipeline ``stage`` infer its outputs' shapes (the made-up forward it runs
+    before the first step, when it was given no output shapes) through ``wrap(infer)``."""
+    stage._forward_metadata_inference = wrap(stage._forward_metadata_inference)
+
+
+def runtime_of_actions(stages: list[Any], chunks: int, loss_fn: Callable[..., Any],
+                       actions: dict[int, list[Action]]) -> Any:
+    """torch's runtime for tables of actions running this rank's ``stages`` in the order
+    ``actions`` (every rank's, computation only) gives, with the sends and receives added as
+    torch's own schedules add them (``scale_grads=False``: the loss is scaled where it is made).
+    torch reads such tables from CSV files only; this gives it one made in memory."""
+    runner = ScheduleRuntime(stages, chunks, loss_fn=loss_fn, scale_grads=False)
+    runner._prepare_schedule_with_comms(actions)
+    return runner
+
+
+def step_micro_batches(runner: Any, arg_mbs: list[tuple] | None, target_mbs: list | None, train: bool) -> None:
+    """One batch of micro-batches already split through torch's schedule ``runner``, forward and
+    backward (``train``) or forward only, on a torch (2.13) whose ``step`` and ``eval`` take whole
+    batches only: what ``step`` does before it runs the micro-batches, then its inner step,
+    without joining the last stage's outputs."""
+    stages = runner._stages if hasattr(runner, "_stages") else [runner._stage]
+    had_backward = runner._has_backward
+    runner._has_backward = had_backward and train
+    try:
+        for stage in stages:
+            stage.has_backward = runner._has_backward
+            stage.clear_runtime_states()
+        takes = inspect.signature(runner._step_microbatches).parameters
+        runner._step_microbatches(arg_mbs, None, target_mbs, None,
+                                  **({"return_outputs": False} if "return_outputs" in takes else {}))
+    finally:
+        runner._has_backward = had_backward

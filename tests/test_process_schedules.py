@@ -43,6 +43,31 @@ def test_what_a_schedule_cannot_run_is_refused_with_what_to_do():
         process_schedule("interleaved-1f1b", 0)
 
 
+@pytest.mark.parametrize("name,virtual", [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
+                                          ("zb-h1", 2), ("zb-h1", 3), ("zbv", 2)])
+def test_the_counts_a_schedule_takes_are_the_counts_torchs_constructor_takes(name, virtual):
+    """Where :meth:`takes` says yes, torch's own class takes the count (its tables are the
+    planner's); where it says no, torch refuses it, except ZBV with fewer micro-batches than
+    stages, which torch takes (it plans a longer batch and drops the extra micro-batches' actions)
+    and the process runtime runs in GPipe's order instead."""
+    from lightning_antichain.plans.process_schedules import _StagePlace
+
+    schedule = process_schedule(name, virtual)
+    for ranks in range(1, 5):
+        for chunks in range(1, 13):
+            stages = [_StagePlace(i, schedule.num_stages(ranks), ranks) for i in schedule.stages_of(0, ranks)]
+            try:
+                schedule.runs_with(stages if schedule.takes_a_list else stages[0], chunks, loss_fn=lambda o, t: o)
+                accepted = True
+            except ValueError:
+                accepted = False
+            if schedule.takes(chunks, ranks):
+                assert accepted, (ranks, chunks)
+                assert len(schedule.table(ranks, chunks).order) == ranks
+            elif name != "zbv":
+                assert not accepted, (ranks, chunks)
+
+
 def test_zbv_evaluates_by_forwards_that_only_wait_on_stages_run_before_them():
     from torch.distributed.pipelining.schedules import _ComputationType
 
@@ -51,7 +76,6 @@ def test_zbv_evaluates_by_forwards_that_only_wait_on_stages_run_before_them():
 
     class Runner:  # what evaluate_forward_only reads of torch's runner
         stage_index_to_group_rank = {s: schedule.rank_of(s, 2) for s in range(4)}
-        _num_stages = 4
 
     runner = Runner()
     schedule.evaluate_forward_only(runner, 2, 3)
@@ -72,18 +96,23 @@ def group_of_one(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["step", "eval"])
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])
-def test_pre_split_micro_batches_run_alike_through_step_and_through_the_path_for_older_torch(group_of_one, schedule):
-    """torch 2.11 takes no pre-split micro-batches in ``step``; the path used there (its
+def test_pre_split_micro_batches_run_alike_through_step_and_through_the_path_for_older_torch(group_of_one, schedule,
+                                                                                             train):
+    """torch 2.13 takes no pre-split micro-batches in ``step`` or ``eval``; the path used there (its
     ``_step_microbatches``) gives the float64 losses and gradients of ``step(arg_mbs=...)`` and of
-    the plain modules, for one stage per rank and for two virtual stages."""
+    the plain modules, for one stage per rank and for two virtual stages; forward only (``eval``,
+    a runner of its own as the process runtime makes), the losses and no gradient."""
     import copy
+    import inspect
 
     import torch
     from torch import nn
     from torch.distributed.pipelining import PipelineStage
 
-    from lightning_antichain.plans.process_schedules import run_pre_split, run_through_step_microbatches
+    from lightning_antichain.plans.process_schedules import run_pre_split
+    from lightning_antichain.torch_private import step_micro_batches
 
     torch.manual_seed(0)
     chosen = process_schedule(schedule, 2 if schedule == "interleaved-1f1b" else None)
@@ -109,15 +138,22 @@ def test_pre_split_micro_batches_run_alike_through_step_and_through_the_path_for
 
         runner = chosen.runs_with(stages if chosen.takes_a_list else stages[0], n_microbatches=2, loss_fn=loss_fn,
                                     scale_grads=False)
-        through(runner, xs, targets, True)
+        if not train and chosen.runs_by_table:
+            chosen.evaluate_forward_only(runner, 1, 2)  # as the process runtime's runners for evaluation
+        through(runner, xs, targets, train)
         return [loss.item() for loss in losses[-2:]], [p.grad for m in modules for p in m.parameters()]
 
-    expected = [p.grad for m in plain for p in m.parameters()]
-    for through in (run_pre_split, run_through_step_microbatches):
+    expected = [p.grad for m in plain for p in m.parameters()] if train else [None] * len(plain) * 2
+    ways = [step_micro_batches] + ([run_pre_split] if "arg_mbs" in inspect.signature(
+        chosen.runs_with.step).parameters else [])
+    for through in ways:
         losses, grads = run(through)
         assert losses == pytest.approx([loss.item() for loss in plain_losses], rel=1e-12)
         for g, h in zip(grads, expected, strict=True):
-            torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
+            if h is None:
+                assert g is None
+            else:
+                torch.testing.assert_close(g, h, rtol=1e-12, atol=1e-12)
 
 
 def test_counts_a_schedule_does_not_take_run_in_gpipes_order_on_its_placement():

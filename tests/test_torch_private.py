@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import io
+import re
 import tokenize
 from pathlib import Path
+
+import torch
 
 import lightning_antichain
 
@@ -58,3 +61,40 @@ def test_no_module_but_the_adapter_names_torch_s_private_api():
              if (names := torch_private_names(path.read_text()))}
     assert found == {}, f"torch's private names outside torch_private.py: {found}"
     assert torch_private_names(ADAPTER.read_text())  # the adapter is where they are
+
+
+def pipelining_private_members() -> set[str]:
+    """The private members torch's pipelining objects have (its schedules' ``_has_backward``,
+    ``_step_microbatches``, its stages' ``_forward_metadata_inference``): what its source assigns
+    to ``self._name`` or defines as ``def _name``."""
+    names: set[str] = set()
+    for path in (Path(torch.__file__).parent / "distributed" / "pipelining").rglob("*.py"):
+        source = path.read_text()
+        names |= set(re.findall(r"self\.(_[a-z]\w*)\s*[:=]", source))
+        names |= set(re.findall(r"^\s+def (_[a-z]\w*)\(", source, re.M))
+    return names
+
+
+def private_members_read(source: str, members: set[str]) -> list[str]:
+    """``owner.member`` in ``source``'s code for each ``member`` of ``members`` read on an owner
+    other than ``self`` or ``cls`` (a torch object's, where the package's own classes name theirs
+    through ``self``)."""
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+              if t.type in (tokenize.NAME, tokenize.OP)]
+    return [f"{tokens[i - 2].string}.{tokens[i].string}" for i in range(2, len(tokens))
+            if tokens[i].type == tokenize.NAME and tokens[i].string in members and tokens[i - 1].string == "."
+            and tokens[i - 2].string not in ("self", "cls")]
+
+
+def test_the_member_detector_finds_torch_s_private_members_on_other_objects():
+    members = pipelining_private_members()
+    assert {"_has_backward", "_step_microbatches", "_forward_metadata_inference"} <= members
+    source = "runner._has_backward = False\nself._has_backward = True\nx = '._step_microbatches'\nrunner.step()\n"
+    assert private_members_read(source, members) == ["runner._has_backward"]
+
+
+def test_no_module_but_the_adapter_reads_private_members_of_torch_s_pipelining_objects():
+    members = pipelining_private_members()
+    found = {str(path.relative_to(PACKAGE)): names for path in sorted(PACKAGE.rglob("*.py")) if path != ADAPTER
+             if (names := private_members_read(path.read_text(), members))}
+    assert found == {}, f"private members of torch's schedules and stages read outside torch_private.py: {found}"

@@ -10,10 +10,12 @@ and the loss's gradient starts where the input's forward began. The steps themse
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -23,7 +25,14 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from ..torch_private import Action, ComputationType, ScheduleRuntime, add_send_recv
+from ..torch_private import (
+    Action,
+    ComputationType,
+    ScheduleRuntime,
+    add_send_recv,
+    runtime_of_actions,
+    step_micro_batches,
+)
 from .schedule import Schedule, Task, gpipe, one_f_one_b
 
 #: torch's kinds of action -> the phases of :class:`~lightning_antichain.plans.schedule.Task`
@@ -40,6 +49,32 @@ _SCHEDULES: dict[str, tuple[type, int | None, str]] = {
     "zbv": (ScheduleZBVZeroBubble, 2, "v"),
 }
 SCHEDULE_NAMES = tuple(_SCHEDULES)
+
+
+class _StagePlace:
+    """What torch's schedule constructors read of a stage: where it sits in the pipeline. Enough
+    for them to make every rank's table of actions, with no module and no process group."""
+
+    def __init__(self, index: int, num_stages: int, ranks: int) -> None:
+        self.stage_index, self.num_stages = index, num_stages
+        self.group_rank, self.group_size = 0, ranks
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.submod = torch.nn.Identity()
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def _no_loss(output: Any, target: Any) -> Any:
+    """A loss for the constructors, which plan a backward only where there is one."""
+    return output
+
+
+@functools.cache
+def _torch_order(schedule: ProcessSchedule, ranks: int, chunks: int) -> dict[int, list[Action | None]]:
+    """Every rank's actions as torch's constructor of ``schedule`` orders them for ``chunks``
+    micro-batches on ``ranks`` ranks (``None``: a bubble). Made once per count: the layout search
+    asks for the same tables many times."""
+    stages = [_StagePlace(index, schedule.num_stages(ranks), ranks) for index in schedule.stages_of(0, ranks)]
+    return schedule.runs_with(stages, chunks, loss_fn=_no_loss, scale_grads=False).pipeline_order
 
 
 @dataclass(frozen=True)
@@ -109,26 +144,19 @@ class ProcessSchedule:
         actions = {rank: [Action(stage, ComputationType.FORWARD, m) for stage in sorted(self.stages_of(rank, ranks))
                           for m in range(chunks)] for rank in range(ranks)}
         runner.pipeline_order_with_comms = add_send_recv(
-            actions, stage_to_rank=lambda s: runner.stage_index_to_group_rank[s], num_stages=runner._num_stages)
+            actions, stage_to_rank=lambda s: runner.stage_index_to_group_rank[s], num_stages=self.num_stages(ranks))
 
     def table(self, ranks: int, chunks: int) -> Schedule:
         """Each rank's tasks in the order torch's schedule runs them, as data the planner simulates
-        (:func:`~lightning_antichain.plans.schedule.timeline`): torch's own table of actions for
-        the interleaved and zero-bubble schedules, computed as its constructor does, without stages
-        or a process group."""
+        (:func:`~lightning_antichain.plans.schedule.timeline`): for the interleaved and zero-bubble
+        schedules, the ``pipeline_order`` torch's constructor makes for every rank, given where
+        this rank's stages sit (:class:`_StagePlace`): no modules, no process group."""
         if not self.takes_a_list:
             single = gpipe(ranks, chunks) if self.name == "gpipe" else one_f_one_b(ranks, chunks)
             return replace(single, name=self.name, loss_per_micro_batch=True)
-        planner: Any = object.__new__(self.runs_with)  # the table's arithmetic only: no stages, no group
-        planner.pp_group_size, planner.n_local_stages, planner._n_microbatches = ranks, self.virtual_stages, chunks
-        planner.number_of_rounds = max(1, chunks // ranks)
-        planner.microbatches_per_round = chunks // planner.number_of_rounds
-        planner._num_stages = planner.num_stages = self.num_stages(ranks)
-        planner.pipeline_order = {rank: planner._calculate_single_rank_operations(rank) for rank in range(ranks)}
-        if self.runs_with is ScheduleInterleavedZeroBubble:
-            planner.pipeline_order = planner._add_bubbles_to_actions(self.num_stages(ranks))
+        pipeline_order = _torch_order(self, ranks, chunks)
         order = tuple(tuple(Task(_PHASES[action.computation_type], action.stage_index, action.microbatch_index)
-                            for action in planner.pipeline_order[rank] if action is not None)
+                            for action in pipeline_order[rank] if action is not None)
                       for rank in range(ranks))
         return Schedule(self.name, chunks, order, loss_per_micro_batch=True, num_stages=self.num_stages(ranks))
 
@@ -172,9 +200,8 @@ def fill_drain_runner(schedule: ProcessSchedule, stages: list[Any], ranks: int, 
                       loss_fn: Any, train: bool) -> ScheduleRuntime:
     """torch's runtime for tables of actions, running this rank's ``stages`` in
     :meth:`ProcessSchedule.fill_drain_order` (``scale_grads=False``, as :func:`schedule_runner`)."""
-    runner = ScheduleRuntime(stages, chunks, loss_fn=loss_fn, scale_grads=False)
     # torch checks a training table's counts
-    runner._prepare_schedule_with_comms(schedule.fill_drain_order(ranks, chunks, train=True))
+    runner = runtime_of_actions(stages, chunks, loss_fn, schedule.fill_drain_order(ranks, chunks, train=True))
     if not train:
         schedule.evaluate_forward_only(runner, ranks, chunks)
     return runner
@@ -183,37 +210,17 @@ def fill_drain_runner(schedule: ProcessSchedule, stages: list[Any], ranks: int, 
 def run_pre_split(runner: Any, arg_mbs: list[tuple] | None, target_mbs: list | None, train: bool) -> None:
     """One batch through torch's ``runner`` from micro-batches already split (``None`` where this
     rank holds neither the first stage nor the last): forward and backward when ``train``, else
-    forward only.
+    forward only (torch's ``eval``). The last stage's outputs are not joined: nothing needs them,
+    and a 0-dim one (a loss) cannot be.
 
-    torch 2.11 (and older) has no ``arg_mbs``/``target_mbs`` in ``step`` and ``eval``: they fell into
-    the whole-batch keyword inputs, which it tried to split (``IndexError: Dimension specified as 0
-    but tensor has no dimensions`` on torch 2.11). There the micro-batches go to the runner's
-    ``_step_microbatches`` with what ``step`` does first."""
+    torch 2.13 has no ``arg_mbs``/``target_mbs`` in ``step`` and ``eval``: they would fall into
+    the whole-batch keyword inputs, which it tries to split. There the micro-batches go through
+    :func:`~lightning_antichain.torch_private.step_micro_batches`."""
     given = {"arg_mbs": arg_mbs, "target_mbs": target_mbs}
     given = {name: value for name, value in given.items() if value is not None}
-    if "arg_mbs" in inspect.signature(runner.step).parameters:
-        had_backward = runner._has_backward
-        runner._has_backward = had_backward and train  # what torch's eval() does, with no outputs merged
-        try:  # (joining the last stage's outputs fails on a 0-dim one, a loss, and nothing needs them)
-            runner.step(**given, return_outputs=False)
-        finally:
-            runner._has_backward = had_backward
+    if "arg_mbs" not in inspect.signature(runner.step).parameters:
+        step_micro_batches(runner, arg_mbs, target_mbs, train)
+    elif train:
+        runner.step(**given, return_outputs=False)
     else:
-        run_through_step_microbatches(runner, arg_mbs, target_mbs, train)
-
-
-def run_through_step_microbatches(runner: Any, arg_mbs: list[tuple] | None, target_mbs: list | None,
-                                  train: bool) -> None:
-    """:func:`run_pre_split` on a torch whose ``step`` takes whole batches only."""
-    stages = runner._stages if isinstance(runner, PipelineScheduleMulti) else [runner._stage]
-    had_backward = runner._has_backward
-    runner._has_backward = had_backward and train
-    try:
-        for stage in stages:
-            stage.has_backward = runner._has_backward
-            stage.clear_runtime_states()
-        takes = inspect.signature(runner._step_microbatches).parameters
-        runner._step_microbatches(arg_mbs, None, target_mbs, None,
-                                  **({"return_outputs": False} if "return_outputs" in takes else {}))
-    finally:
-        runner._has_backward = had_backward
+        runner.eval(**given, return_outputs=False)  # eval passes what it does not name on to step

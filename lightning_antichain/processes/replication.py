@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from torch import nn
 
 from ..plans.options import REPLICATIONS
+from ..torch_private import wrap_shape_inference
 
 Replication = Literal["ddp", "fsdp"]
 Regather = Literal["micro_batch", "step"]
@@ -131,11 +132,13 @@ def without_reduction_in_inference(stage: Any) -> None:
     module = stage.submod
     if not isinstance(module, nn.parallel.DistributedDataParallel):
         return
-    infer = stage._forward_metadata_inference
 
-    @functools.wraps(infer)
-    def quiet(*args: Any, **kwargs: Any) -> Any:
-        with module.no_sync():
-            return infer(*args, **kwargs)
+    def quietly(infer: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(infer)
+        def quiet(*args: Any, **kwargs: Any) -> Any:
+            with module.no_sync():
+                return infer(*args, **kwargs)
 
-    stage._forward_metadata_inference = quiet
+        return quiet
+
+    wrap_shape_inference(stage, quietly)
