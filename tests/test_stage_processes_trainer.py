@@ -476,8 +476,9 @@ def test_gradient_accumulation_and_recomputation_under_stage_processes_equal_pla
 def test_gpt2_built_on_meta_is_made_real_stage_by_stage_each_rank_its_own_and_trains_as_plain(tmp_path, plain_with):
     """Built in configure_model() on the meta device (empty_init) and loaded from the plain model's
     initial weights, as a pretrained checkpoint goes in: each rank makes only its own stages'
-    parameters real, trains as plain Lightning does, and the one-file checkpoint gathers every
-    weight from the rank that holds it."""
+    parameters real, trains as plain Lightning does, and the one-file checkpoint holds every
+    weight from the rank that holds it (each rank's share written beside it, joined by rank 0 and
+    removed)."""
     settings = ("--model", "gpt2", *CLIP)
     plain = plain_with(*settings)
     ckpt = tmp_path / "meta.ckpt"
@@ -486,6 +487,7 @@ def test_gpt2_built_on_meta_is_made_real_stage_by_stage_each_rank_its_own_and_tr
     real = [set(r["parameters"]) for r in ranks]
     assert real[0] != set(plain["parameters"]) != real[1] and real[0] | real[1] == set(plain["parameters"])
     saved = torch.load(ckpt, weights_only=False)["state_dict"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ckpt.name, "out"])  # no shares left beside it
     for report in ranks:
         torch.testing.assert_close(f64(report["losses"]), f64(plain["losses"]), rtol=1e-6, atol=0)
         for name, values in report["parameters"].items():

@@ -125,21 +125,24 @@ class Holdings:
 
     #: whether checkpoints are shards unless ``save_distributed_checkpoint`` says
     sharded_by_default = False
+    #: whether ranks hold different shares (so that even one file is made from each rank's)
+    spread = False
+
+    @property
+    def first_rank(self) -> bool:
+        """Whether this is the rank that writes what every rank holds alike."""
+        return True
 
     def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The module's ``state`` as rank 0 saves it whole (every rank calls it)."""
-        return state
-
-    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-        """``optimizer``'s state as rank 0 saves it whole (every rank calls it)."""
+        """The module's ``state`` whole on rank 0, for :meth:`full_state_dict` (every rank calls it)."""
         return state
 
     def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of the module's ``state`` in a checkpoint of shards."""
+        """This rank's share of the module's ``state`` in a checkpoint."""
         return state
 
     def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of ``optimizer``'s state in a checkpoint of shards."""
+        """This rank's share of ``optimizer``'s state in a checkpoint."""
         return state
 
     def stepped(self, optimizer: Any) -> set[int] | None:

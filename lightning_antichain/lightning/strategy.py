@@ -377,14 +377,15 @@ class AntichainPipelineStrategy(ProcessesStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """One file from rank 0, or (``save_distributed_checkpoint``) a directory of shards, each
-        rank writing its share."""
+        rank writing its share (for one file too, where ranks hold shares: rank 0 joins them)."""
         if self.plan is not None:
             checkpoint[CHECKPOINT_KEY] = {"chunks": self.plan.chunks, "requested_chunks": self.options.chunks,
                                           "devices": [str(d) for d in self.parallel_devices or []],
                                           "replicas": self.world_size, "plan": self.plan.to_dict()}
         filepath = self.broadcast(filepath)  # every rank writes where rank 0 says
-        if not self.checkpoints.saved_as_shards(checkpoint, filepath, storage_options):
-            super().save_checkpoint(checkpoint, filepath, storage_options)  # a remote path, too
+        whole = self.checkpoints.one_file(checkpoint, filepath, storage_options, self.broadcast)
+        if whole is not None:
+            super().save_checkpoint(whole, filepath, storage_options)  # a remote path, too
 
     @override
     def on_exception(self, exception: BaseException) -> None:

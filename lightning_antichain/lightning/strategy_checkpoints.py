@@ -1,6 +1,9 @@
 """How the strategy saves and loads Lightning checkpoints: the plain module's names as CPU tensors,
-as one file gathered on rank 0 or as a directory of shards each rank writes its part of
-(:mod:`~lightning_antichain.weights.sharded_checkpoint`).
+as a directory of shards each rank writes its part of
+(:mod:`~lightning_antichain.weights.sharded_checkpoint`), or as one file. Where ranks hold shares,
+the one file is made from such shards: each rank writes its own beside the file, and rank 0 joins
+them (``benchmarks/one_file_save.py``: faster than gathering the shares through the process group,
+and rank 0 holds no rank's pickled share on top of the whole).
 
 Loading waits where it must: weights for a model still on meta go straight into their stages when
 those are made real, and optimizer state is loaded once the stages are placed, when each rank
@@ -9,6 +12,9 @@ knows which parameters it steps (from shards it reads only theirs).
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +46,8 @@ class StrategyCheckpoints:
         self.holdings = holdings
         #: whether a checkpoint is saved as a directory of shards, one share per rank
         self.sharded = sharded
+        #: whether each rank saves its own share, as shards (one file too, where ranks hold shares)
+        self.by_shares = sharded or holdings.spread
         self._waiting: OptimizerStates | None = None
 
     def model_state(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +58,7 @@ class StrategyCheckpoints:
         into any layout."""
         state = type(state)((k, self._saved(v) if isinstance(v, torch.Tensor) and not v.is_meta else v)
                             for k, v in state.items())  # on meta: another rank's stage, saved by that rank
-        return self.holdings.own_state(state) if self.sharded else self.holdings.gathered_state(state)
+        return self.holdings.own_state(state)
 
     def whole_model_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The LightningModule's whole ``state``, every tensor whole on the CPU with the value its
@@ -60,7 +68,7 @@ class StrategyCheckpoints:
         return self.holdings.gathered_state(state)
 
     def _saved(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach() if self.sharded and is_shard(tensor) else full(tensor).detach().cpu()
+        return tensor.detach() if self.by_shares and is_shard(tensor) else full(tensor).detach().cpu()
 
     def optimizer_state(self, optimizers: list[Any], optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         """What this rank saves of ``optimizer``'s ``state``; what was loaded, if no step has
@@ -69,20 +77,41 @@ class StrategyCheckpoints:
             i = optimizers.index(optimizer)
             return self._waiting.read(i) if isinstance(self._waiting, ShardedOptimizerStates) else self._waiting[i]
         state = map_tensors(self._saved, state)
-        return (self.holdings.own_optimizer_state(optimizer, state) if self.sharded
-                else self.holdings.gathered_optimizer_state(optimizer, state))
+        return self.holdings.own_optimizer_state(optimizer, state)
 
-    def saved_as_shards(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> bool:
-        """Save ``checkpoint`` at ``path`` as shards from every rank, if so set; otherwise clear
-        the way for one file (the strategy's ``CheckpointIO`` writes it) and say so."""
-        if not self.sharded:
-            remove_sharded(path)
-            return False
-        if storage_options is not None:
-            raise TypeError("storage_options= is not taken for a checkpoint of shards; set "
-                            "save_distributed_checkpoint=False to save one file through the CheckpointIO")
-        save_sharded(checkpoint, Path(path))
-        return True
+    def one_file(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any,
+                 broadcast: Callable[[Any], Any]) -> dict[str, Any] | None:
+        """Save ``checkpoint`` (this rank's share) at ``path`` as shards from every rank, if so set
+        (``None``); otherwise the whole checkpoint the strategy's ``CheckpointIO`` writes as one
+        file from rank 0. Where ranks hold shares, each writes its own as shards in a folder beside
+        ``path`` (one every rank sees, as for a checkpoint of shards), which rank 0 joins and
+        removes; a failure there stops every rank with rank 0's reason. ``broadcast``: the
+        strategy's, rank 0's object to every rank."""
+        if self.sharded:
+            if storage_options is not None:
+                raise TypeError("storage_options= is not taken for a checkpoint of shards; set "
+                                "save_distributed_checkpoint=False to save one file through the CheckpointIO")
+            save_sharded(checkpoint, Path(path))
+            return None
+        remove_sharded(path)
+        if not self.holdings.spread:
+            return checkpoint
+        parts = Path(broadcast(str(_parts_folder(path))))
+        save_sharded(checkpoint, parts)
+        whole, failed = checkpoint, None
+        if self.holdings.first_rank:
+            try:
+                whole = ShardedCheckpoint(parts).whole()
+            except Exception as error:  # noqa: BLE001 - told to every rank below
+                failed = f"{type(error).__name__}: {error}"
+            finally:
+                shutil.rmtree(parts, ignore_errors=True)
+        failed = broadcast(failed)
+        if failed is not None:
+            raise RuntimeError(f"saving the checkpoint {path} as one file failed on rank 0, which joins every "
+                               f"rank's share from {parts}: {failed}. Every rank must see that folder: give "
+                               "ModelCheckpoint a dirpath on a file system all nodes share")
+        return whole
 
     @staticmethod
     def read(path: str | Path) -> dict[str, Any] | None:
@@ -126,3 +155,12 @@ class StrategyCheckpoints:
                      else states[i])
             optimizer.load_state_dict(state)
         state_with_parameters(optimizers)
+
+
+def _parts_folder(path: str | Path) -> Path:
+    """Where the ranks' shares of a one-file checkpoint at ``path`` go before rank 0 joins them:
+    a hidden folder beside the file, or, for a remote path, a folder of the local disk's."""
+    if "://" in str(path):
+        return Path(tempfile.mkdtemp(prefix="checkpoint-parts-"))
+    path = Path(path)
+    return path.with_name(f".{path.name}.parts")

@@ -1,10 +1,11 @@
 """What a rank of the process runtime holds, and what it writes to a checkpoint.
 
 A rank trains its own stages only: the other stages' parameters are released to the meta device
-(reading one fails loudly, instead of giving a value training never changed). A checkpoint is
-gathered whole on rank 0 (each stage's tensors and optimizer state from the rank that trains them),
-or written as shards, each rank its own share; a stage's replicas hold the same values, and the
-first replica writes them.
+(reading one fails loudly, instead of giving a value training never changed). Each rank saves its
+own share of a checkpoint (its stages' tensors and optimizer state) as shards, which rank 0 joins
+where one file is asked for; a stage's replicas hold the same values, and the first replica writes
+them. :meth:`RankHoldings.gathered_state` gathers the weights whole on rank 0 instead, for
+``strategy.full_state_dict()``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class RankHoldings(Holdings):
     """What a rank of :class:`~.process_runtime.ProcessRuntime` trains and what it saves."""
 
     sharded_by_default = True
+    spread = True
 
     def __init__(self, runtime: HeldBy) -> None:
         self.runtime = runtime
@@ -63,9 +65,13 @@ class RankHoldings(Holdings):
     def layout(self) -> Layout:
         return self.runtime.layout
 
+    @property
+    def first_rank(self) -> bool:
+        return self.strategy.global_rank == 0
+
     def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The LightningModule's ``state`` (keys of its ``state_dict``) as rank 0 saves it: each
-        stage's tensors from the rank that trains them. Every rank calls it; rank 0's is whole."""
+        """The LightningModule's ``state`` (keys of its ``state_dict``) whole on rank 0: each
+        stage's tensors from the rank that trains them. Every rank calls it."""
         if self.pipeline is None or self.steps is None:
             return state  # no step yet: every rank holds the same values
         parts = gathered({key: state[key] for key in self._owned_keys() if key in state and self._writes()})
@@ -74,23 +80,9 @@ class RankHoldings(Holdings):
             merged.update(part)
         return type(state)(merged) if parts else state
 
-    def gathered_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-        """``optimizer``'s ``state_dict`` as rank 0 saves it: each parameter's state (momentum,
-        Adam's moments) from the rank that steps it, not the stale copy another rank loaded."""
-        mine = self.stepped(optimizer)
-        if mine is None:
-            return state
-        parts = gathered({i: v for i, v in state["state"].items() if i in mine and self._writes()})
-        if not parts:
-            return state
-        merged = dict(state["state"])
-        for part in parts:
-            merged.update(part)
-        return {**state, "state": dict(sorted(merged.items()))}
-
     def own_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """This rank's share of ``state`` (keys of the LightningModule's ``state_dict``) in a
-        checkpoint of shards: what its stages train, and on rank 0 also what no stage holds."""
+        checkpoint: what its stages train, and on rank 0 also what no stage holds."""
         if self.pipeline is None or self.steps is None:
             return state if self.strategy.global_rank == 0 else type(state)()
         owned = self._owned_keys()
@@ -99,8 +91,8 @@ class RankHoldings(Holdings):
         return type(state)((k, v) for k, v in state.items() if keeps(k) or (k in owned and is_shard(v)))
 
     def own_optimizer_state(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
-        """This rank's share of ``optimizer``'s ``state_dict`` in a checkpoint of shards: the
-        state of the parameters it steps, on rank 0 also of those no stage holds."""
+        """This rank's share of ``optimizer``'s ``state_dict`` in a checkpoint: the state of the
+        parameters it steps, on rank 0 also of those no stage holds."""
         mine = self.stepped(optimizer)
         if mine is None:
             return state if self.strategy.global_rank == 0 else {**state, "state": {}}
@@ -161,8 +153,8 @@ class RankHoldings(Holdings):
         equal_by_identity()
 
     def _share(self, mine: set[Any]) -> Callable[[Any], bool]:
-        """Which keys this rank writes to a checkpoint of shards: ``mine``, and on rank 0 those no
-        rank's stages hold. Every rank calls it (it gathers every rank's ``mine``)."""
+        """Which keys this rank writes to a checkpoint: ``mine``, and on rank 0 those no rank's
+        stages hold. Every rank calls it (it gathers every rank's ``mine``)."""
         staged = set().union(*everyone(mine))
         first, writes = self.strategy.global_rank == 0, self._writes()
         return lambda key: (writes and key in mine) or (first and key not in staged)
