@@ -96,7 +96,7 @@ class StrategyCheckpoints:
         remove_sharded(path)
         if not self.holdings.spread:
             return checkpoint
-        parts = Path(broadcast(str(_parts_folder(path))))
+        parts = Path(broadcast(str(_parts_folder(path)) if self.holdings.first_rank else None))
         save_sharded(checkpoint, parts)
         whole, failed = checkpoint, None
         if self.holdings.first_rank:
