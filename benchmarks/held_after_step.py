@@ -16,8 +16,8 @@ leak in torch. It now checks that nothing is left.
 from __future__ import annotations
 
 import gc
-import os
-import socket
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,15 +25,17 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ranks import join_group, run_ranks  # noqa: E402
+
 STEPS, CHUNKS, WIDTH = 4, 8, 256
 
 
-def rank_main(rank: int, port: int, kind: str, results: mp.Queue) -> None:
+def rank_main(rank: int, ranks: int, port: int, kind: str, results: mp.Queue) -> None:
     from lightning_antichain.measure.saved_tensors import HeldMemory, state_storages
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_group(rank, ranks, port)
     try:
         torch.manual_seed(0)
         module = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh())
@@ -57,27 +59,13 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output - target).square().mean()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
-    context = mp.get_context("spawn")
     print(f"torch {torch.__version__}; 2 gloo processes, {CHUNKS} micro-batches of 8 x {WIDTH}; bytes autograd "
           "still holds after each step\n")
     print("| schedule | rank | " + " | ".join(f"after step {i + 1}" for i in range(STEPS)) + " |")
     print("|---|---|" + "---|" * STEPS)
     for kind in ("1f1b", "zb-h1"):
-        results = context.Queue()
-        port = free_port()
-        processes = [context.Process(target=rank_main, args=(r, port, kind, results)) for r in range(2)]
-        for process in processes:
-            process.start()
-        rows = sorted(results.get(timeout=120) for _ in processes)
-        for process in processes:
-            process.join(timeout=60)
+        rows = sorted(run_ranks(rank_main, 2, kind, expected=2))
         for name, rank, after in rows:
             print(f"| {name} | {rank} | " + " | ".join(str(b) for b in after) + " |")
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import os
 import statistics
 import sys
 import tempfile
@@ -42,7 +41,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes_cpu import build, collected, free_port, loss_of  # noqa: E402
+from processes_cpu import build, loss_of  # noqa: E402
+from ranks import join_group, run_ranks  # noqa: E402
 from report import machine  # noqa: E402
 
 
@@ -50,11 +50,10 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
     from lightning_antichain.cpu_allocator import keep_freed_memory
     from lightning_antichain.planner.layout_search import layout_search
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     keep_freed_memory()  # as the strategy's CPU ranks do
     torch.set_flush_denormal(not args.keep_denormals)
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    join_group(rank, ranks, port)
     cpu = torch.device("cpu")
     try:
         for model_name in args.models.split(","):
@@ -357,18 +356,11 @@ def main() -> None:
     args = parser.parse_args()
     layouts_per_model = sum(1 for n in range(1, args.ranks + 1) if args.ranks % n == 0) * len(
         args.replication.split(","))
-    context = mp.get_context("spawn")
     rows = []
     for model_name in args.models.split(","):  # fresh processes for each model, as a training run starts
-        results = context.Queue()
-        port = free_port()
         one = argparse.Namespace(**{**vars(args), "models": model_name})
         with tempfile.TemporaryDirectory() as cache:
-            processes = [context.Process(target=rank_main, args=(r, args.ranks, port, one, cache, results))
-                         for r in range(args.ranks)]
-            for process in processes:
-                process.start()
-            rows += collected(processes, results, layouts_per_model)
+            rows += run_ranks(rank_main, args.ranks, one, cache, expected=layouts_per_model)
     print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, AdamW, the batch of 32 "
           f"split over the replicas; denormals {'kept' if args.keep_denormals else 'flushed to zero'}; median of "
           f"{args.repeats} interleaved steps\n")

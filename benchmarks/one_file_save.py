@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import torch.multiprocessing as mp
 from lightning_antichain.weights.sharded_checkpoint import ShardedCheckpoint, save_sharded
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ranks import join_group, run_ranks  # noqa: E402
 from report import machine  # noqa: E402
 
 WAYS = ("gather_object", "shards, then one file")
@@ -90,7 +90,7 @@ def _resident() -> int:
 
 def _rank(rank: int, ranks: int, port: int, way: str, megabytes: int, folder: str, results: mp.Queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    join_group(rank, ranks, port)
     share = _share(rank, megabytes)
     dist.barrier()
     target = Path(folder) / "whole.ckpt"
@@ -115,27 +115,11 @@ def _rank(rank: int, ranks: int, port: int, way: str, megabytes: int, folder: st
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def save_once(way: str, ranks: int, megabytes: int) -> tuple[float, float, float, dict]:
     """One save by ``way`` in fresh processes: seconds, rank 0's added peak MiB, file MiB, and the file."""
     folder = tempfile.mkdtemp()
     try:
-        context = mp.get_context("spawn")
-        results = context.Queue()
-        port = _free_port()
-        procs = [context.Process(target=_rank, args=(r, ranks, port, way, megabytes, folder, results))
-                 for r in range(ranks)]
-        for p in procs:
-            p.start()
-        got = results.get(timeout=600)
-        for p in procs:
-            p.join()
-            assert p.exitcode == 0, f"a rank of {way} failed"
+        (got,) = run_ranks(_rank, ranks, way, megabytes, folder, expected=1)
         saved = torch.load(Path(folder) / "whole.ckpt", weights_only=False)
         return (*got, saved)
     finally:

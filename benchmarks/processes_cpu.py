@@ -43,8 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
@@ -58,6 +56,7 @@ from torch import nn
 from lightning_antichain.cpu_allocator import keep_freed_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ranks import join_group, run_ranks  # noqa: E402
 from report import machine  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))
@@ -146,14 +145,13 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, result
     from lightning_antichain.plans.schedule import held_at_peak
     from lightning_antichain.processes.process_stages import rank_stages, schedule_runner
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     device = rank_device(rank, args.device)
     if device.type == "cpu":
         keep_freed_memory()  # as the strategy's CPU ranks do
     own_gpus = device.type != "cpu" and ranks <= torch.cuda.device_count()
     with use_device(device):
-        dist.init_process_group("nccl" if own_gpus else "gloo", rank=rank, world_size=ranks)
+        join_group(rank, ranks, port, "nccl" if own_gpus else "gloo")
     try:
         for model_name in args.models.split(","):
             model, x, y = build(model_name, device)
@@ -288,30 +286,6 @@ def _everyone(part: object) -> list[object]:
     return parts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def collected(processes: list, results: mp.Queue, expected: int) -> list:
-    """The ``expected`` rows the ranks put on ``results``, once every process has ended; where a
-    rank fails, every process is killed and the run stops."""
-    rows = []
-    while len(rows) < expected:
-        try:
-            rows.append(results.get(timeout=5))
-        except queue.Empty:
-            failed = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
-            if failed:
-                for process in processes:
-                    process.kill()
-                raise SystemExit(f"a rank failed (exit codes {failed}); its error is printed above") from None
-    for process in processes:
-        process.join(timeout=60)
-    return rows
-
-
 def time_steps(step, count: int) -> list[float]:
     """The length of each of ``count`` calls of ``step``, every rank's together (the slowest's)."""
     lengths = []
@@ -337,11 +311,9 @@ def runtime_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, res
     from lightning_antichain.plans.process_schedules import process_schedule
     from lightning_antichain.processes.process_stages import rank_stages, schedule_runner
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
-                      WORLD_SIZE=str(ranks), RANK=str(rank))
     torch.set_num_threads(1)
     keep_freed_memory()  # as the strategy's CPU ranks do
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    join_group(rank, ranks, port, LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(ranks), RANK=str(rank))
     try:
         model, x, y = build("gpt", torch.device("cpu"))
         micro = len(x) // args.chunks
@@ -427,10 +399,9 @@ def split_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, resul
     from lightning_antichain.plans.process_schedules import process_schedule
     from lightning_antichain.processes.process_pipeline import ProcessPipeline
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     keep_freed_memory()  # as the strategy's CPU ranks do
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    join_group(rank, ranks, port)
     try:
         torch.manual_seed(0)
         layers = args.layers
@@ -480,15 +451,9 @@ def split_rank(rank: int, ranks: int, port: int, args: argparse.Namespace, resul
 
 def rows_main(args: argparse.Namespace) -> None:
     """``--part runtime`` and ``--part split``: their row, printed."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
     target = runtime_rank if args.part == "runtime" else split_rank
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    processes = [context.Process(target=target, args=(r, args.ranks, port, args, results)) for r in range(args.ranks)]
-    for process in processes:
-        process.start()
-    (row,) = collected(processes, results, 1)
+    (row,) = run_ranks(target, args.ranks, args, expected=1)
     print(f"Machine: {machine(1)}; {args.ranks} gloo processes, 1F1B, {args.chunks} micro-batches, median of "
           f"{args.repeats} interleaved rounds of {args.steps} steps\n")
     if args.part == "runtime":
@@ -525,14 +490,8 @@ def main() -> None:
     if args.part != "schedules":
         rows_main(args)
         return
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [context.Process(target=rank_main, args=(r, args.ranks, port, args, results))
-                 for r in range(args.ranks)]
-    for process in processes:
-        process.start()
-    rows = collected(processes, results, (args.ranks * len(SCHEDULES) + len(BASELINES)) * len(args.models.split(",")))
+    rows = run_ranks(rank_main, args.ranks, args,
+                     expected=(args.ranks * len(SCHEDULES) + len(BASELINES)) * len(args.models.split(",")))
     where = "gloo processes" if args.device == "cpu" else f"processes on {args.device}"
     print(f"Machine: {machine(1)}; {args.ranks} {where}, {args.chunks} micro-batches, "
           f"median of {args.repeats} interleaved steps\n")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import os
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layouts_cpu import _probes, on_cpu, train_step  # noqa: E402
-from processes_cpu import build, free_port, loss_of  # noqa: E402
+from processes_cpu import build, loss_of  # noqa: E402
+from ranks import join_group, run_ranks  # noqa: E402
 from report import machine  # noqa: E402
 
 
@@ -47,11 +47,10 @@ def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache:
     from lightning_antichain.plans.process_schedules import process_schedule
     from lightning_antichain.processes.process_pipeline import ProcessPipeline
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     keep_freed_memory()
     torch.set_flush_denormal(True)  # as benchmarks/layouts_cpu.py, whose docstring says why
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    join_group(rank, ranks, port)
     cpu = torch.device("cpu")
     try:
         model, x, y = build(args.model, cpu)
@@ -127,17 +126,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--share-samples", type=int, default=8, help="the micro-batch the loss's share is timed on")
     args = parser.parse_args()
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
     with tempfile.TemporaryDirectory() as cache:
-        processes = [context.Process(target=rank_main, args=(r, args.ranks, port, args, cache, results))
-                     for r in range(args.ranks)]
-        for process in processes:
-            process.start()
-        rows = [results.get() for _ in range(2)]
-        for process in processes:
-            process.join()
+        rows = run_ranks(rank_main, args.ranks, args, cache, expected=2)
     print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, {args.model}, pp="
           f"{args.ranks} under 1F1B, AdamW, the batch of 32; median of {args.repeats} "
           "interleaved steps\n")
