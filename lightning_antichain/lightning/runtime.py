@@ -128,11 +128,6 @@ class Holdings:
     #: whether ranks hold different shares (so that even one file is made from each rank's)
     spread = False
 
-    @property
-    def first_rank(self) -> bool:
-        """Whether this is the rank that writes what every rank holds alike."""
-        return True
-
     def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The module's ``state`` whole on rank 0, for :meth:`full_state_dict` (every rank calls it)."""
         return state

@@ -30,6 +30,7 @@ from ..weights.sharded_checkpoint import (
     ShardedOptimizerStates,
     ShardedStateDict,
     check_checkpoint,
+    is_first_rank,
     remove_sharded,
     save_sharded,
 )
@@ -96,10 +97,10 @@ class StrategyCheckpoints:
         remove_sharded(path)
         if not self.holdings.spread:
             return checkpoint
-        parts = Path(broadcast(str(_parts_folder(path)) if self.holdings.first_rank else None))
+        parts = Path(broadcast(str(_parts_folder(path)) if is_first_rank() else None))
         save_sharded(checkpoint, parts)
         whole, failed = checkpoint, None
-        if self.holdings.first_rank:
+        if is_first_rank():
             try:
                 whole = ShardedCheckpoint(parts).whole()
             except Exception as error:  # noqa: BLE001 - told to every rank below

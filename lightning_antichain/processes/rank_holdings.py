@@ -65,10 +65,6 @@ class RankHoldings(Holdings):
     def layout(self) -> Layout:
         return self.runtime.layout
 
-    @property
-    def first_rank(self) -> bool:
-        return self.strategy.global_rank == 0
-
     def gathered_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The LightningModule's ``state`` (keys of its ``state_dict``) whole on rank 0: each
         stage's tensors from the rank that trains them. Every rank calls it."""

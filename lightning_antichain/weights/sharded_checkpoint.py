@@ -105,7 +105,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
     """Write ``checkpoint`` at ``path`` (a directory): its :data:`SHARDED_KEYS` parts as this
     rank's shards, the rest into ``meta.pt`` from rank 0. Every rank calls it, each with its own
     share (keys another rank also writes must hold the same values there)."""
-    first = _first_rank()
+    first = is_first_rank()
     if first:  # the others' first write waits for rank 0's plan, made after this
         if path.is_file():
             path.unlink()
@@ -120,11 +120,12 @@ def save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
 
 def remove_sharded(path: str | Path) -> None:
     """Remove the shards at ``path`` (from rank 0), where one file is saved instead."""
-    if _first_rank() and is_sharded_checkpoint(path):
+    if is_first_rank() and is_sharded_checkpoint(path):
         shutil.rmtree(path)
 
 
-def _first_rank() -> bool:
+def is_first_rank() -> bool:
+    """Whether this process writes what every rank holds alike: global rank 0, or the only one."""
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
