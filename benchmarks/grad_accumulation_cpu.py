@@ -15,34 +15,38 @@ the same run) times the model's trainable bytes.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes_cpu import build, loss_of  # noqa: E402
-from report import machine  # noqa: E402
+from benchmark_models import build, loss_of  # noqa: E402
+from harness import Table, heading, interleaved, medians  # noqa: E402
 
 
 def backwards(name: str, samples: int, repeats: int) -> tuple[float, float, int]:
-    """Median seconds of a backward into empty gradients and of one adding into them, interleaved;
-    and the model's parameter bytes."""
+    """Median seconds of a backward into empty gradients and of one adding into them, taking turns;
+    and the model's trainable parameter bytes."""
     model, x, y = build(name, torch.device("cpu"))
     loss_fn = loss_of(name)
     xs, ys = x[:samples], y[:samples]
-    empty, adding = [], []
-    for _ in range(repeats + 2):  # the first two warm up
-        model.zero_grad(set_to_none=True)
-        for found in (empty, adding):
-            loss = loss_fn(model(xs), ys)
-            start = time.perf_counter()
-            loss.backward()
-            found.append(time.perf_counter() - start)
+
+    def backward(into_empty: bool) -> float:
+        if into_empty:
+            model.zero_grad(set_to_none=True)
+        loss = loss_fn(model(xs), ys)
+        start = time.perf_counter()
+        loss.backward()
+        return time.perf_counter() - start
+
+    # the empty way runs first in each round, so the adding way finds its gradients there
+    found = medians(interleaved({"empty": partial(backward, True), "adding": partial(backward, False)}, repeats,
+                                warmup=2))
     size = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return statistics.median(empty[2:]), statistics.median(adding[2:]), size
+    return found["empty"], found["adding"], size
 
 
 def main() -> None:
@@ -59,18 +63,16 @@ def main() -> None:
     from lightning_antichain.planner.overhead import measure_accumulation_rate
 
     rate = measure_accumulation_rate(torch.device("cpu"))
-    print(f"Machine: {machine(1)}; {args.samples} samples; median of {args.repeats} interleaved pairs; the "
-          f"planner's rate {rate * 1e9:.2f} ns a byte\n")
-    print("| model | parameters MB | backward into empty gradients ms | adding into them ms | difference ms "
-          "| ns a parameter byte | the planner's charge ms | difference / charge |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(heading(f"{args.samples} samples; median of {args.repeats} interleaved pairs; the planner's rate "
+                  f"{rate * 1e9:.2f} ns a byte"))
+    table = Table(("model", "parameters MB", "backward into empty gradients ms", "adding into them ms",
+                   "difference ms", "ns a parameter byte", "the planner's charge ms", "difference / charge"))
     for name in args.models.split(","):
         empty, adding, size = backwards(name, args.samples, args.repeats)
         charge = rate * size
-        print(f"| {name} | {size / 1e6:.1f} | {1e3 * empty:.1f} | {1e3 * adding:.1f} | {1e3 * (adding - empty):+.1f} "
-              f"| {(adding - empty) / size * 1e9:.2f} | {1e3 * charge:.1f} | {(adding - empty) / charge:.2f} |",
-              flush=True)
-
+        extra = adding - empty
+        table.add(name, f"{size / 1e6:.1f}", f"{1e3 * empty:.1f}", f"{1e3 * adding:.1f}", f"{1e3 * extra:+.1f}",
+                  f"{extra / size * 1e9:.2f}", f"{1e3 * charge:.1f}", f"{extra / charge:.2f}")
 
 if __name__ == "__main__":
     main()

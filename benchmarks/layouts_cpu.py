@@ -41,9 +41,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from processes_cpu import build, loss_of  # noqa: E402
+from benchmark_models import build, loss_of  # noqa: E402
+from harness import heading  # noqa: E402
 from ranks import join_group, run_ranks  # noqa: E402
-from report import machine  # noqa: E402
 
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
@@ -361,9 +361,9 @@ def main() -> None:
         one = argparse.Namespace(**{**vars(args), "models": model_name})
         with tempfile.TemporaryDirectory() as cache:
             rows += run_ranks(rank_main, args.ranks, one, cache, expected=layouts_per_model)
-    print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, AdamW, the batch of 32 "
+    print(heading(f"{args.ranks} gloo processes, one intra-op thread each, AdamW, the batch of 32 "
           f"split over the replicas; denormals {'kept' if args.keep_denormals else 'flushed to zero'}; median of "
-          f"{args.repeats} interleaved steps\n")
+          f"{args.repeats} interleaved steps", threads=1))
     print("| model | replicas | layout | schedule | chunks | predicted ms | of it, replicas ms | measured ms "
           "| of it, optimizer ms (predicted, measured) | measured / predicted | over the model's median "
           "| the same, probes each round | measured / best measured | auto | auto, timed "

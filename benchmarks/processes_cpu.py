@@ -56,69 +56,11 @@ from torch import nn
 from lightning_antichain.cpu_allocator import keep_freed_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_models import build, loss_of  # noqa: E402
+from harness import heading  # noqa: E402
 from ranks import join_group, run_ranks  # noqa: E402
-from report import machine  # noqa: E402
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zbv", 2))
-
-
-class Block(nn.Module):
-    """A pre-norm decoder block: causal self-attention and an MLP, shapes from constants only (no
-    sizes cross the cuts, which torch's stages could not send)."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.norm1(h)).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = h + self.out(attended.transpose(1, 2).flatten(2))
-        return h + self.mlp(self.norm2(h))
-
-
-class Decoder(nn.Module):
-    """A GPT-style decoder returning logits."""
-
-    def __init__(self, layers: int = 8, width: int = 128, heads: int = 4, vocab: int = 512) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.embed(ids)))
-
-
-MODELS = ("gpt", "resnet50", "mlp", "mobilenetv3", "decoder8k")
-"""The benchmarks' models: the two the cost model was tuned on, and three it was not (a wide MLP,
-MobileNetV3, and a decoder whose 8k-vocabulary embedding and head outweigh its blocks)."""
-
-
-def build(name: str, device: torch.device) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """Model ``name`` (one of ``MODELS``) with random weights, a batch of 32 and its targets."""
-    import torchvision
-
-    torch.manual_seed(0)
-    if name in ("gpt", "decoder8k"):
-        vocab = 512 if name == "gpt" else 8192
-        model = Decoder() if name == "gpt" else Decoder(layers=4, vocab=vocab)
-        x, y = torch.randint(0, vocab, (32, 64)), torch.randint(0, vocab, (32, 64))
-    elif name == "mlp":
-        width = 1024
-        model = nn.Sequential(*(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                                for _ in range(3)), nn.Linear(width, 10))
-        x, y = torch.randn(32, width), torch.randint(0, 10, (32,))
-    elif name in ("resnet50", "mobilenetv3"):
-        model = (torchvision.models.resnet50 if name == "resnet50" else torchvision.models.mobilenet_v3_small)(
-            num_classes=10)
-        x, y = torch.randn(32, 3, 64, 64), torch.randint(0, 10, (32,))
-    else:
-        raise SystemExit(f"unknown model {name!r}: choose from {', '.join(MODELS)}")
-    return model.to(device), x.to(device), y.to(device)
 
 
 def rank_device(rank: int, kind: str) -> torch.device:
@@ -126,12 +68,6 @@ def rank_device(rank: int, kind: str) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     return torch.device(kind, rank % torch.cuda.device_count())
-
-
-def loss_of(name: str):
-    if name in ("gpt", "decoder8k"):
-        return lambda logits, target: nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
-    return nn.functional.cross_entropy
 
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
@@ -454,8 +390,8 @@ def rows_main(args: argparse.Namespace) -> None:
     target = runtime_rank if args.part == "runtime" else split_rank
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (row,) = run_ranks(target, args.ranks, args, expected=1)
-    print(f"Machine: {machine(1)}; {args.ranks} gloo processes, 1F1B, {args.chunks} micro-batches, median of "
-          f"{args.repeats} interleaved rounds of {args.steps} steps\n")
+    print(heading(f"{args.ranks} gloo processes, 1F1B, {args.chunks} micro-batches, median of "
+          f"{args.repeats} interleaved rounds of {args.steps} steps", threads=1))
     if args.part == "runtime":
         _, hand_s, strategy_s, count = row
         print("| GPT decoder, same plan | step ms | / by hand |\n|---|---|---|")
@@ -493,8 +429,8 @@ def main() -> None:
     rows = run_ranks(rank_main, args.ranks, args,
                      expected=(args.ranks * len(SCHEDULES) + len(BASELINES)) * len(args.models.split(",")))
     where = "gloo processes" if args.device == "cpu" else f"processes on {args.device}"
-    print(f"Machine: {machine(1)}; {args.ranks} {where}, {args.chunks} micro-batches, "
-          f"median of {args.repeats} interleaved steps\n")
+    print(heading(f"{args.ranks} {where}, {args.chunks} micro-batches, "
+          f"median of {args.repeats} interleaved steps", threads=1))
     print("| model | schedule | virtual stages | step ms | rank | stages | saved at peak MB | predicted MB "
           "| measured / predicted | peak / GPipe's | K / chunks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

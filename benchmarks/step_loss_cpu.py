@@ -30,10 +30,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark_models import build, loss_of  # noqa: E402
+from harness import heading  # noqa: E402
 from layouts_cpu import _probes, on_cpu, train_step  # noqa: E402
-from processes_cpu import build, loss_of  # noqa: E402
 from ranks import join_group, run_ranks  # noqa: E402
-from report import machine  # noqa: E402
 
 
 def rank_main(rank: int, ranks: int, port: int, args: argparse.Namespace, cache: str, results: mp.Queue) -> None:
@@ -128,9 +128,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as cache:
         rows = run_ranks(rank_main, args.ranks, args, cache, expected=2)
-    print(f"Machine: {machine(1)}; {args.ranks} gloo processes, one intra-op thread each, {args.model}, pp="
+    print(heading(f"{args.ranks} gloo processes, one intra-op thread each, {args.model}, pp="
           f"{args.ranks} under 1F1B, AdamW, the batch of 32; median of {args.repeats} "
-          "interleaved steps\n")
+          "interleaved steps", threads=1))
     print("| cut | operations per stage, micro-batches | predicted ms | measured ms | measured / predicted "
           "| each rank's actions ms (predicted) |")
     print("|---|---|---|---|---|---|")
