@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from zoo import NanoGPT  # noqa: E402
 
 import lightning_antichain as la  # noqa: E402
-from lightning_antichain.capture import capture  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +36,7 @@ def main() -> None:
     model = NanoGPT(vocab=50257, width=args.width, heads=args.heads, layers=args.layers, block_size=args.seq)
     example = torch.randint(0, 50257, (args.batch, args.seq))
     started = time.perf_counter()
-    graph = capture(model, example)
+    graph = la.trace(model, example)
     capture_s = time.perf_counter() - started
     cost = la.profile(model, example, op_graph=graph, warmup=1, repeats=3, name=f"GPT {args.layers}x{args.width}")
     print(f"model: nanoGPT-style, {args.layers} layers, width {args.width}, sequence {args.seq}, "

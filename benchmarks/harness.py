@@ -9,6 +9,7 @@ and its rows as they come (:class:`Table`), so that a long run shows where it is
 
 from __future__ import annotations
 
+import ast
 import statistics
 import sys
 from collections.abc import Callable, Mapping
@@ -39,6 +40,16 @@ class Case:
     @property
     def path(self) -> Path:
         return BENCHMARKS / self.script
+
+    def internals(self) -> list[str]:
+        """The package's modules the script imports beyond its public API (``lightning_antichain``'s
+        own names): what it measures inside the package, or what it still has to move to the API."""
+        found = set()
+        for node in ast.walk(ast.parse(self.path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found |= {n for n in names if n.startswith("lightning_antichain.")}
+        return sorted(found)
 
 
 CASES: tuple[Case, ...] = (

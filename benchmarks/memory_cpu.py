@@ -27,7 +27,6 @@ import torch
 import torchvision
 
 import lightning_antichain as la
-from lightning_antichain.planner.optimizer_memory import optimizer_state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -61,7 +60,18 @@ def nbytes(tensors) -> int:
 
 
 def kept_prediction(plan: la.Plan, stage: la.Stage) -> int:
-    return stage.memory_bytes - int(stage.param_bytes * (2 + plan.optimizer_multiplier)) - stage.buffer_bytes
+    """What the plan has ``stage`` keep for backward: its memory less its weights, gradients,
+    optimizer state and buffers, and less the pipeline's output joined from the micro-batches and
+    the loss's workspace, which the stage that makes the model's output also holds."""
+    return (stage.memory_bytes - int(stage.param_bytes * (2 + plan.optimizer_multiplier)) - stage.buffer_bytes
+            - stage.joined_output_bytes - stage.loss_workspace_bytes)
+
+
+def adam_state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
+    """Bytes of the optimizer's state tensors shaped like their parameter (Adam's two moments; its
+    scalar step counters are not the parameter's size), counted here, apart from the planner."""
+    return sum(t.numel() * t.element_size() for p in params for t in optimizer.state.get(p, {}).values()
+               if isinstance(t, torch.Tensor) and t.shape == p.shape)
 
 
 def loss_of(output) -> torch.Tensor:
@@ -106,7 +116,7 @@ def main() -> None:
                     # a parameter that stages share (tied weights) counts in the first, as the plan counts it
                     params = [p for p in stage.parameters() if id(p) not in seen]
                     seen.update(id(p) for p in params)
-                    actual = nbytes(params) + nbytes(p.grad for p in params) + optimizer_state_bytes(optimizer, params)
+                    actual = nbytes(params) + nbytes(p.grad for p in params) + adam_state_bytes(optimizer, params)
                     if actual:
                         state_error = max(state_error, abs(spec.param_bytes * 4 - actual) / actual)
             predicted = [kept_prediction(plan, s) for s in plan.stages]

@@ -24,7 +24,6 @@ import torch
 import torchvision
 
 import lightning_antichain as la
-from lightning_antichain.planner import planning
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import machine, publish, section  # noqa: E402
@@ -65,11 +64,9 @@ def main() -> None:
     ]
     for chunks in args.chunks:
         micro = args.batch_size // chunks
-        planned = planning.plan_model(model, (x[:micro],), {}, ["cpu", "cpu"], chunks=chunks, progress=False)
-        plan = planned.plan
+        plan = la.plan(model, x, ["cpu", "cpu"], chunks=chunks, progress=False)
         steps, overlapped, alone, both = [], [], [], []
-        with la.Pipeline(model, plan, chunks=chunks, graph=planned.graph) as pipe, \
-                la.Pipeline(model, plan, chunks=1, graph=planned.graph) as single:
+        with la.Pipeline(model, plan, chunks=chunks) as pipe, la.Pipeline(model, plan, chunks=1) as single:
             for step in range(args.steps + 1):  # pipelined and one-at-a-time steps interleaved
                 started = time.perf_counter()
                 pipe(x).square().mean().backward()

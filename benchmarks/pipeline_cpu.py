@@ -9,7 +9,7 @@ of the repeats is reported. Variants, each one full training step (forward + bac
   accumulation); micro-batches change per-sample speed on CPU caches, so this is the fair
   denominator for pipeline efficiency;
 * pipeline: ``la.Pipeline`` over K stages with M micro-batches, planned as the strategy plans
-  (``planning.plan_model``: profile, partition, calibrate on a few steps).
+  (``la.plan``: profile, partition, calibrate on a few steps).
 
 Efficiency is speed-up over micro-batched divided by the GPipe bound K*M/(M+K-1) / balance, where
 balance is the plan's bottleneck over the ideal split. Profiles are cached in ``--cache``;
@@ -32,7 +32,6 @@ from torch import nn
 
 import lightning_antichain as la
 from lightning_antichain.in_process.worker import WorkerPool
-from lightning_antichain.planner import planning
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import BENCHMARK_CACHE, fresh_calibrations, machine, publish, section  # noqa: E402
@@ -96,12 +95,10 @@ def main() -> None:
     plain_s = None
     worker = WorkerPool(1, name="plain-baseline")
     for chunks in args.chunks:
-        micro = x[: -(-args.batch_size // chunks)]
-        planned = planning.plan_model(model, (micro,), {}, ["cpu"] * args.stages, chunks=chunks, progress=False,
-                                      profile_cache=cache)
-        plan = planned.plan
-        pipe = la.Pipeline(model, plan, chunks=chunks, graph=planned.graph)
-        single = la.Pipeline(model, la.partition(planned.cost, 1, chunks=1), chunks=1)
+        plan = la.plan(model, x, ["cpu"] * args.stages, chunks=chunks, progress=False, profile_cache=cache)
+        pipe = la.Pipeline(model, plan, chunks=chunks)
+        single = la.Pipeline(model, la.plan(model, x, ["cpu"], chunks=1, progress=False, profile_cache=cache),
+                             chunks=1)
         variants = {
             "plain": lambda: step_plain(model, x),
             "micro": lambda c=chunks: step_micro(model, x, c),

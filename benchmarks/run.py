@@ -17,9 +17,12 @@ from harness import CASES, case  # noqa: E402
 
 
 def listing() -> str:
-    lines = ["| name | needs | compares | script |", "|---|---|---|---|"]
-    lines += [f"| {c.name} | {c.needs} | {c.compares} | benchmarks/{c.script} |" for c in CASES]
-    return "\n".join(lines)
+    lines = ["| name | needs | compares | script | the package's internals it reads |", "|---|---|---|---|---|"]
+    for c in CASES:
+        inside = ", ".join(name.removeprefix("lightning_antichain.") for name in c.internals()) or "none: the API only"
+        lines.append(f"| {c.name} | {c.needs} | {c.compares} | benchmarks/{c.script} | {inside} |")
+    public = sum(not c.internals() for c in CASES)
+    return "\n".join([*lines, "", f"{public} of {len(CASES)} go through the public API only"])
 
 
 def main(argv: list[str]) -> int:
@@ -35,7 +38,9 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"benchmark {chosen.name!r} has no quick run: give its arguments "
                              f"(python benchmarks/run.py {chosen.name} --help)")
         rest = list(chosen.quick)
-    return subprocess.call([sys.executable, str(chosen.path), *rest])
+    # run from the repository's root, so that the command each prints is the one to type there
+    root = chosen.path.parent.parent
+    return subprocess.call([sys.executable, str(chosen.path.relative_to(root)), *rest], cwd=root)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,12 @@ def test_every_benchmark_script_is_a_case_and_every_case_a_script():
     assert {c.needs for c in CASES} <= {"cpu", "ranks", "gpu"}
 
 
+def test_a_case_knows_the_package_internals_its_script_reads():
+    by_name = {c.name: c for c in CASES}
+    assert by_name["stage-split"].internals() == []  # la.plan only
+    assert "lightning_antichain.processes.process_pipeline" in by_name["layouts"].internals()
+
+
 def test_the_runner_lists_every_case_and_refuses_an_unknown_name():
     listed = _run("--list", timeout=120)
     assert listed.returncode == 0, listed.stderr
