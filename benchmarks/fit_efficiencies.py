@@ -41,7 +41,7 @@ from lightning_antichain.planner.roofline import Efficiencies, RooflineClock
 from lightning_antichain.planner.target_devices import TargetDevice, target_device
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine  # noqa: E402
+from harness import machine  # noqa: E402
 
 TOLERANCE = 0.15
 

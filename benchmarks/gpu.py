@@ -29,7 +29,7 @@ from torch import nn
 import lightning_antichain as la
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, publish  # noqa: E402
+from harness import machine, publish  # noqa: E402
 
 START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 TORCHGPIPE_RESNET101_8 = 4.29  # torchgpipe's published speed-up, ResNet-101 on 8 GPUs (arXiv:2004.09910)

@@ -40,7 +40,7 @@ from lightning_antichain.planner import calibration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu import Clock, allocated, interleaved, models, step_of  # noqa: E402
-from report import machine  # noqa: E402
+from harness import machine  # noqa: E402
 
 
 @contextlib.contextmanager

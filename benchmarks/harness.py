@@ -4,20 +4,21 @@ compares taking turns, and the table it prints.
 ``python benchmarks/run.py --list`` lists the cases; ``python benchmarks/run.py NAME [ARGS]`` runs
 one. A case's ways take turns round after round (:func:`interleaved`) so that a machine getting
 busier or quieter weighs on each alike, and each prints the machine it ran on (:func:`heading`)
-and its rows as they come (:class:`Table`), so that a long run shows where it is.
+and its rows as they come (:class:`Table`), so that a long run shows where it is; those that keep
+a table in docs/benchmark-runs.md write it there (:func:`publish`).
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import platform
 import statistics
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
-
-from report import machine
 
 K = TypeVar("K")
 T = TypeVar("T")
@@ -94,8 +95,63 @@ CASES: tuple[Case, ...] = (
 """Every benchmark; ``tests/test_benchmark_harness.py`` checks that each script under benchmarks/
 with a ``main`` is one of them."""
 
-HELPERS = ("benchmark_models.py", "harness.py", "ranks.py", "report.py", "run.py")
+HELPERS = ("benchmark_models.py", "harness.py", "ranks.py", "run.py")
 """The files under benchmarks/ that are not cases: what the cases share."""
+
+
+RUNS_MD = Path(__file__).resolve().parent.parent / "docs" / "benchmark-runs.md"
+"""Where the benchmarks write their runs; docs/benchmarks.md summarises them."""
+BENCHMARK_CACHE = Path.home() / ".cache" / "lightning-antichain-benchmarks"
+"""The benchmarks' own profile cache: profiles are kept between runs, calibrations are not."""
+
+
+def fresh_calibrations(cache: Path) -> Path:
+    """``cache`` without its cached calibrations, so that the next plans calibrate on the machine as
+    it is now (a calibration cached in a quieter or busier spell would be compared with steps
+    measured in this one)."""
+    for entry in cache.glob("calibration-*.json"):
+        entry.unlink(missing_ok=True)
+    return cache
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo, else what platform reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(threads: int | None = None) -> str:
+    import torch
+
+    text = f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    return text if threads is None else f"{text}, {threads} thread(s)"
+
+
+def write_section(text: str, start: str, end: str, heading: str) -> None:
+    """Replace the text between the ``start`` and ``end`` markers, or append it under ``heading``."""
+    old = RUNS_MD.read_text() if RUNS_MD.exists() else "# Benchmark runs\n"
+    if start in old:
+        new = old[: old.index(start)] + text + old[old.index(end) + len(end) :]
+    else:
+        new = old.rstrip("\n") + f"\n\n{heading}\n\n" + text + "\n"
+    RUNS_MD.write_text(new)
+
+
+def section(start: str, end: str, lines: list[str]) -> str:
+    """A docs section between its markers: the command that made it, then ``lines``."""
+    return "\n".join([start, f"Command: `python {' '.join(sys.argv)}`  ", *lines, end])
+
+
+def publish(text: str, start: str, end: str, heading: str, write: bool) -> None:
+    """Print a section and, where ``write``, put it into docs/benchmark-runs.md (see :func:`write_section`)."""
+    print(text)
+    if write:
+        write_section(text, start, end, heading)
 
 
 def case(name: str) -> Case:

@@ -61,7 +61,7 @@ from lightning_antichain.in_process.budget import state_bytes
 from lightning_antichain.planner.planning import plan_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, publish, section  # noqa: E402
+from harness import machine, publish, section  # noqa: E402
 
 START, END = "<!-- large-model:start -->", "<!-- large-model:end -->"
 LLAMA_START, LLAMA_END = "<!-- llama:start -->", "<!-- llama:end -->"

@@ -30,7 +30,7 @@ import lightning_antichain as la
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from report import machine, publish, section  # noqa: E402
+from harness import machine, publish, section  # noqa: E402
 from zoo import ZOO, NanoGPT  # noqa: E402
 
 START, END = "<!-- memory-cpu:start -->", "<!-- memory-cpu:end -->"

@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 from lightning_antichain.weights.sharded_checkpoint import ShardedCheckpoint, save_sharded
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import machine  # noqa: E402
 from ranks import join_group, run_ranks  # noqa: E402
-from report import machine  # noqa: E402
 
 WAYS = ("gather_object", "shards, then one file")
 

@@ -25,7 +25,7 @@ from lightning_antichain.planner import planning
 from lightning_antichain.planner.overhead import optimizer_step_s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, publish, section  # noqa: E402
+from harness import machine, publish, section  # noqa: E402
 from trainer_cpu import make_data, make_model  # noqa: E402
 
 START, END = "<!-- optimizer-cpu:start -->", "<!-- optimizer-cpu:end -->"

@@ -26,7 +26,7 @@ import torchvision
 import lightning_antichain as la
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, publish, section  # noqa: E402
+from harness import machine, publish, section  # noqa: E402
 
 START, END = "<!-- overlap-cpu:start -->", "<!-- overlap-cpu:end -->"
 

@@ -23,7 +23,7 @@ import torchvision
 import lightning_antichain as la
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine, publish  # noqa: E402
+from harness import machine, publish  # noqa: E402
 
 # model name, constructor kwargs, input side (32 unless the model needs more), the seed's times in s
 MODELS = [

@@ -34,7 +34,7 @@ import lightning_antichain as la
 from lightning_antichain.in_process.worker import WorkerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import BENCHMARK_CACHE, fresh_calibrations, machine, publish, section  # noqa: E402
+from harness import BENCHMARK_CACHE, fresh_calibrations, machine, publish, section  # noqa: E402
 
 START, END = "<!-- pipeline-cpu:start -->", "<!-- pipeline-cpu:end -->"
 

@@ -104,7 +104,7 @@ def main() -> None:
         child(args)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from report import machine, publish, section
+    from harness import machine, publish, section
 
     rows, plain = [], None
     for name, flags in CONFIGS:

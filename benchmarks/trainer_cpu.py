@@ -44,7 +44,7 @@ from lightning_antichain.in_process.worker import WorkerPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from report import BENCHMARK_CACHE, fresh_calibrations, machine, publish, section  # noqa: E402
+from harness import BENCHMARK_CACHE, fresh_calibrations, machine, publish, section  # noqa: E402
 from zoo import NanoGPT  # noqa: E402
 
 START, END = "<!-- trainer-cpu:start -->", "<!-- trainer-cpu:end -->"
