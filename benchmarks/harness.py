@@ -76,6 +76,9 @@ CASES: tuple[Case, ...] = (
          quick=("--ranks", "2", "--chunks", "2", "--repeats", "1", "--models", "gpt")),
     Case("layouts", "layouts_cpu.py", "every layout of replicas x stages measured against its prediction, the "
          "chosen one marked", needs="ranks"),
+    Case("strategy-layouts", "strategy_layouts.py", "the layouts the strategy times before training "
+         "(pipeline_parallel_size='auto', layout_trials=): predicted against measured, through the Trainer",
+         needs="ranks", quick=("--model", "gpt", "--devices", "2", "--trials", "2")),
     Case("step-loss", "step_loss_cpu.py", "the loss charged to the last stage against the cut that leaves it out",
          needs="ranks"),
     Case("held-after-step", "held_after_step.py", "what autograd holds after each schedule's step (nothing)",
