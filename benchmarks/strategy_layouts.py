@@ -105,7 +105,8 @@ def main() -> None:
     print(heading(f"{args.devices} CPU processes (gloo, launched by Lightning), {args.model}, batch 32, AdamW, "
                   f"schedule={args.schedule!r}, layout_trials={args.trials}; medians over {args.fits} fit(s), "
                   "each trial itself the median of its turns", threads=1))
-    table = Table(("layout", "predicted ms", "measured ms", "measured / predicted", "chosen in", "verdict"))
+    table = Table(("layout", "predicted ms", "measured ms", "measured / predicted", "chosen in",
+                   "verdict in the first fit"))
     others = []
     for row in fits[0]:
         same = [r for rows in fits for r in rows if label(r) == label(row)]
