@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from harness import command  # noqa: E402
 from trainer_cpu import StepTimer  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
@@ -142,7 +143,7 @@ def main() -> None:
     parser.add_argument("--trainer-steps", type=int, default=6, help="steps per fit (0: no Trainer table)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    print(f"Command: python benchmarks/balance_cpu.py {' '.join(sys.argv[1:])}".rstrip())
+    print(f"Command: {command()}")
     print(f"torch {torch.__version__}, {cpu_cores()} cores, 2 CPU stages with {stage_threads(['cpu', 'cpu'])} "
           f"intra-op thread(s) each, {CHUNKS} micro-batches")
     print()

@@ -29,7 +29,7 @@ from torch import nn
 import lightning_antichain as la
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import machine, publish  # noqa: E402
+from harness import machine, publish, section  # noqa: E402
 
 START, END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 TORCHGPIPE_RESNET101_8 = 4.29  # torchgpipe's published speed-up, ResNet-101 on 8 GPUs (arXiv:2004.09910)
@@ -383,7 +383,7 @@ def main() -> None:
             raise SystemExit(f"processes_cpu.py failed:\n{done.stderr[-4000:]}")
         lines += done.stdout.strip().splitlines()
         print("\n".join(lines[-30:]), flush=True)
-    text = "\n".join([START, f"Command: `python {' '.join(sys.argv)}`  ", *lines, END])
+    text = section(START, END, lines)
     publish(text, START, END, "## On a GPU", write=not args.no_write)
 
 

@@ -129,6 +129,7 @@ def cpu_name() -> str:
 
 
 def machine(threads: int | None = None) -> str:
+    """The CPU, its cores and torch's version (and ``threads``, the intra-op threads a process)."""
     import torch
 
     text = f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
@@ -145,9 +146,16 @@ def write_section(text: str, start: str, end: str, heading: str) -> None:
     RUNS_MD.write_text(new)
 
 
+def command() -> str:
+    """The command that runs this benchmark as it ran now, its script's path from the repository's root."""
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(BENCHMARKS.parent) if script.is_relative_to(BENCHMARKS.parent) else script
+    return " ".join(["python", str(shown), *sys.argv[1:]])
+
+
 def section(start: str, end: str, lines: list[str]) -> str:
     """A docs section between its markers: the command that made it, then ``lines``."""
-    return "\n".join([start, f"Command: `python {' '.join(sys.argv)}`  ", *lines, end])
+    return "\n".join([start, f"Command: `{command()}`  ", *lines, end])
 
 
 def publish(text: str, start: str, end: str, heading: str, write: bool) -> None:
@@ -187,11 +195,8 @@ def heading(what: str, threads: int | None = None) -> str:
     intra-op threads a process; this one's where not given), and ``what``."""
     import torch
 
-    script = Path(sys.argv[0]).resolve()
-    shown = script.relative_to(BENCHMARKS.parent) if script.is_relative_to(BENCHMARKS.parent) else script
-    command = " ".join(["python", str(shown), *sys.argv[1:]])
     threads = torch.get_num_threads() if threads is None else threads
-    return f"Command: `{command}`  \nMachine: {machine(threads)}; {what}\n"
+    return f"Command: `{command()}`  \nMachine: {machine(threads)}; {what}\n"
 
 
 @dataclass

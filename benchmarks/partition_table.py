@@ -23,7 +23,7 @@ import torchvision
 import lightning_antichain as la
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import machine, publish  # noqa: E402
+from harness import command, machine, publish  # noqa: E402
 
 # model name, constructor kwargs, input side (32 unless the model needs more), the seed's times in s
 MODELS = [
@@ -127,10 +127,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     rows = run(args)
-    command = "python " + " ".join(sys.argv)
     text = (
         f"{START}\n"
-        f"Command: `{command}`  \n"
+        f"Command: `{command()}`  \n"
         f"Machine: {machine(torch.get_num_threads())} for profiling  \n"
         f"Batch {args.batch_size} in {args.chunks} micro-batches (costs profiled per micro-batch of "
         f"{args.batch_size // args.chunks}), bandwidth "

@@ -21,7 +21,7 @@ import torchvision
 import lightning_antichain as la
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import machine, publish  # noqa: E402
+from harness import command, machine, publish  # noqa: E402
 
 START, END = "<!-- profile-accuracy:start -->", "<!-- profile-accuracy:end -->"
 
@@ -65,7 +65,7 @@ def main() -> None:
             lines.append("| " + " | ".join(map(str, row)) + " |")
             print(lines[-1], file=sys.stderr)
     text = (
-        f"{START}\nCommand: `python {' '.join(sys.argv)}`  \n"
+        f"{START}\nCommand: `{command()}`  \n"
         f"Machine: {machine(torch.get_num_threads())}, 3x32x32 inputs, "
         f"median of {args.repeats} steps.\n\n" + "\n".join(lines) + f"\n{END}"
     )
