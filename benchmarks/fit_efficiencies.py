@@ -245,7 +245,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the whole-model comparison")
     parser.add_argument("--sequence", type=int, default=4096, help="tokens of the whole-model comparison")
     parser.add_argument("--out", default=None, help="write the fitted efficiencies here (JSON; "
-                                                    "default benchmarks/configs/efficiencies/<gpu>.json)")
+                                                    "default benchmarks/configs/efficiencies/<gpu>.json; on the CPU, "
+                                                    "a dry run, nothing unless given)")
     args = parser.parse_args()
     device = torch.device(args.gpu_device)
     gpu = target_device(args.gpu)
@@ -284,11 +285,14 @@ def main() -> None:
     print(f"\n{within} of {len(timed_ops)} operations within {TOLERANCE:.0%} at the fitted efficiencies\n")
     print("fitted:", json.dumps({"compute": fitted.compute, "memory": fitted.memory,
                                  "dispatch_s": fitted.dispatch_s}, indent=None))
-    out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "configs" / "efficiencies"
-                                           / f"{gpu.name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fitted.save(out)
-    print(f"written to {out}\n", flush=True)
+    if args.out or device.type != "cpu":
+        out = Path(args.out) if args.out else (Path(__file__).resolve().parent / "configs" / "efficiencies"
+                                               / f"{gpu.name}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fitted.save(out)
+        print(f"written to {out}\n", flush=True)
+    else:  # a dry run's factors are the CPU's, not the GPU's: never where --efficiencies users look
+        print("a dry run on the CPU: nothing written (--out to keep it)\n", flush=True)
 
     rows = _decoder_layers(shapes, args.layers, device, dtype, 256 if args.small else args.sequence, gpu, fitted,
                            args.repeats)
