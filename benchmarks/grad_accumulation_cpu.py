@@ -74,5 +74,6 @@ def main() -> None:
         table.add(name, f"{size / 1e6:.1f}", f"{1e3 * empty:.1f}", f"{1e3 * adding:.1f}", f"{1e3 * extra:+.1f}",
                   f"{extra / size * 1e9:.2f}", f"{1e3 * charge:.1f}", f"{extra / charge:.2f}")
 
+
 if __name__ == "__main__":
     main()

@@ -102,7 +102,7 @@ HELPERS = ("benchmark_models.py", "harness.py", "ranks.py", "run.py")
 """The files under benchmarks/ that are not cases: what the cases share."""
 
 
-RUNS_MD = Path(__file__).resolve().parent.parent / "docs" / "benchmark-runs.md"
+RUNS_MD = BENCHMARKS.parent / "docs" / "benchmark-runs.md"
 """Where the benchmarks write their runs; docs/benchmarks.md summarises them."""
 BENCHMARK_CACHE = Path.home() / ".cache" / "lightning-antichain-benchmarks"
 """The benchmarks' own profile cache: profiles are kept between runs, calibrations are not."""

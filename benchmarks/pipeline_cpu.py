@@ -97,14 +97,14 @@ def main() -> None:
     for chunks in args.chunks:
         plan = la.plan(model, x, ["cpu"] * args.stages, chunks=chunks, progress=False, profile_cache=cache)
         pipe = la.Pipeline(model, plan, chunks=chunks)
-        single = la.Pipeline(model, la.plan(model, x, ["cpu"], chunks=1, progress=False, profile_cache=cache),
-                             chunks=1)
         variants = {
             "plain": lambda: step_plain(model, x),
             "micro": lambda c=chunks: step_micro(model, x, c),
             "pipeline": lambda p=pipe: step_plain(p, x),
         }
         if chunks == 1:
+            single = la.Pipeline(model, la.plan(model, x, ["cpu"], chunks=1, progress=False, profile_cache=cache),
+                                 chunks=1)
             variants["one_stage"] = lambda p=single: step_plain(p, x)
             variants["plain_on_worker"] = lambda: worker.run([lambda: step_plain(model, x)], lambda: None)
         t = measure(variants, args.warmup, args.repeats, zero)
