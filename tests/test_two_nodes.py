@@ -95,6 +95,7 @@ def test_a_rank_failing_on_one_node_stops_the_other_node_with_its_error(tmp_path
     done = two_nodes(tmp_path / "out", env=env, timeout=120)
     assert all(r.returncode != 0 for r in done) and time.monotonic() - started < 90
     first = "\n".join(line for line in done[0].stderr.splitlines() if line.startswith("[rank0]:"))
-    assert "StageProcessError: the process of another stage failed, rank 3" in first
-    assert "injected failure in training_step" in first
+    # node 0's whole stderr where it fails: once in CI (2026-12-02, loaded machine) it held no rank 0 line at all
+    assert "StageProcessError: the process of another stage failed, rank 3" in first, done[0].stderr[-6000:]
+    assert "injected failure in training_step" in first, done[0].stderr[-6000:]
     assert not _running(str(tmp_path / "out"))
